@@ -1,0 +1,21 @@
+# `cmake --install` puts the headers, libqkv, the qkv CLI and a CMake package in place, so that
+# `find_package(qkv CONFIG)` gives the target qkv::qkv.
+include(CMakePackageConfigHelpers)
+
+install(DIRECTORY include/qkv DESTINATION ${CMAKE_INSTALL_INCLUDEDIR})
+install(TARGETS qkv EXPORT qkvTargets
+  LIBRARY DESTINATION ${CMAKE_INSTALL_LIBDIR}
+  ARCHIVE DESTINATION ${CMAKE_INSTALL_LIBDIR}
+  RUNTIME DESTINATION ${CMAKE_INSTALL_BINDIR})
+if(QKV_BUILD_APPS)
+  install(TARGETS qkv_cli RUNTIME DESTINATION ${CMAKE_INSTALL_BINDIR})
+endif()
+
+set(QKV_CMAKE_DIR ${CMAKE_INSTALL_LIBDIR}/cmake/qkv)
+install(EXPORT qkvTargets NAMESPACE qkv:: DESTINATION ${QKV_CMAKE_DIR})
+configure_package_config_file(cmake/qkvConfig.cmake.in ${CMAKE_CURRENT_BINARY_DIR}/qkvConfig.cmake
+  INSTALL_DESTINATION ${QKV_CMAKE_DIR})
+write_basic_package_version_file(${CMAKE_CURRENT_BINARY_DIR}/qkvConfigVersion.cmake
+  COMPATIBILITY SameMajorVersion)
+install(FILES ${CMAKE_CURRENT_BINARY_DIR}/qkvConfig.cmake ${CMAKE_CURRENT_BINARY_DIR}/qkvConfigVersion.cmake
+  DESTINATION ${QKV_CMAKE_DIR})

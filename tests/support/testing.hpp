@@ -1,0 +1,134 @@
+#pragma once
+// Test helpers shared by every qkv test: random tensors, comparisons that report where they
+// fail, tolerances derived from the naive same-precision error, central finite differences.
+
+#include <fmt/format.h>
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <functional>
+#include <limits>
+#include <string>
+
+#include "qkv/rng.hpp"
+#include "qkv/tensor.hpp"
+
+namespace qkv::testing {
+
+template <class T>
+Tensor<T> random_tensor(const Shape& shape, Rng& rng, double stddev = 1.0) {
+  Tensor<T> t(shape);
+  rng.fill_normal(t.view(), 0.0, stddev);
+  return t;
+}
+
+template <class To, class From>
+Tensor<To> cast(const Tensor<From>& t) {
+  Tensor<To> result(t.shape());
+  for (int64_t i = 0; i < t.numel(); ++i) result[i] = static_cast<To>(t[i]);
+  return result;
+}
+
+// "[b, h, i, j]" for a flat index into a contiguous tensor of `shape`.
+inline std::string index_str(const Shape& shape, int64_t flat) {
+  std::string s = "]";
+  for (int axis = shape.rank() - 1; axis >= 0; --axis) {
+    const int64_t size = std::max<int64_t>(shape[axis], 1);
+    s = fmt::format("{}{}", flat % size, axis == shape.rank() - 1 ? "" : ", ") + s;
+    flat /= size;
+  }
+  return "[" + s;
+}
+
+struct ErrorStats {
+  double max_abs = 0.0;
+  double mean_abs = 0.0;
+  int64_t worst = -1;  // flat index of max_abs; -1 when the tensors are empty
+  bool non_finite = false;
+};
+
+// |actual − expected| element-wise. Equal infinities count as no error; a NaN, or an infinity
+// where the other side differs, is reported as non-finite.
+template <class A, class E>
+ErrorStats error_stats(const Tensor<A>& actual, const Tensor<E>& expected) {
+  ErrorStats stats;
+  double sum = 0.0;
+  for (int64_t i = 0; i < actual.numel(); ++i) {
+    const double a = static_cast<double>(actual[i]);
+    const double e = static_cast<double>(expected[i]);
+    if (a == e) continue;
+    const double err = std::abs(a - e);
+    if (!std::isfinite(err)) {
+      stats.non_finite = true;
+      stats.worst = i;
+      stats.max_abs = std::numeric_limits<double>::infinity();
+      continue;
+    }
+    sum += err;
+    if (err > stats.max_abs) {
+      stats.max_abs = err;
+      stats.worst = i;
+    }
+  }
+  if (actual.numel() > 0) stats.mean_abs = sum / static_cast<double>(actual.numel());
+  return stats;
+}
+
+// Passes when every |actual − expected| <= tolerance; the failure message gives the max and
+// mean error, the worst index and the two values there.
+template <class A, class E>
+::testing::AssertionResult all_close(const std::string& what, const Tensor<A>& actual, const Tensor<E>& expected,
+                                     double tolerance) {
+  if (!(actual.shape() == expected.shape())) {
+    return ::testing::AssertionFailure()
+           << what << ": shape " << actual.shape().str() << " differs from expected " << expected.shape().str();
+  }
+  const ErrorStats stats = error_stats(actual, expected);
+  if (!stats.non_finite && stats.max_abs <= tolerance) return ::testing::AssertionSuccess();
+  return ::testing::AssertionFailure() << fmt::format(
+             "{}: max error {:.3e} > tolerance {:.3e} (mean error {:.3e}); worst at {}: got {:.9g}, expected {:.9g}",
+             what, stats.max_abs, tolerance, stats.mean_abs, index_str(actual.shape(), stats.worst),
+             static_cast<double>(actual[stats.worst]), static_cast<double>(expected[stats.worst]));
+}
+
+// The tolerance rule of the tests: a result must be within `factor` times the error that the
+// same computation, done naively in float32, makes against float64. The floor keeps a case in
+// which the naive error happens to be 0 from demanding bit-exactness: a few float32 ulps of the
+// largest expected magnitude.
+template <class E>
+double tolerance_from_naive(const Tensor<float>& naive, const Tensor<E>& exact, double factor = 2.0) {
+  double magnitude = 0.0;
+  for (int64_t i = 0; i < exact.numel(); ++i) {
+    if (std::isfinite(static_cast<double>(exact[i]))) magnitude = std::max(magnitude, std::abs(static_cast<double>(exact[i])));
+  }
+  const double floor = 4.0 * std::numeric_limits<float>::epsilon() * std::max(magnitude, 1.0);
+  return std::max(factor * error_stats(naive, exact).max_abs, floor);
+}
+
+// Central finite differences of a scalar loss with respect to every element of x, in float64.
+// `loss` reads x (which this function perturbs in place and restores).
+inline Tensor<double> numeric_gradient(const std::function<double()>& loss, Tensor<double>& x, double step = 1e-6) {
+  Tensor<double> grad(x.shape());
+  for (int64_t i = 0; i < x.numel(); ++i) {
+    const double saved = x[i];
+    x[i] = saved + step;
+    const double up = loss();
+    x[i] = saved - step;
+    const double down = loss();
+    x[i] = saved;
+    grad[i] = (up - down) / (2.0 * step);
+  }
+  return grad;
+}
+
+// <a, b> summed in float64.
+template <class T>
+double dot(const Tensor<T>& a, const Tensor<T>& b) {
+  double sum = 0.0;
+  for (int64_t i = 0; i < a.numel(); ++i) sum += static_cast<double>(a[i]) * static_cast<double>(b[i]);
+  return sum;
+}
+
+}  // namespace qkv::testing
