@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Installs, from Debian 12's archive, whatever qkv needs to build and test that is not yet present.
-# Idempotent: when every package is already installed it only runs dpkg-query and exits.
+# Idempotent: when every package is already installed it only runs dpkg-query (and, for the browser
+# test's node modules, compares two timestamps) and exits.
 set -euo pipefail
 
 packages=(
@@ -12,7 +13,14 @@ packages=(
   libgtest-dev libgmock-dev libbenchmark-dev
   # the independent reference the tests compare against (never linked into the library)
   python3 python3-numpy python3-torch
+  # heatmaps as images (cairo + pango, CJK glyphs) and their tests (xmllint; Chromium for the HTML page)
+  libcairo2-dev libpango1.0-dev fonts-noto-cjk libxml2-utils chromium
+  # line plots of the experiments
+  libplplot-dev plplot-driver-cairo
 )
+# npm installs the browser-test driver (playwright-core). Node.js may come from elsewhere with its
+# own npm; Debian's npm package is needed only when there is none.
+command -v npm >/dev/null 2>&1 || packages+=(nodejs npm)
 
 missing=()
 for pkg in "${packages[@]}"; do
@@ -20,22 +28,30 @@ for pkg in "${packages[@]}"; do
   [[ "$status" == "install ok installed" ]] || missing+=("$pkg")
 done
 
-if ((${#missing[@]} == 0)); then
-  exit 0
+if ((${#missing[@]} > 0)); then
+  echo "install-deps: installing ${missing[*]}"
+  sudo_cmd=()
+  if [[ $(id -u) -ne 0 ]]; then
+    sudo_cmd=(sudo)
+  fi
+  export DEBIAN_FRONTEND=noninteractive
+  log=$(mktemp)
+  trap 'rm -f "$log"' EXIT
+  # apt's progress is long; it is shown only when something fails.
+  if ! { "${sudo_cmd[@]}" apt-get update -q && "${sudo_cmd[@]}" apt-get install -y -q --no-install-recommends "${missing[@]}"; } >"$log" 2>&1; then
+    cat "$log" >&2
+    echo "install-deps: apt-get failed (see above)" >&2
+    exit 1
+  fi
+  echo "install-deps: done"
 fi
 
-echo "install-deps: installing ${missing[*]}"
-sudo_cmd=()
-if [[ $(id -u) -ne 0 ]]; then
-  sudo_cmd=(sudo)
+# The browser test's node modules (tests/browser: playwright-core, which drives Debian's Chromium and
+# downloads no browser), installed exactly as package-lock.json pins them, and again only when the
+# lock file is newer than what is installed.
+browser_tests="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)/tests/browser"
+if [[ ! -d "$browser_tests/node_modules" || "$browser_tests/package-lock.json" -nt "$browser_tests/node_modules" ]]; then
+  echo "install-deps: npm ci in tests/browser"
+  npm ci --prefix "$browser_tests" --no-audit --no-fund --loglevel=error
+  touch "$browser_tests/node_modules"
 fi
-export DEBIAN_FRONTEND=noninteractive
-log=$(mktemp)
-trap 'rm -f "$log"' EXIT
-# apt's progress is long; it is shown only when something fails.
-if ! { "${sudo_cmd[@]}" apt-get update -q && "${sudo_cmd[@]}" apt-get install -y -q --no-install-recommends "${missing[@]}"; } >"$log" 2>&1; then
-  cat "$log" >&2
-  echo "install-deps: apt-get failed (see above)" >&2
-  exit 1
-fi
-echo "install-deps: done"

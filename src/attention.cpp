@@ -75,6 +75,16 @@ Problem<T> make_problem(const AttentionParams<T>& params) {
   return p;
 }
 
+// Starting a parallel region costs microseconds, and far more while the cores are busy; a
+// problem of a few thousand multiply-adds, or of one head, runs faster on the calling thread.
+template <class T>
+bool worth_threads(const Problem<T>& p) {
+  constexpr double kMinWork = 1 << 16;
+  const double work = static_cast<double>(p.tq()) * static_cast<double>(p.tk()) * static_cast<double>(p.dk() + p.dv()) *
+                      static_cast<double>(p.batch() * p.heads());
+  return p.batch() * p.heads() > 1 && work >= kMinWork;
+}
+
 template <class T>
 void check_fits_reference(const Problem<T>& p, int matrices, std::string_view what) {
   const double bytes = static_cast<double>(matrices) * static_cast<double>(p.tq()) * static_cast<double>(p.tk()) *
@@ -133,7 +143,7 @@ void attention_forward_reference(const AttentionParams<T>& params, const Attenti
   const std::optional<TensorView<T>> lse = outputs.lse ? std::optional(as_rank4(*outputs.lse)) : std::nullopt;
 
   const int64_t heads = p.batch() * p.heads();
-#pragma omp parallel
+#pragma omp parallel if (worth_threads(p))
   {
     std::vector<double> probs(static_cast<size_t>(p.tq() * p.tk()));
     std::vector<double> row_lse(static_cast<size_t>(p.tq()));
@@ -191,7 +201,7 @@ void attention_backward_reference(const AttentionParams<T>& params, TensorView<c
 
   const int64_t heads = p.batch() * p.heads();
   const auto tk = static_cast<size_t>(p.tk());
-#pragma omp parallel if (heads_independent)
+#pragma omp parallel if (heads_independent && worth_threads(p))
   {
     std::vector<double> probs(static_cast<size_t>(p.tq()) * tk);
     std::vector<double> row_lse(static_cast<size_t>(p.tq()));
@@ -244,17 +254,30 @@ template <class T>
 void attention_forward(const AttentionParams<T>& params, const AttentionOutputs<T>& outputs, AttentionImpl impl) {
   switch (impl) {
     case AttentionImpl::automatic:
+      // Only the reference materialises α; everything else the fused kernel does faster.
+      if (outputs.weights) {
+        attention_forward_reference(params, outputs);
+      } else {
+        attention_forward_fused(params, outputs);
+      }
+      return;
     case AttentionImpl::reference:
       attention_forward_reference(params, outputs);
+      return;
+    case AttentionImpl::fused:
+      attention_forward_fused(params, outputs);
       return;
   }
 }
 
 template <class T>
 void attention_backward(const AttentionParams<T>& params, TensorView<const T> dout, const AttentionGradients<T>& grads,
-                        const std::optional<AttentionSaved<T>>& /*saved*/, AttentionImpl impl) {
+                        const std::optional<AttentionSaved<T>>& saved, AttentionImpl impl) {
   switch (impl) {
     case AttentionImpl::automatic:
+    case AttentionImpl::fused:
+      attention_backward_fused(params, dout, grads, saved);
+      return;
     case AttentionImpl::reference:
       attention_backward_reference(params, dout, grads);
       return;

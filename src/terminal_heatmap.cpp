@@ -100,40 +100,11 @@ int codepoint_width(char32_t cp) {
   return in_ranges(kWide, cp) ? 2 : 1;
 }
 
-// The label as the grid shows it: controls (an ESC would start an escape sequence) become '?',
-// invalid bytes U+FFFD.
-std::string sanitize_label(std::string_view label) {
-  std::string out;
-  for (size_t pos = 0; pos < label.size();) {
-    const auto [cp, length] = decode_utf8(label, pos);
-    if (cp == kInvalid) {
-      out += "\uFFFD";
-    } else if (is_control(cp)) {
-      out += '?';
-    } else {
-      out.append(label.substr(pos, length));
-    }
-    pos += length;
-  }
-  return out;
-}
-
 void pad_to(std::string& out, int64_t current, int64_t width, std::string_view fill = " ") {
   for (int64_t i = current; i < width; ++i) out.append(fill);
 }
 
 // ---- Colour ---------------------------------------------------------------------------------
-
-// viridis (matplotlib's default colour map, by Stéfan van der Walt, Nathaniel Smith and Eric
-// Firing, CC0) sampled at t = k/32 and rounded to 8 bits; linear interpolation between samples
-// stays within 2/255 of the full 256-entry table.
-constexpr std::array<Rgb, 33> kViridis = {{
-    {68, 1, 84},    {71, 13, 96},   {72, 24, 106},  {72, 35, 116},  {71, 45, 123},  {69, 54, 129},  {66, 64, 134},
-    {63, 73, 137},  {59, 82, 139},  {55, 90, 141},  {51, 99, 141},  {47, 106, 142}, {44, 114, 142}, {41, 122, 142},
-    {38, 129, 142}, {35, 137, 142}, {33, 144, 140}, {31, 152, 139}, {31, 159, 136}, {33, 166, 133}, {40, 174, 128},
-    {49, 181, 123}, {62, 188, 116}, {76, 194, 108}, {93, 201, 99},  {110, 206, 88}, {130, 211, 76}, {150, 216, 63},
-    {171, 220, 50}, {192, 223, 36}, {213, 226, 26}, {234, 229, 26}, {253, 231, 37},
-}};
 
 // The xterm 256-colour cube: index 16 + 36 r + 6 g + b over these channel levels.
 constexpr std::array<int, 6> kCubeLevels = {0, 95, 135, 175, 215, 255};
@@ -152,11 +123,8 @@ std::string background_escape(Rgb c, bool truecolor) {
                      16 + 36 * nearest_cube_level(c.r) + 6 * nearest_cube_level(c.g) + nearest_cube_level(c.b));
 }
 
-// Black text on light backgrounds, bright white on dark ones (Rec. 709 luma of the sRGB values).
-std::string_view foreground_escape(Rgb c) {
-  const double luma = 0.2126 * c.r + 0.7152 * c.g + 0.0722 * c.b;
-  return luma > 128.0 ? "\x1b[30m" : "\x1b[97m";
-}
+// Black text on light backgrounds, bright white on dark ones.
+std::string_view foreground_escape(Rgb c) { return luma(c) > 128.0 ? "\x1b[30m" : "\x1b[97m"; }
 
 constexpr std::string_view kReset = "\x1b[0m";
 constexpr std::array<std::string_view, 5> kShades = {" ", "░", "▒", "▓", "█"};
@@ -230,13 +198,20 @@ int64_t display_width(std::string_view utf8) {
   return width;
 }
 
-Rgb viridis(double t) {
-  const double x = (std::isnan(t) ? 0.0 : std::clamp(t, 0.0, 1.0)) * static_cast<double>(kViridis.size() - 1);
-  const auto i = std::min(static_cast<size_t>(x), kViridis.size() - 2);
-  const double f = x - static_cast<double>(i);
-  const auto mix = [f](uint8_t a, uint8_t b) { return static_cast<uint8_t>(std::lround(a + f * (b - a))); };
-  return {mix(kViridis[i].r, kViridis[i + 1].r), mix(kViridis[i].g, kViridis[i + 1].g),
-          mix(kViridis[i].b, kViridis[i + 1].b)};
+std::string sanitize_label(std::string_view label) {
+  std::string out;
+  for (size_t pos = 0; pos < label.size();) {
+    const auto [cp, length] = decode_utf8(label, pos);
+    if (cp == kInvalid) {
+      out += "\uFFFD";
+    } else if (is_control(cp)) {
+      out += '?';
+    } else {
+      out.append(label.substr(pos, length));
+    }
+    pos += length;
+  }
+  return out;
 }
 
 bool terminal_supports_truecolor() {
@@ -308,7 +283,7 @@ std::string render_terminal_heatmap(TensorView<const T> alpha, const TerminalHea
       const auto value = static_cast<double>(alpha(i, j));
       const bool finite = std::isfinite(value);
       const std::string text = options.show_values ? format_value(value) : std::string();
-      const Rgb rgb = viridis(finite ? scale.position(value) : 0.0);
+      const Rgb rgb = colormap_at(options.colormap, finite ? scale.position(value) : 0.0);
       if (options.color && finite) {
         out += background_escape(rgb, options.truecolor);
         if (!text.empty()) out += foreground_escape(rgb);
@@ -326,7 +301,8 @@ std::string render_terminal_heatmap(TensorView<const T> alpha, const TerminalHea
     if (options.color) {
       constexpr int kSteps = 16;
       for (int k = 0; k < kSteps; ++k) {
-        out += background_escape(viridis(static_cast<double>(k) / (kSteps - 1)), options.truecolor);
+        out +=
+            background_escape(colormap_at(options.colormap, static_cast<double>(k) / (kSteps - 1)), options.truecolor);
         out += ' ';
       }
       out += kReset;

@@ -9,5 +9,7 @@ namespace qkv::cli {
 void register_demo(CLI::App& app);
 void register_attend(CLI::App& app);
 void register_attend_backward(CLI::App& app);
+void register_heatmap(CLI::App& app);
+void register_experiment(CLI::App& app);
 
 }  // namespace qkv::cli

@@ -24,6 +24,8 @@ int main(int argc, char** argv) {
   qkv::cli::register_demo(app);
   qkv::cli::register_attend(app);
   qkv::cli::register_attend_backward(app);
+  qkv::cli::register_heatmap(app);
+  qkv::cli::register_experiment(app);
 
   try {
     app.parse(argc, argv);

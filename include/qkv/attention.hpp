@@ -73,6 +73,7 @@ struct AttentionSaved {
 enum class AttentionImpl {
   automatic,  // the fastest implementation that supports the request
   reference,  // plain loops, float64 accumulation, materialises the scores of one head at a time
+  fused,      // tiled online softmax (FlashAttention-2): O(T) memory, SIMD, threads; never gives α
 };
 
 // Reference: per (batch, head) it builds the Tq×Tk score matrix in float64, normalises it and
@@ -85,6 +86,19 @@ void attention_forward_reference(const AttentionParams<T>& params, const Attenti
 template <class T>
 void attention_backward_reference(const AttentionParams<T>& params, TensorView<const T> dout,
                                   const AttentionGradients<T>& grads);
+
+// Fused: the FlashAttention-2 algorithm on the CPU (src/attention_fused.cpp). Same semantics as
+// the reference, but only per-thread tiles are ever allocated: Tq×Tk is never materialised, so
+// it cannot produce `weights` (ValueError when asked for them). The forward writes out and lse.
+template <class T>
+void attention_forward_fused(const AttentionParams<T>& params, const AttentionOutputs<T>& outputs);
+
+// Gradients of L = <dout, out>, with P recomputed tile by tile from the saved lse (the forward
+// is run again when `saved` is not given). Deterministic: bit-identical for any thread count.
+template <class T>
+void attention_backward_fused(const AttentionParams<T>& params, TensorView<const T> dout,
+                              const AttentionGradients<T>& grads,
+                              const std::optional<AttentionSaved<T>>& saved = std::nullopt);
 
 template <class T>
 void attention_forward(const AttentionParams<T>& params, const AttentionOutputs<T>& outputs,

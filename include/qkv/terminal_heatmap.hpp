@@ -7,8 +7,8 @@
 // tokens (two terminal columns per character) line up with ASCII ones.
 //
 // A cell's colour is t = (value − vmin) / (vmax − vmin), clamped to [0, 1]:
-//   color    ANSI background from the viridis colour map (dark purple at 0, yellow at 1), as
-//            24-bit escapes or the nearest entry of the 256-colour cube;
+//   color    ANSI background from a colour map (viridis unless asked: dark purple at 0, yellow
+//            at 1), as 24-bit escapes or the nearest entry of the 256-colour cube;
 //   plain    one of the shades " ░▒▓█" (five equal bins of t), so that piped output is stable text.
 // Non-finite values (e.g. −inf scores of masked keys) have no colour: their cells stay blank.
 //
@@ -26,6 +26,7 @@
 #include <string_view>
 #include <vector>
 
+#include "qkv/colormap.hpp"
 #include "qkv/tensor.hpp"
 
 namespace qkv {
@@ -35,8 +36,10 @@ struct TerminalHeatmapOptions {
   // characters are shown as '?' and invalid UTF-8 as U+FFFD, so a label cannot break the grid.
   std::vector<std::string> row_labels;
   std::vector<std::string> col_labels;
-  // ANSI background colours (viridis) instead of the shade characters.
+  // ANSI background colours instead of the shade characters.
   bool color = false;
+  // The colour map of the backgrounds. Read only with color.
+  Colormap colormap = Colormap::viridis;
   // 24-bit colour escapes; otherwise the nearest colour of the 256-colour cube. Read only with color.
   bool truecolor = false;
   // The ends of the scale: vmin defaults to min(0, smallest finite value), vmax to the largest finite
@@ -70,13 +73,8 @@ bool terminal_supports_truecolor();
 // otherwise. An invalid byte counts 1 (terminals show it as one replacement character).
 int64_t display_width(std::string_view utf8);
 
-struct Rgb {
-  uint8_t r = 0, g = 0, b = 0;
-  friend bool operator==(const Rgb&, const Rgb&) = default;
-};
-
-// The viridis colour map at t in [0, 1] (clamped; NaN reads as 0): perceptually uniform, readable in
-// grey and by colour-blind readers. Interpolated from 33 samples of the 256-entry table.
-Rgb viridis(double t);
+// The label as a grid or an image shows it: controls (an ESC would start an escape sequence, a
+// newline would break a row) become '?', bytes that are not well-formed UTF-8 U+FFFD.
+std::string sanitize_label(std::string_view label);
 
 }  // namespace qkv

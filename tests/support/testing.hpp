@@ -11,6 +11,7 @@
 #include <functional>
 #include <limits>
 #include <string>
+#include <vector>
 
 #include "qkv/rng.hpp"
 #include "qkv/tensor.hpp"
@@ -121,6 +122,26 @@ inline Tensor<double> numeric_gradient(const std::function<double()>& loss, Tens
     grad[i] = (up - down) / (2.0 * step);
   }
   return grad;
+}
+
+// Passes when `call` throws E whose message contains every one of `parts` (argument names,
+// expected and actual shapes); fails when it throws nothing, another type, or another message.
+template <class E>
+::testing::AssertionResult throws_naming(const std::function<void()>& call, const std::vector<std::string>& parts) {
+  try {
+    call();
+  } catch (const E& e) {
+    const std::string message = e.what();
+    for (const std::string& part : parts) {
+      if (message.find(part) == std::string::npos) {
+        return ::testing::AssertionFailure() << "message \"" << message << "\" does not mention \"" << part << "\"";
+      }
+    }
+    return ::testing::AssertionSuccess();
+  } catch (const std::exception& e) {
+    return ::testing::AssertionFailure() << "threw the wrong type: " << e.what();
+  }
+  return ::testing::AssertionFailure() << "did not throw";
 }
 
 // <a, b> summed in float64.

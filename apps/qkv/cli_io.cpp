@@ -1,0 +1,187 @@
+#include "cli_io.hpp"
+
+#include <fmt/format.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cmath>
+#include <limits>
+#include <stdexcept>
+#include <system_error>
+#include <utility>
+
+#include "qkv/error.hpp"
+#include "qkv/memory.hpp"
+
+namespace qkv::cli {
+namespace {
+
+// The shape of an array read from disk as a qkv Shape, which holds rank 0 to 4.
+Shape shape_of(const NpyArray& array, std::string_view arg) {
+  if (array.shape.size() > static_cast<size_t>(kMaxRank)) {
+    throw ShapeError(fmt::format("{}: expected an array of rank 0 to {}, got shape {} (rank {})", arg, kMaxRank,
+                                 array.shape_str(), array.shape.size()));
+  }
+  return Shape(std::span<const int64_t>(array.shape));
+}
+
+[[noreturn]] void wrong_dtype(const NpyArray& array, std::string_view arg, std::string_view expected) {
+  throw ShapeError(fmt::format("{}: expected dtype {}, got {} (shape {})", arg, expected, dtype_name(array.dtype),
+                               array.shape_str()));
+}
+
+}  // namespace
+
+std::string index_str(const Shape& shape, int64_t flat) {
+  std::vector<int64_t> index(static_cast<size_t>(shape.rank()));
+  for (int axis = shape.rank() - 1; axis >= 0; --axis) {
+    const int64_t size = std::max<int64_t>(shape[axis], 1);
+    index[static_cast<size_t>(axis)] = flat % size;
+    flat /= size;
+  }
+  return fmt::format("[{}]", fmt::join(index, ", "));
+}
+
+NpyArray read_input(const std::filesystem::path& path, std::string_view arg) {
+  try {
+    return read_npy(path);
+  } catch (const IoError& e) {
+    throw IoError(fmt::format("{}: {}", arg, e.what()));
+  }
+}
+
+Tensor<float> to_float32(NpyArray array, std::string_view arg) {
+  const Shape shape = shape_of(array, arg);
+  if (array.dtype == DType::float32) return Tensor<float>(shape, std::move(std::get<std::vector<float>>(array.values)));
+  if (array.dtype != DType::float64) wrong_dtype(array, arg, "float32 or float64");
+
+  const auto& source = std::get<std::vector<double>>(array.values);
+  std::vector<float> values(source.size());
+  constexpr double kFloatMax = std::numeric_limits<float>::max();
+  for (size_t i = 0; i < source.size(); ++i) {
+    // Outside float32's range the conversion is undefined behaviour, not an infinity.
+    if (std::isfinite(source[i]) && std::abs(source[i]) > kFloatMax) {
+      throw ValueError(fmt::format("{}: expected float64 values within float32's range (|x| <= {:g}), got {:g} at {}",
+                                   arg, kFloatMax, source[i], index_str(shape, static_cast<int64_t>(i))));
+    }
+    values[i] = static_cast<float>(source[i]);
+  }
+  return Tensor<float>(shape, std::move(values));
+}
+
+Tensor<uint8_t> to_bool(NpyArray array, std::string_view arg) {
+  const Shape shape = shape_of(array, arg);
+  if (array.dtype != DType::boolean) wrong_dtype(array, arg, "bool");
+  return Tensor<uint8_t>(shape, std::move(std::get<std::vector<uint8_t>>(array.values)));
+}
+
+Tensor<float> load_float32(const std::filesystem::path& path, std::string_view arg) {
+  return to_float32(read_input(path, arg), arg);
+}
+
+void check_finite(TensorView<const float> values, std::string_view arg, NonFinite rule) {
+  const TensorView<const float> v4 = as_rank4(values);
+  int64_t count = 0;
+  int64_t first = -1;
+  float first_value = 0.0f;
+  int64_t flat = 0;
+  for (int64_t a = 0; a < v4.shape[0]; ++a)
+    for (int64_t b = 0; b < v4.shape[1]; ++b)
+      for (int64_t c = 0; c < v4.shape[2]; ++c)
+        for (int64_t d = 0; d < v4.shape[3]; ++d, ++flat) {
+          const float x = v4(a, b, c, d);
+          if (std::isfinite(x)) continue;
+          if (rule == NonFinite::minus_infinity_allowed && x == -std::numeric_limits<float>::infinity()) continue;
+          if (count++ == 0) {
+            first = flat;
+            first_value = x;
+          }
+        }
+  if (count == 0) return;
+  const std::string_view allowed =
+      rule == NonFinite::minus_infinity_allowed ? "finite values or -inf" : "finite values";
+  throw ValueError(
+      fmt::format("{}: expected {}, got {} non-finite value{} (the first: {} at {}); pass "
+                  "--allow-nonfinite to accept them",
+                  arg, allowed, count, count == 1 ? "" : "s", first_value, index_str(values.shape, first)));
+}
+
+Tensor<float> allocate_output(const Shape& shape, std::string_view what) {
+  double bytes = sizeof(float);
+  for (const int64_t dim : shape.dims()) bytes *= static_cast<double>(dim);
+  // The tensor, and the file image that writing builds before it goes to disk.
+  check_allocation_fits(2.0 * bytes,
+                        fmt::format("{} (a float32 array of shape {}, kept and then written)", what, shape.str()));
+  return Tensor<float>(shape);
+}
+
+// ---- OutputFiles ----------------------------------------------------------------------------
+
+void OutputFiles::plan(std::string_view arg, const std::filesystem::path& path) {
+  namespace fs = std::filesystem;
+  if (path.empty()) throw IoError(fmt::format("{}: expected a file path, got an empty string", arg));
+  const auto refuse = [&](std::string_view why) {
+    throw IoError(fmt::format("{}: cannot write {}: {}", arg, path.string(), why));
+  };
+  std::error_code ec;
+  if (!path.has_filename() || fs::is_directory(path, ec)) refuse("it is a directory, expected a file path");
+  const fs::path directory = path.has_parent_path() ? path.parent_path() : fs::path(".");
+  if (!fs::exists(directory, ec)) refuse(fmt::format("directory {} does not exist", directory.string()));
+  if (!fs::is_directory(directory, ec)) refuse(fmt::format("{} is not a directory", directory.string()));
+  if (::access(directory.c_str(), W_OK | X_OK) != 0) {
+    refuse(fmt::format("directory {} is not writable ({})", directory.string(), std::system_category().message(errno)));
+  }
+  // weakly_canonical leaves a relative path whose first part does not exist as it is: make it
+  // absolute first, so that "o.npy" and "./o.npy" compare equal.
+  const auto canonical = [&ec](const fs::path& p) { return fs::weakly_canonical(fs::absolute(p, ec), ec); };
+  for (const File& other : files_) {
+    if (canonical(other.path) == canonical(path)) {
+      refuse(fmt::format("{} writes the same file; each output needs its own path", other.arg));
+    }
+  }
+  files_.push_back({.arg = std::string(arg), .path = path, .values = std::nullopt});
+}
+
+bool OutputFiles::planned(std::string_view arg) const {
+  return std::ranges::find(files_, arg, &File::arg) != files_.end();
+}
+
+void OutputFiles::set(std::string_view arg, Tensor<float> values) {
+  const auto file = std::ranges::find(files_, arg, &File::arg);
+  if (file != files_.end()) file->values = std::move(values);
+}
+
+void OutputFiles::commit() {
+  for (const File& file : files_) {
+    if (!file.values) throw std::logic_error(fmt::format("output {} was planned but never computed", file.arg));
+  }
+  std::vector<std::filesystem::path> staged;
+  std::vector<std::filesystem::path> published;
+  const auto abandon = [&](const File& file, std::string_view why) {
+    std::error_code ignored;
+    for (const auto& path : staged) std::filesystem::remove(path, ignored);
+    for (const auto& path : published) std::filesystem::remove(path, ignored);
+    throw IoError(fmt::format("{}: cannot write {}: {}", file.arg, file.path.string(), why));
+  };
+
+  for (const File& file : files_) {
+    std::filesystem::path temp = file.path;
+    temp.replace_filename(
+        fmt::format(".{}.qkv-staged.{}.{}", file.path.filename().string(), ::getpid(), staged.size()));
+    try {
+      write_npy(temp, file.values->cview());
+    } catch (const IoError& e) {
+      abandon(file, fmt::format("staging it beside the target failed: {}", e.what()));
+    }
+    staged.push_back(temp);
+  }
+  for (size_t i = 0; i < files_.size(); ++i) {
+    std::error_code ec;
+    std::filesystem::rename(staged[i], files_[i].path, ec);
+    if (ec) abandon(files_[i], ec.message());
+    published.push_back(files_[i].path);
+  }
+}
+
+}  // namespace qkv::cli

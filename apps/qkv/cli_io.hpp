@@ -1,0 +1,89 @@
+#pragma once
+// Helpers shared by the qkv subcommands: reading .npy inputs as float32 tensors, refusing
+// non-finite values, and writing outputs so that a failed run leaves no file behind.
+//
+// Every error names the option at fault ("--q", "-o"), what was expected and what came, and is a
+// qkv::Error, which main() prints as one line with exit code 2.
+
+#include <cstdint>
+#include <filesystem>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "qkv/npy.hpp"
+#include "qkv/tensor.hpp"
+
+namespace qkv::cli {
+
+// ---- Inputs ---------------------------------------------------------------------------------
+
+// Reads the .npy file given to option `arg`. A missing, unreadable or malformed file raises
+// IoError "`arg`: <path>: <what is wrong>".
+NpyArray read_input(const std::filesystem::path& path, std::string_view arg);
+
+// The array as a float32 tensor of rank 0 to 4. float32 is taken as is and float64 is rounded;
+// any other dtype is a ShapeError, and a finite float64 value beyond float32's range is a
+// ValueError (it would turn into an infinity that was not in the file).
+Tensor<float> to_float32(NpyArray array, std::string_view arg);
+
+// The bool array as a tensor of 0/1 bytes, rank 0 to 4; any other dtype is a ShapeError.
+Tensor<uint8_t> to_bool(NpyArray array, std::string_view arg);
+
+// read_input then to_float32: the usual way to take a float operand.
+Tensor<float> load_float32(const std::filesystem::path& path, std::string_view arg);
+
+// Which non-finite values an input may hold.
+enum class NonFinite {
+  refused,
+  minus_infinity_allowed,  // an additive mask bias, where −inf means "masked"
+};
+
+// Throws ValueError "`arg`: expected finite values, got 3 non-finite values (the first: nan at
+// [0, 2, 1]); ..." when `values` holds a NaN or an infinity that `rule` does not allow. The message
+// suggests --allow-nonfinite, so a subcommand calling this offers that flag.
+void check_finite(TensorView<const float> values, std::string_view arg, NonFinite rule = NonFinite::refused);
+
+// "[0, 2, 1]": the index of element `flat` of a C-order array of `shape`.
+std::string index_str(const Shape& shape, int64_t flat);
+
+// ---- Outputs --------------------------------------------------------------------------------
+
+// A zero-filled float32 tensor for output `what`, refused first (ResourceError naming `what`) when
+// it and the file image that writing it needs would not fit in the memory available.
+Tensor<float> allocate_output(const Shape& shape, std::string_view what);
+
+// The files one run writes. Paths are checked when planned, before any work; values are handed
+// over once computed; commit() writes them all. A run that throws before commit() returns writes
+// nothing, and commit() itself either writes every file or none.
+class OutputFiles {
+ public:
+  // Plans output `arg` at `path`. Throws IoError naming `arg` when the path is empty, is a
+  // directory, lies in a directory that does not exist or is not writable, or names the same file
+  // as an output planned before.
+  void plan(std::string_view arg, const std::filesystem::path& path);
+
+  bool empty() const { return files_.empty(); }
+  bool planned(std::string_view arg) const;
+
+  // The contents of planned output `arg`; a value for an output not planned is dropped, so that
+  // callers can hand over everything they computed.
+  void set(std::string_view arg, Tensor<float> values);
+
+  // Writes every planned output as a float32 .npy. Each is first written whole to a temporary file
+  // beside its target; only when all are written are they renamed into place. On failure the
+  // temporaries are removed, and so is any target this call already renamed into place (a rename
+  // in the same directory fails only in a race), and IoError names the output.
+  void commit();
+
+ private:
+  struct File {
+    std::string arg;
+    std::filesystem::path path;
+    std::optional<Tensor<float>> values;
+  };
+  std::vector<File> files_;
+};
+
+}  // namespace qkv::cli

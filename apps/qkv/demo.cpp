@@ -1,0 +1,286 @@
+// qkv demo: the worked example of self-attention, end to end, on a handful of tokens.
+//
+// T tokens get random features X ~ N(0, 1) [T, 32] and three projections W_Q, W_K, W_V [32, 32]
+// initialised as torch.nn.Linear(32, 32, bias=False) would be; then
+//   1. project    Q = X W_Qᵀ, K = X W_Kᵀ, V = X W_Vᵀ                     [T, 32] each
+//   2. score      e_ij = q_i·k_j / √32                                  [T, T]
+//   3. normalise  α_i = softmax(e_i·), each row sums to 1               [T, T]
+//   4. weigh      out_i = Σ_j α_ij v_j                                  [T, 32]
+// and α, the "who looks at whom" matrix, is printed as numbers and as a heatmap, and saved as a
+// picture (attention.png) and an interactive page (attention.html) in --out-dir. Everything is drawn
+// from qkv::Rng(seed), so a seed reproduces the output byte for byte on every platform.
+
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
+#include <CLI/CLI.hpp>
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <filesystem>
+#include <memory>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <system_error>
+#include <vector>
+
+#include "cli_io.hpp"
+#include "commands.hpp"
+#include "qkv/attention.hpp"
+#include "qkv/error.hpp"
+#include "qkv/heatmap.hpp"
+#include "qkv/linear.hpp"
+#include "qkv/npy.hpp"
+#include "qkv/rng.hpp"
+#include "qkv/tensor.hpp"
+#include "qkv/terminal_heatmap.hpp"
+
+namespace qkv::cli {
+namespace {
+
+constexpr int64_t kDim = 32;
+constexpr int64_t kMaxTokens = 64;
+// A sentence about reading a book, like the one the example was first told with.
+constexpr std::string_view kDefaultTokens = "the student is reading a book";
+// How many leading features of a row step 1 and 4 show, and how many terms of a weighted sum.
+constexpr int64_t kShownFeatures = 4;
+constexpr int64_t kShownTerms = 6;
+// Up to this many tokens, the saved picture prints each weight on its cell.
+constexpr int64_t kAnnotatedTokens = 12;
+
+struct DemoOptions {
+  uint64_t seed = 0;
+  std::string tokens;
+  CLI::Option* tokens_option = nullptr;  // tells "--tokens ''" (refused) from no --tokens
+  bool explain = false;
+  std::string color = "auto";
+  std::string out_dir = ".";
+  bool no_files = false;
+};
+
+std::string pad_right(std::string_view text, int64_t width) {
+  std::string out(text);
+  out.append(static_cast<size_t>(std::max<int64_t>(0, width - display_width(text))), ' ');
+  return out;
+}
+
+std::string pad_left(std::string_view text, int64_t width) {
+  return std::string(static_cast<size_t>(std::max<int64_t>(0, width - display_width(text))), ' ') + std::string(text);
+}
+
+// m [T, T] with token labels on both axes, 3 decimals, and a last column of row sums when asked.
+// Columns are as wide as their label or their widest value, whichever is wider.
+std::string labelled_matrix(TensorView<const double> m, const std::vector<std::string>& tokens, bool row_sums) {
+  const auto format = [](double value) { return fmt::format("{:.3f}", value); };
+  const int64_t n = m.shape[0];
+  int64_t value_width = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    for (int64_t j = 0; j < n; ++j) value_width = std::max(value_width, display_width(format(m(i, j))));
+  }
+  int64_t label_width = 0;
+  for (const std::string& token : tokens) label_width = std::max(label_width, display_width(token));
+
+  const std::string indent = "   ";
+  std::string out = indent + pad_right("", label_width);
+  for (const std::string& token : tokens) out += ' ' + pad_left(token, std::max(value_width, display_width(token)));
+  if (row_sums) out += "   " + pad_left("sum", value_width);
+  out += '\n';
+  for (int64_t i = 0; i < n; ++i) {
+    out += indent + pad_right(tokens[i], label_width);
+    double sum = 0.0;
+    for (int64_t j = 0; j < n; ++j) {
+      out += ' ' + pad_left(format(m(i, j)), std::max(value_width, display_width(tokens[j])));
+      sum += m(i, j);
+    }
+    if (row_sums) out += "   " + pad_left(format(sum), value_width);
+    out += '\n';
+  }
+  return out;
+}
+
+// "[ 0.123, -0.456, …]": the first kShownFeatures values of row `i` of x [T, D].
+std::string leading_values(const Tensor<float>& x, int64_t i) {
+  const int64_t d = x.shape()[1];
+  std::string out = "[";
+  for (int64_t j = 0; j < std::min(d, kShownFeatures); ++j) {
+    out += fmt::format("{}{:6.3f}", j == 0 ? "" : ", ", x[i * d + j]);
+  }
+  return out + (d > kShownFeatures ? ", …]" : "]");
+}
+
+double variance(const std::vector<double>& values) {
+  double mean = 0.0;
+  for (double v : values) mean += v;
+  mean /= static_cast<double>(values.size());
+  double sum = 0.0;
+  for (double v : values) sum += (v - mean) * (v - mean);
+  return sum / static_cast<double>(values.size());
+}
+
+void run_demo(const DemoOptions& options) {
+  const bool tokens_given = options.tokens_option->count() > 0;
+  const std::vector<std::string> tokens = split_labels(tokens_given ? options.tokens : kDefaultTokens);
+  const auto t = static_cast<int64_t>(tokens.size());
+  if (t < 1 || t > kMaxTokens) {
+    throw ValueError(
+        fmt::format("--tokens: expected 1 to {} tokens separated by spaces, got {}", kMaxTokens, tokens.size()));
+  }
+  const std::filesystem::path png_path = std::filesystem::path(options.out_dir) / "attention.png";
+  const std::filesystem::path html_path = std::filesystem::path(options.out_dir) / "attention.html";
+  if (!options.no_files) {
+    OutputFiles pictures;  // checks the directory before any work; the pictures are written below
+    pictures.plan("--out-dir", png_path);
+    pictures.plan("--out-dir", html_path);
+  }
+
+  // The draws, in this order: X, then W_Q, W_K, W_V row by row (what nn.Linear's init would do).
+  Rng rng(options.seed);
+  Tensor<float> x({t, kDim});
+  rng.fill_normal(x.view());
+  Tensor<float> w_q({kDim, kDim}), w_k({kDim, kDim}), w_v({kDim, kDim});
+  for (Tensor<float>* w : {&w_q, &w_k, &w_v}) linear_init<float>(w->view(), std::nullopt, rng);
+
+  Tensor<float> q({t, kDim}), k({t, kDim}), v({t, kDim});
+  linear_forward<float>({.x = x.cview(), .w = w_q.cview(), .b = std::nullopt}, q.view());
+  linear_forward<float>({.x = x.cview(), .w = w_k.cview(), .b = std::nullopt}, k.view());
+  linear_forward<float>({.x = x.cview(), .w = w_v.cview(), .b = std::nullopt}, v.view());
+
+  Tensor<float> out({t, kDim});
+  Tensor<float> alpha({t, t});
+  // The default scale, 1/√d, is the example's.
+  AttentionParams<float> params{.q = q.cview(), .k = k.cview(), .v = v.cview(), .scale = std::nullopt, .mask = {}};
+  attention_forward<float>(params, {.out = out.view(), .weights = alpha.view(), .lse = std::nullopt});
+  const Tensor<double> alpha64 = to_tensor<double, float>(alpha.cview());
+
+  const double sqrt_d = std::sqrt(static_cast<double>(kDim));
+  std::string text =
+      fmt::format("qkv demo: self-attention over T = {} tokens, d = {}, seed {}\n", t, kDim, options.seed);
+  text += fmt::format("tokens: {}\n", fmt::join(tokens, " | "));
+  text += fmt::format(
+      "X ~ N(0, 1) [{0}, {1}]; W_Q, W_K, W_V ~ U(−1/√{1}, 1/√{1}) [{1}, {1}], as nn.Linear({1}, {1}, bias=False)\n", t,
+      kDim);
+  text += '\n';
+
+  if (options.explain) {
+    text += fmt::format("1. project: X [{0}, {1}] · W_Qᵀ [{1}, {1}] → Q [{0}, {1}]; likewise K = X W_Kᵀ, V = X W_Vᵀ.\n",
+                        t, kDim);
+    text += "   Each token's features become a query (what it looks for), a key (what it offers) and a value\n";
+    text += fmt::format("   (what it passes on). For token 0, \"{}\":\n", tokens[0]);
+    text += fmt::format("     x_0 = {}\n", leading_values(x, 0));
+    text += fmt::format("     q_0 = {}\n", leading_values(q, 0));
+    text += fmt::format("     k_0 = {}\n", leading_values(k, 0));
+    text += fmt::format("     v_0 = {}\n\n", leading_values(v, 0));
+
+    // The scores, recomputed here in float64 because attention_forward keeps them to itself.
+    Tensor<double> e({t, t});
+    std::vector<double> raw_dots;
+    for (int64_t i = 0; i < t; ++i) {
+      for (int64_t j = 0; j < t; ++j) {
+        double dot = 0.0;
+        for (int64_t f = 0; f < kDim; ++f) dot += static_cast<double>(q[i * kDim + f]) * k[j * kDim + f];
+        raw_dots.push_back(dot);
+        e[i * t + j] = dot / sqrt_d;
+      }
+    }
+    text += fmt::format("2. score: e = Q Kᵀ / √{} = [{}, {}] · [{}, {}] / {:.3f} → e [{}, {}]\n", kDim, t, kDim, kDim,
+                        t, sqrt_d, t, t);
+    text += "   e_ij = q_i·k_j / √d: how well key j answers query i (rows = queries, columns = keys).\n";
+    text += labelled_matrix(e.cview(), tokens, false);
+    text += '\n';
+
+    text += "3. normalise: α = softmax(e) along each row, α_ij = exp(e_ij) / Σ_k exp(e_ik): each row sums to 1.\n";
+    text += labelled_matrix(alpha64.cview(), tokens, true);
+    text += fmt::format(
+        "   Why divide by √d: q·k adds up d products, so its variance grows with d (d·σ_q²·σ_k² for\n"
+        "   independent entries). Large scores push softmax towards a one-hot row whose gradients vanish;\n"
+        "   dividing by √d keeps the scores' spread the same whatever d is. Here var(q·k) = {:.3f} (about\n"
+        "   d/9 = {:.3f}, as nn.Linear's init gives q and k entries of variance 1/3)\n"
+        "   and var(e) = var(q·k) / {} = {:.3f}.\n\n",
+        variance(raw_dots), static_cast<double>(kDim) / 9.0, kDim, variance(raw_dots) / static_cast<double>(kDim));
+
+    text += fmt::format(
+        "4. weigh: out = α V = [{0}, {0}] · [{0}, {1}] → out [{0}, {1}]; out_i = Σ_j α_ij v_j, a blend of\n", t, kDim);
+    text += "   the values, mixed in the proportions row i of α gives. For token 0:\n";
+    std::string terms;
+    for (int64_t j = 0; j < std::min(t, kShownTerms); ++j) {
+      terms += fmt::format("{}{:.3f}·v_{}", j == 0 ? "" : " + ", alpha[j], j);
+    }
+    if (t > kShownTerms) terms += " + …";
+    text += fmt::format("     out_0 = {}\n", terms);
+    text += fmt::format("           = {}\n\n", leading_values(out, 0));
+  } else {
+    text += fmt::format(
+        "α = softmax(Q Kᵀ / √{}) [{}, {}]: row i says how token i spreads its attention over the tokens\n", kDim, t, t);
+    text += "(rows = queries, columns = keys); out = α V blends the values in those proportions.\n";
+    text += labelled_matrix(alpha64.cview(), tokens, true);
+    text += '\n';
+  }
+
+  const bool color = options.color == "always" || (options.color == "auto" && terminal_supports_color(stdout));
+  TerminalHeatmapOptions heatmap;
+  heatmap.row_labels = tokens;
+  heatmap.col_labels = tokens;
+  heatmap.color = color;
+  heatmap.truecolor = terminal_supports_truecolor();
+  text += "heatmap of α: who looks at whom (rows = queries, columns = keys)\n";
+  text += render_terminal_heatmap(alpha.cview(), heatmap);
+  text += '\n';
+  if (!options.no_files) {
+    HeatmapOptions picture;
+    picture.row_labels = tokens;
+    picture.col_labels = tokens;
+    picture.title = fmt::format("α = softmax(Q Kᵀ / √{}): who looks at whom", kDim);
+    picture.annotate = t <= kAnnotatedTokens;
+    const std::string png = render_heatmap(alpha.cview(), HeatmapFormat::png, picture);
+    const std::string html = render_heatmap(alpha.cview(), HeatmapFormat::html, picture);
+    write_file_atomically(png_path, png);
+    try {
+      write_file_atomically(html_path, html);
+    } catch (const IoError&) {
+      std::error_code ignored;
+      std::filesystem::remove(png_path, ignored);
+      throw;
+    }
+    const auto shown = [](const std::filesystem::path& p) {
+      return std::filesystem::absolute(p).lexically_normal().string();
+    };
+    text += fmt::format("saved: {} (the heatmap as an image)\n", shown(png_path));
+    text +=
+        fmt::format("       {} (open it in a browser: hover a token to see whom it looks at)\n\n", shown(html_path));
+  }
+  text +=
+      "The weights are random, so this pattern means nothing yet: training W_Q and W_K is what teaches\n"
+      "each token to look at the ones that matter to it (a verb at its object, a pronoun at its noun).\n";
+  text +=
+      "Try next: qkv demo --explain | qkv demo --seed 1 | qkv demo --tokens \"我 阅读 这 本 书 。\" | qkv attend "
+      "--help\n";
+  std::fputs(text.c_str(), stdout);
+}
+
+}  // namespace
+
+void register_demo(CLI::App& app) {
+  auto options = std::make_shared<DemoOptions>();
+  CLI::App* cmd = app.add_subcommand(
+      "demo", "the worked example: self-attention over 6 tokens (d = 32), α printed and drawn as a heatmap");
+  cmd->add_option("--seed", options->seed, "seed of X and of W_Q, W_K, W_V; a seed reproduces the output exactly")
+      ->capture_default_str();
+  options->tokens_option =
+      cmd->add_option("--tokens", options->tokens,
+                      fmt::format("the tokens, separated by spaces: 1 to {} of them, any UTF-8 text (default \"{}\")",
+                                  kMaxTokens, kDefaultTokens));
+  cmd->add_flag("--explain", options->explain, "walk through the four steps with shapes and values");
+  cmd->add_option("--color", options->color,
+                  "colour the heatmap: auto (on a terminal, unless NO_COLOR is set or TERM=dumb), always, never")
+      ->check(CLI::IsMember({"auto", "always", "never"}))
+      ->capture_default_str();
+  cmd->add_option("--out-dir", options->out_dir, "where attention.png and attention.html are saved")
+      ->type_name("DIR")
+      ->capture_default_str();
+  cmd->add_flag("--no-files", options->no_files, "save no pictures, only print");
+  cmd->callback([options] { run_demo(*options); });
+}
+
+}  // namespace qkv::cli

@@ -1,0 +1,68 @@
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <numeric>
+#include <utility>
+
+#include "experiments.hpp"
+
+namespace qkv::cli {
+
+std::string join_sizes(const std::vector<int64_t>& sizes) { return fmt::format("{}", fmt::join(sizes, ", ")); }
+
+double mean(const std::vector<double>& values) {
+  if (values.empty()) return std::numeric_limits<double>::quiet_NaN();
+  return std::accumulate(values.begin(), values.end(), 0.0) / static_cast<double>(values.size());
+}
+
+double median(std::vector<double> values) {
+  if (values.empty()) return std::numeric_limits<double>::quiet_NaN();
+  std::sort(values.begin(), values.end());
+  const size_t n = values.size();
+  return n % 2 == 1 ? values[n / 2] : 0.5 * (values[n / 2 - 1] + values[n / 2]);
+}
+
+uint64_t derive_seed(uint64_t seed, uint64_t stream, uint64_t substream) {
+  // splitmix64's finaliser on each part in turn: nearby inputs give unrelated outputs.
+  const auto mix = [](uint64_t z) {
+    z += 0x9e3779b97f4a7c15ULL;
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
+    return z ^ (z >> 31);
+  };
+  return mix(mix(mix(seed) ^ stream) ^ substream);
+}
+
+std::vector<double> running_mean(const std::vector<double>& values, int64_t window) {
+  std::vector<double> out(values.size());
+  double sum = 0.0;
+  for (size_t i = 0; i < values.size(); ++i) {
+    sum += values[i];
+    if (static_cast<int64_t>(i) >= window) sum -= values[i - static_cast<size_t>(window)];
+    out[i] = sum / static_cast<double>(std::min<int64_t>(static_cast<int64_t>(i) + 1, window));
+  }
+  return out;
+}
+
+PlotPanel make_panel(std::string title, std::string x_label, std::string y_label, AxisScale x_scale,
+                     AxisScale y_scale) {
+  PlotPanel panel;
+  panel.title = std::move(title);
+  panel.x_label = std::move(x_label);
+  panel.y_label = std::move(y_label);
+  panel.x_scale = x_scale;
+  panel.y_scale = y_scale;
+  return panel;
+}
+
+PlotSeries measured(std::string label, std::vector<double> x, std::vector<double> y) {
+  return {.label = std::move(label), .x = std::move(x), .y = std::move(y), .markers = true, .dashed = false};
+}
+
+PlotSeries reference(std::string label, std::vector<double> x, std::vector<double> y) {
+  return {.label = std::move(label), .x = std::move(x), .y = std::move(y), .markers = false, .dashed = true};
+}
+
+}  // namespace qkv::cli

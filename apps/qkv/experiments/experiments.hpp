@@ -1,0 +1,70 @@
+#pragma once
+// The experiments behind `qkv experiment NAME`: each puts one of the seed's claims to a measurement
+// and reports what it finds as a Report (tables, figures, settings). One experiment, one file:
+//   scaling.cpp     why scores are divided by √d (statistics at initialisation, then training)
+//   long_range.cpp  an O(1) path between any two tokens versus an RNN's O(T) chain
+//   parallel.cpp    attention's steps run in parallel, an RNN's one after the other
+// An experiment checks its options before any work (ValueError naming the option, exit 2), shows
+// progress on long phases and polls for Ctrl-C through qkv::Progress.
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "qkv/plot.hpp"
+#include "qkv/report.hpp"
+
+namespace qkv::cli {
+
+struct ExperimentOptions {
+  bool quick = false;            // --quick: a small version that finishes in well under a minute
+  uint64_t seed = 0;             // --seed: every random draw of the run comes from it
+  std::vector<int64_t> sizes;    // --sizes: the swept sizes; empty for the experiment's defaults
+  std::optional<int64_t> steps;  // --steps: training steps, for the experiments that train
+};
+
+struct Experiment {
+  std::string_view name;
+  std::string_view summary;
+  // What --sizes sets for this experiment ("d, the dimension of q and k"), and its bounds.
+  std::string_view sizes_meaning;
+  int64_t min_size = 1;
+  int64_t max_size = 1;
+  // Whether --steps applies (the experiment trains a model).
+  bool trains = false;
+  Report (*run)(const ExperimentOptions& options) = nullptr;
+};
+
+Experiment scaling_experiment();
+Experiment long_range_experiment();
+Experiment parallel_experiment();
+
+// The most training steps --steps accepts.
+inline constexpr int64_t kMaxSteps = 100000;
+
+// ---- Helpers shared by the experiments ---------------------------------------------------------
+
+// "4, 16, 64"
+std::string join_sizes(const std::vector<int64_t>& sizes);
+
+// The mean and the median of samples; NaN for no samples.
+double mean(const std::vector<double>& values);
+double median(std::vector<double> values);
+
+// An independent seed for one named stream of a run (a size, a chunk, a model), so that adding a
+// size or a thread does not change the numbers drawn for another.
+uint64_t derive_seed(uint64_t seed, uint64_t stream, uint64_t substream = 0);
+
+// A panel with its titles and scales, to which the caller adds series.
+PlotPanel make_panel(std::string title, std::string x_label, std::string y_label,
+                     AxisScale x_scale = AxisScale::linear, AxisScale y_scale = AxisScale::linear);
+// A measured curve (line and markers), and a dashed reference (theory, a target, a bound).
+PlotSeries measured(std::string label, std::vector<double> x, std::vector<double> y);
+PlotSeries reference(std::string label, std::vector<double> x, std::vector<double> y);
+
+// out[i] = the mean of values[max(0, i − window + 1) .. i]: a curve smoothed over `window` points.
+std::vector<double> running_mean(const std::vector<double>& values, int64_t window);
+
+}  // namespace qkv::cli

@@ -1,0 +1,294 @@
+// qkv heatmap: attention weights α from a .npy file, drawn as an image (PNG, SVG, PDF), an
+// interactive page (HTML) or a coloured grid in the terminal.
+//
+// Everything is checked before anything is drawn: the output path (its extension and directory),
+// the array (rank 2 to 4, finite, non-negative), the token lists against the axes, the head and
+// batch. Rows that do not sum to 1 are drawn anyway, with a warning. The file is rendered in memory
+// and written through a temporary file and a rename, so a refused or failed run leaves no file.
+
+#include <fmt/format.h>
+#include <sys/ioctl.h>
+#include <unistd.h>
+
+#include <CLI/CLI.hpp>
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "cli_io.hpp"
+#include "commands.hpp"
+#include "qkv/error.hpp"
+#include "qkv/heatmap.hpp"
+#include "qkv/npy.hpp"
+#include "qkv/terminal_heatmap.hpp"
+
+namespace qkv::cli {
+namespace {
+
+constexpr const char* kFooter =
+    R"(ALPHA is [Tq, Tk], [H, Tq, Tk] or [B, H, Tq, Tk] (what `qkv attend --weights` writes), float32
+or float64, finite and >= 0; rows are queries, columns keys. A row that does not sum to 1 is drawn
+with a warning; an all-zero row (a query that sees no key) is drawn as it is.
+Output by the extension of -o: .png, .svg, .pdf (token labels, colour bar, optional values),
+.html (one self-contained page: matrix and token views, hover for the exact value, a head
+selector), or - for the terminal (the default): truecolor when COLORTERM says so, shade characters
+under NO_COLOR or when piped. Images draw one head (--head, default 0) or a grid of every head
+(--all-heads); the page carries every head. Labels: --tokens for self-attention (both axes), or
+--rows and --cols; tokens are separated by spaces and may be any UTF-8 text (CJK included).
+Examples:
+  qkv attend --q q.npy --k k.npy --v v.npy -o out.npy --weights alpha.npy
+  qkv heatmap alpha.npy --tokens "the student is reading a book" -o attention.png
+  qkv heatmap alpha.npy --all-heads --cmap magma -o heads.svg
+  qkv heatmap alpha.npy -o attention.html
+  qkv heatmap alpha.npy --head 2 --annotate)";
+
+struct HeatmapCliOptions {
+  std::string input;
+  std::string out;
+  std::string tokens, rows, cols;
+  const CLI::Option* tokens_option = nullptr;  // a given but empty list is refused, an absent one numbers
+  const CLI::Option* rows_option = nullptr;
+  const CLI::Option* cols_option = nullptr;
+  int64_t head = 0;
+  const CLI::Option* head_option = nullptr;
+  bool all_heads = false;
+  int64_t batch = 0;
+  const CLI::Option* batch_option = nullptr;
+  std::string title;
+  std::string cmap = "viridis";
+  bool annotate = false;
+  double vmax = 0.0;
+  const CLI::Option* vmax_option = nullptr;
+  std::string color = "auto";
+};
+
+void note(std::string_view kind, std::string_view message) {
+  fmt::print(stderr, "qkv heatmap: {}: {}\n", kind, message);
+}
+
+// The labels of one axis from the options, checked against its length.
+std::vector<std::string> axis_labels(const HeatmapCliOptions& o, const CLI::Option* own, const std::string& own_text,
+                                     std::string_view own_arg, int64_t count, std::string_view axis,
+                                     const Shape& shape) {
+  const bool from_tokens = o.tokens_option->count() > 0;
+  if (!from_tokens && own->count() == 0) return {};
+  const std::vector<std::string> labels = split_labels(from_tokens ? o.tokens : own_text);
+  if (static_cast<int64_t>(labels.size()) != count) {
+    throw ShapeError(fmt::format("{}: expected {} tokens separated by spaces (one per {} of alpha {}), got {}",
+                                 from_tokens ? "--tokens" : own_arg, count, axis, shape.str(), labels.size()));
+  }
+  return labels;
+}
+
+// The [Tq, Tk] matrix of head h in batch entry b of alpha [B, H, Tq, Tk] (padded to rank 4).
+TensorView<const float> matrix_of(const Tensor<float>& alpha, int64_t b, int64_t h) {
+  const TensorView<const float> a4 = as_rank4(alpha.cview());
+  return make_view(&a4(b, h, 0, 0), Shape{a4.shape[2], a4.shape[3]});
+}
+
+int64_t terminal_columns() {
+  winsize size{};
+  if (::ioctl(STDOUT_FILENO, TIOCGWINSZ, &size) == 0 && size.ws_col > 0) return size.ws_col;
+  return 0;
+}
+
+void print_terminal(const Tensor<float>& alpha, const HeatmapCliOptions& o, const HeatmapOptions& options,
+                    const std::vector<int64_t>& heads) {
+  TerminalHeatmapOptions t;
+  t.row_labels = options.row_labels;
+  t.col_labels = options.col_labels;
+  t.color = o.color == "always" || (o.color == "auto" && terminal_supports_color(stdout));
+  t.truecolor = terminal_supports_truecolor();
+  t.colormap = options.colormap;
+  t.show_values = o.annotate;
+  t.decimals = 2;
+  // One scale for every head drawn, so that a colour means the same weight in each grid.
+  t.vmin = 0.0;
+  if (options.vmax) {
+    t.vmax = options.vmax;
+  } else {
+    float top = 0.0f;
+    for (const int64_t h : heads) {
+      const TensorView<const float> m = matrix_of(alpha, options.batch, h);
+      for (int64_t i = 0; i < m.shape[0]; ++i)
+        for (int64_t j = 0; j < m.shape[1]; ++j) top = std::max(top, m(i, j));
+    }
+    if (top > 0.0f) t.vmax = top;
+  }
+
+  std::string text;
+  if (!options.title.empty()) text += sanitize_label(options.title) + '\n';
+  for (const int64_t h : heads) {
+    if (alpha.shape().rank() >= 3) {
+      text += alpha.shape().rank() == 4 ? fmt::format("batch {} · head {}\n", options.batch, h)
+                                        : fmt::format("head {}\n", h);
+    }
+    text += render_terminal_heatmap(matrix_of(alpha, options.batch, h), t);
+  }
+  std::fputs(text.c_str(), stdout);
+  std::fflush(stdout);
+
+  if (::isatty(STDOUT_FILENO)) {
+    int64_t widest = 0;
+    for (size_t start = 0; start < text.size();) {
+      const size_t end = std::min(text.find('\n', start), text.size());
+      std::string line = text.substr(start, end - start);
+      // Escapes take no columns.
+      for (size_t esc; (esc = line.find('\x1b')) != std::string::npos;) line.erase(esc, line.find('m', esc) - esc + 1);
+      widest = std::max(widest, display_width(line));
+      start = end + 1;
+    }
+    const int64_t columns = terminal_columns();
+    if (columns > 0 && widest > columns) {
+      note("note", fmt::format("the grid is {} columns wide and the terminal {}: -o attention.png or -o "
+                               "attention.html draws it whole",
+                               widest, columns));
+    }
+  }
+}
+
+void run_heatmap(const HeatmapCliOptions& o) {
+  const bool terminal = o.out.empty() || o.out == "-";
+  HeatmapFormat format = HeatmapFormat::png;
+  if (!terminal) {
+    format = heatmap_format_for_path(o.out, "-o");
+    OutputFiles().plan("-o", o.out);  // refuses a missing or unwritable directory before any work
+  }
+
+  const Tensor<float> alpha = load_float32(o.input, "ALPHA");
+  const Shape& shape = alpha.shape();
+  const int rank = shape.rank();
+  const AttentionWeightsReport report = check_attention_weights(alpha.cview(), "ALPHA");
+  const TensorView<const float> a4 = as_rank4(alpha.cview());
+  const int64_t batches = a4.shape[0];
+  const int64_t heads = a4.shape[1];
+  const int64_t tq = a4.shape[2];
+  const int64_t tk = a4.shape[3];
+  if (tq == 0 || tk == 0 || heads == 0 || batches == 0) {
+    throw ShapeError(fmt::format("ALPHA: expected at least one query and one key, got shape {}", shape.str()));
+  }
+
+  HeatmapOptions options;
+  if (o.tokens_option->count() > 0 && tq != tk) {
+    throw ShapeError(fmt::format(
+        "--tokens: labels both axes, but alpha {} has Tq = {} queries and Tk = {} keys; give --rows and --cols",
+        shape.str(), tq, tk));
+  }
+  options.row_labels = axis_labels(o, o.rows_option, o.rows, "--rows", tq, "query (Tq)", shape);
+  options.col_labels = axis_labels(o, o.cols_option, o.cols, "--cols", tk, "key (Tk)", shape);
+  options.title = o.title;
+  options.colormap = parse_colormap(o.cmap, "--cmap");
+  options.annotate = o.annotate;
+  if (o.vmax_option->count() > 0) {
+    if (!std::isfinite(o.vmax) || o.vmax <= 0.0) {
+      throw ValueError(fmt::format("--vmax: expected a finite number above 0 (weights start at 0), got {}", o.vmax));
+    }
+    options.vmax = o.vmax;
+  }
+
+  if (o.batch_option->count() > 0) {
+    if (rank < 4) {
+      throw ShapeError(fmt::format("--batch: alpha {} has no batch dim (only [B, H, Tq, Tk] has), got --batch {}",
+                                   shape.str(), o.batch));
+    }
+    if (o.batch < 0 || o.batch >= batches) {
+      throw ShapeError(
+          fmt::format("--batch: expected 0 to {} (B of alpha {}), got {}", batches - 1, shape.str(), o.batch));
+    }
+    options.batch = o.batch;
+  } else if (batches > 1) {
+    note("note",
+         fmt::format("alpha {} holds {} batch entries; drawing batch 0 (--batch B for another)", shape.str(), batches));
+  }
+  if (o.head_option->count() > 0) {
+    if (rank < 3) {
+      throw ShapeError(
+          fmt::format("--head: alpha {} has no heads (only [H, Tq, Tk] and [B, H, Tq, Tk] have), got "
+                      "--head {}",
+                      shape.str(), o.head));
+    }
+    if (o.head < 0 || o.head >= heads) {
+      throw ShapeError(fmt::format("--head: expected 0 to {} (H of alpha {}), got {}", heads - 1, shape.str(), o.head));
+    }
+    options.head = o.head;
+  } else if (!o.all_heads) {
+    options.head = 0;
+    if (heads > 1 && (terminal || format != HeatmapFormat::html)) {
+      note("note", fmt::format("alpha {} holds {} heads; drawing head 0 (--head H for another, --all-heads for all)",
+                               shape.str(), heads));
+    }
+  }
+
+  if (report.rows_off > 0) {
+    note("warning", fmt::format("ALPHA: {} of {} rows do not sum to 1 (the first: {}); drawn anyway", report.rows_off,
+                                report.rows, report.first_off));
+  }
+
+  if (terminal) {
+    std::vector<int64_t> drawn;
+    for (int64_t h = 0; h < heads; ++h) {
+      if (!options.head || *options.head == h) drawn.push_back(h);
+    }
+    print_terminal(alpha, o, options, drawn);
+    return;
+  }
+
+  if (format == HeatmapFormat::png || format == HeatmapFormat::pdf) {
+    std::vector<std::string> labels = options.row_labels;
+    labels.insert(labels.end(), options.col_labels.begin(), options.col_labels.end());
+    const std::vector<std::string> missing = labels_without_glyphs(labels);
+    if (!missing.empty()) {
+      note("warning", fmt::format("no installed font has every character of {} label{} (the first: \"{}\"); they "
+                                  "show as boxes (on Debian: apt-get install fonts-noto-cjk)",
+                                  missing.size(), missing.size() == 1 ? "" : "s", missing.front()));
+    }
+  }
+  const std::string bytes = render_heatmap(alpha.cview(), format, options);
+  try {
+    write_file_atomically(o.out, bytes);
+  } catch (const IoError& e) {
+    throw IoError(fmt::format("-o: {}", e.what()));
+  }
+}
+
+}  // namespace
+
+void register_heatmap(CLI::App& app) {
+  auto o = std::make_shared<HeatmapCliOptions>();
+  CLI::App* cmd = app.add_subcommand(
+      "heatmap", "draw attention weights α: PNG, SVG or PDF image, interactive HTML page, or in the terminal");
+  cmd->footer(kFooter);
+  cmd->add_option("ALPHA", o->input, "attention weights .npy [Tq, Tk], [H, Tq, Tk] or [B, H, Tq, Tk]")
+      ->type_name("FILE")
+      ->required();
+  cmd->add_option("-o,--out", o->out, "OUT.png, OUT.svg, OUT.pdf, OUT.html, or - for the terminal (the default)")
+      ->type_name("FILE");
+  CLI::Option* tokens = cmd->add_option("--tokens", o->tokens, "labels of both axes (self-attention: Tq = Tk)");
+  o->tokens_option = tokens;
+  o->rows_option = cmd->add_option("--rows", o->rows, "labels of the queries (rows), \"tok tok …\"")->excludes(tokens);
+  o->cols_option = cmd->add_option("--cols", o->cols, "labels of the keys (columns), \"tok tok …\"")->excludes(tokens);
+  CLI::Option* all_heads = cmd->add_flag("--all-heads", o->all_heads, "draw every head, as a grid of small multiples");
+  o->head_option = cmd->add_option("--head", o->head, "the head to draw (default 0); the page opens at it")
+                       ->type_name("H")
+                       ->excludes(all_heads);
+  o->batch_option =
+      cmd->add_option("--batch", o->batch, "the batch entry of a [B, H, Tq, Tk] alpha (default 0)")->type_name("B");
+  cmd->add_option("--title", o->title, "a title above the matrix");
+  cmd->add_option("--cmap", o->cmap, "colour map: viridis, magma or gray")->capture_default_str();
+  cmd->add_flag("--annotate", o->annotate, "print each cell's value on it");
+  o->vmax_option =
+      cmd->add_option("--vmax", o->vmax, "the weight at the top of the colour scale (default: the largest)")
+          ->type_name("X");
+  cmd->add_option("--color", o->color,
+                  "colour the terminal grid: auto (on a terminal, unless NO_COLOR is set or TERM=dumb), always, never")
+      ->check(CLI::IsMember({"auto", "always", "never"}))
+      ->capture_default_str();
+  cmd->callback([o] { run_heatmap(*o); });
+}
+
+}  // namespace qkv::cli

@@ -1,0 +1,1065 @@
+// Fused attention (FlashAttention-2) on the CPU: the Highway SIMD code, compiled once per
+// instruction set by src/attention_fused.cpp (hwy/foreach_target.h) and chosen at run time.
+//
+// ---- The algorithm -----------------------------------------------------------------------------
+// Forward, one head, queries i and keys j:  s_ij = scale·q_i·k_j + bias_ij (−inf where masked),
+// lse_i = log Σ_j exp(s_ij),  out_i = Σ_j exp(s_ij − lse_i) v_j. The reference builds the Tq×Tk
+// matrix s; here it only ever exists as one Bc×Br tile in a thread's scratch. Keys are visited a
+// block at a time and each query row keeps its online-softmax state:
+//   m_i  running max of the scores seen so far (starts at −inf, never a finite sentinel)
+//   l_i  running sum  Σ_j exp(s_ij − m_i)
+//   o_i  running output Σ_j exp(s_ij − m_i) v_j, unnormalised
+// A new key block with block max m̃ gives m' = max(m, m̃), c = exp(m − m'), then
+//   l ← c·l + Σ_j exp(s_ij − m'),   o ← c·o + Σ_j exp(s_ij − m') v_j,   m ← m'.
+// At the end out_i = o_i / l_i and lse_i = m_i + log l_i. While a row has seen no visible key,
+// m' = −inf: the exponentials are then taken relative to 0 instead of m' (exp(−inf − 0) = 0,
+// never −inf − (−inf) = NaN), so o and l stay 0; a row that never sees a key gets out 0 and
+// lse −inf. The result is exact softmax, not an approximation: only the order of the sums changes.
+//
+// Backward (FlashAttention-2), derived in src/attention.cpp above attention_backward_reference:
+//   P_ij = exp(s_ij − lse_i)        (recomputed from the saved lse; 0 where masked)
+//   dV_j += Σ_i P_ij dO_i           dP_ij = dO_i·v_j         dS_ij = P_ij (dP_ij − D_i)
+//   dQ_i += scale Σ_j dS_ij k_j     dK_j += scale Σ_i dS_ij q_i    dbias_ij += dS_ij
+// with D_i = dO_i·out_i precomputed per row by the very chain of roundings that computes dP_ij, so
+// that dP_ij − D_i is exactly 0 where it must be: for a query that sees a single key (out_i = v_j,
+// as the first query of causal attention). A fully masked row has lse −inf; it is replaced by +inf
+// so that P = exp(−inf − (+inf)) = 0 rather than NaN. When the backward runs the forward itself
+// (nothing saved), lse is kept as two numbers hi + lo and P = exp((s − hi) − lo) is free of the
+// half-ulp rounding of lse that a saved lse carries into every P of its row.
+//
+// ---- Accuracy -----------------------------------------------------------------------------------
+// Everything is computed in T (float32 or float64): the products, exp, the running sums. Sums over
+// d and over key or query blocks are blocked (TileUpdate: chunks of 16 summed in registers from
+// zero, then added), so their rounding error grows with ≈ 16 + n/16 terms rather than n: the
+// kernel's error is about half that of a naive float32 implementation at d = 64.
+//
+// ---- Memory traffic -----------------------------------------------------------------------------
+// The reference writes and reads Tq×Tk scores per head (64 MiB at T = 4096); here every score lives
+// only in L1/L2 scratch, so DRAM sees Q, K, V, out (and dO, dQ, dK, dV) a few times each: O(T·d)
+// per head instead of O(T²). Per worker the scratch is a few tiles (≈ 100 KiB at d = 64).
+//
+// ---- Tiling and loop order ----------------------------------------------------------------------
+// Forward task = (head, block of Br = 64 queries); loop over key blocks of Bc = 64. The queries'
+// Qᵀ [Dk][Br] is packed once per task, so the score tile is computed transposed, Sᵀ [Bc][Br] =
+// K·Qᵀ: the vectors run along queries, which turns the online softmax into plain lane-wise
+// Max/Exp/Add across the Bc rows (no horizontal reductions) and needs no per-block repacking of K.
+// O [Br][Dv] += P·V (P read from Sᵀ by strides) then reads V rows straight from the input.
+// Causal: key blocks entirely above the diagonal of the query block are never visited; the
+// heaviest (last) query blocks are handed out first so that causal work balances.
+//
+// Decode (Tq ≤ 16): one query block per head leaves a single core busy, so the keys are split into
+// chunks, each chunk a task producing (m, l, o) partials, merged per row by log-sum-exp
+// (partials of chunks that saw no key have m = −inf and weigh exactly 0).
+//
+// All products are one register-blocked micro-kernel, C[R×(C·N)] (+)= A·B: R rows of A broadcast,
+// C vectors of a B row loaded, R·C accumulators held in registers across a chunk of the depth (4×4
+// vectors with AVX-512's 32 registers, 4×2 with 16). B rows must be contiguous: Qᵀ, Kᵀ, Vᵀ, dOᵀ are
+// packed; V, dO, Q, K rows are read in place; a last partial vector of columns is copied into a
+// zero-padded panel so no load crosses the end of a row. Any Dk, Dv work (the fast paths are the
+// multiples of the vector width: 64 and 128 fill 4 and 8 AVX-512 vectors); problems under ≈ 1M
+// multiply-adds run on one thread.
+//
+// Backward without atomics, deterministic for any thread count. Two schedules with identical
+// arithmetic per output element:
+//  - one pass: task = head; for each key block (Kᵀ, Vᵀ packed once), for each query block: the tile
+//    with queries as rows; dK, dV accumulate in scratch over the query blocks, dQ is added to the
+//    output tile by tile (in key-block order).
+//  - two passes, when there are too few heads for the threads: pass 1, task = (head, key block),
+//    the same tiles giving dK, dV; pass 2, task = (head, query block), Qᵀ and dOᵀ packed once, the
+//    tiles recomputed with keys as rows, adding dQ tile by tile in the same key-block order.
+// Every score, P, dP and dS element is the same chain of operations in both layouts (the same FMAs
+// over d in the same order, the same lane-wise Exp), so both give bit-identical gradients; which one
+// runs depends on the thread count only for speed. dbias is summed in the key-block tasks; elements
+// shared by several heads (a bias broadcast over B or H) are owned by one task that runs those
+// heads in increasing order.
+
+// ---- Target-independent part: the parameter structs (normal include guard) -----------------------
+#ifndef QKV_SRC_ATTENTION_FUSED_INL_H_
+#define QKV_SRC_ATTENTION_FUSED_INL_H_
+
+#include <cstddef>
+#include <cstdint>
+
+namespace qkv::fused {
+
+// Rows of a [B, H, T, D] operand: element (b, h, t, c) is data[b·batch + h·head + t·row + c·col].
+template <class T>
+struct RowsView {
+  T* data = nullptr;
+  int64_t batch_stride = 0;
+  int64_t head_stride = 0;
+  int64_t row_stride = 0;
+  int64_t col_stride = 1;  // 1 for every operand the kernels load as vectors (checked at the API)
+
+  T* row(int64_t b, int64_t h, int64_t t) const { return data + b * batch_stride + h * head_stride + t * row_stride; }
+};
+
+// A [B, H, Tq, Tk] operand (mask, bias, dbias) with any strides, 0 along broadcast dims.
+// Absent when data is null.
+template <class T>
+struct ScoresView {
+  T* data = nullptr;
+  int64_t batch_stride = 0;
+  int64_t head_stride = 0;
+  int64_t row_stride = 0;
+  int64_t col_stride = 0;
+
+  explicit operator bool() const { return data != nullptr; }
+  T* row(int64_t b, int64_t h, int64_t i) const { return data + b * batch_stride + h * head_stride + i * row_stride; }
+};
+
+// A [B, H, Tq] per-row statistic. Absent when data is null.
+template <class T>
+struct RowStatView {
+  T* data = nullptr;
+  int64_t batch_stride = 0;
+  int64_t head_stride = 0;
+  int64_t stride = 0;
+
+  explicit operator bool() const { return data != nullptr; }
+  T& at(int64_t b, int64_t h, int64_t i) const { return data[b * batch_stride + h * head_stride + i * stride]; }
+};
+
+// What every fused kernel reads, validated at the API (src/attention_fused.cpp).
+template <class T>
+struct Inputs {
+  int64_t batch = 0;                  // B
+  int64_t heads = 0;                  // H
+  int64_t tq = 0;                     // Tq
+  int64_t tk = 0;                     // Tk
+  int64_t dk = 0;                     // Dk ≥ 1
+  int64_t dv = 0;                     // Dv
+  RowsView<const T> q;                // [B, H, Tq, Dk], col_stride 1
+  RowsView<const T> k;                // [B, H, Tk, Dk], col_stride 1
+  RowsView<const T> v;                // [B, H, Tk, Dv], col_stride 1
+  ScoresView<const uint8_t> allowed;  // nonzero = may attend; absent: every key may be attended
+  ScoresView<const T> bias;           // added to the scaled scores; absent: 0
+  bool causal = false;                // query i sees key j iff j ≤ i + Tk − Tq (bottom-right aligned)
+  T scale = 1;                        // multiplies q·k before the bias is added
+
+  int64_t heads_total() const { return batch * heads; }
+};
+
+template <class T>
+struct ForwardParams {
+  Inputs<T> in;
+  RowsView<T> out;     // [B, H, Tq, Dv], overwritten; any col stride
+  RowStatView<T> lse;  // [B, H, Tq], overwritten; absent: not wanted
+  // [B·H·Tq] contiguous, row (b·H + h)·Tq + i, or null: what rounding lse to T lost (lse is
+  // computed in float64), so that the backward can recompute P = exp(s − lse) without that error.
+  T* lse_lo = nullptr;
+};
+
+template <class T>
+struct BackwardParams {
+  Inputs<T> in;
+  RowsView<const T> dout;  // [B, H, Tq, Dv] ∂L/∂out, col_stride 1
+  // [B·H·Tq] contiguous, row (b·H + h)·Tq + i: lse = lse_hi + lse_lo, the low part 0 when only a
+  // T-precision lse is known. lse_hi is +inf for fully masked rows (lse −inf) so that exp(s − lse)
+  // is 0 there instead of exp(−inf − (−inf)) = NaN.
+  const T* lse_hi = nullptr;
+  const T* lse_lo = nullptr;
+  RowsView<const T> out;  // [B, H, Tq, Dv] the forward's output, for D_i = dO_i·out_i; any col stride
+  RowsView<T> dq;         // [B, H, Tq, Dk], accumulated (+=); any col stride
+  RowsView<T> dk;         // [B, H, Tk, Dk], accumulated
+  RowsView<T> dv;         // [B, H, Tk, Dv], accumulated
+  ScoresView<T> dbias;    // [B, H, Tq, Tk] over the bias's storage (stride 0 where broadcast); += ; absent: not wanted
+};
+
+}  // namespace qkv::fused
+
+#endif  // QKV_SRC_ATTENTION_FUSED_INL_H_
+
+// ---- Per-target part ---------------------------------------------------------------------------
+#if defined(QKV_SRC_ATTENTION_FUSED_INL_H_TARGET) == defined(HWY_TARGET_TOGGLE)
+#ifdef QKV_SRC_ATTENTION_FUSED_INL_H_TARGET
+#undef QKV_SRC_ATTENTION_FUSED_INL_H_TARGET
+#else
+#define QKV_SRC_ATTENTION_FUSED_INL_H_TARGET
+#endif
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <type_traits>
+#include <vector>
+
+#include "hwy/aligned_allocator.h"
+#include "hwy/contrib/math/math-inl.h"
+#include "hwy/highway.h"
+#include "qkv/parallel.hpp"
+
+HWY_BEFORE_NAMESPACE();
+namespace qkv::HWY_NAMESPACE {
+namespace hn = hwy::HWY_NAMESPACE;
+
+using fused::BackwardParams;
+using fused::ForwardParams;
+using fused::Inputs;
+
+constexpr size_t kQueryBlock = 64;  // Br: queries per tile (a multiple of every target's lane count)
+constexpr size_t kKeyBlock = 64;    // Bc: keys per tile
+// Decode: at most this many queries make a problem "decode", whose keys are split into chunks.
+constexpr int64_t kDecodeQueries = 16;
+constexpr int64_t kDecodeMinChunk = 512;  // keys per chunk at least: merging partials costs Tq·Dv
+constexpr int64_t kDecodeTasks = 64;      // chunks × heads aimed at: enough to balance any core count
+
+// Depth summed in registers before adding to C (see TileUpdate).
+constexpr size_t kDepthChunk = 16;
+// Micro-kernel tile: rows × vectors of accumulators, sized to the register file.
+constexpr int kTileRows = 4;
+#if HWY_ARCH_X86 && HWY_TARGET <= HWY_AVX3
+constexpr int kTileVectors = 4;  // 16 accumulators + 4 B vectors + 1 broadcast of 32 registers
+#else
+constexpr int kTileVectors = 2;  // 8 accumulators + 2 + 1 of 16 registers
+#endif
+
+// Problems with fewer multiply-adds than this (≈ 10 µs) run on the calling thread alone: waking
+// threads would cost more than it saves.
+constexpr double kMinParallelMacs = 1 << 20;
+
+template <class T>
+int ThreadLimit(const Inputs<T>& in) {
+  const double macs = static_cast<double>(in.heads_total()) * static_cast<double>(in.tq) * static_cast<double>(in.tk) *
+                      static_cast<double>(in.dk + in.dv);
+  return macs < kMinParallelMacs ? 1 : 0;
+}
+
+inline size_t RoundUp(size_t x, size_t multiple) { return (x + multiple - 1) / multiple * multiple; }
+inline size_t ToSize(int64_t x) { return static_cast<size_t>(x); }
+
+template <class T>
+using Buffer = hwy::AlignedFreeUniquePtr<T[]>;
+
+template <class T>
+Buffer<T> Allocate(size_t n) {
+  return hwy::AllocateAligned<T>(std::max<size_t>(n, 1));
+}
+
+// ---- The micro-kernel ------------------------------------------------------------------------------
+
+// C (+)= A·B over `depth`, for C [rows][cols], with A read element by element (broadcast, so any
+// strides) and B rows read as vectors (contiguous).
+template <class T>
+struct Gemm {
+  const T* a = nullptr;  // A(r, k) = a[r·a_row + k·a_depth]
+  size_t a_row = 0;
+  size_t a_depth = 0;
+  const T* b = nullptr;  // B(k, c) = b[k·b_row + c]
+  size_t b_row = 0;
+  T* c = nullptr;  // C(r, c) = c[r·c_row + c]; rows padded to whole vectors
+  size_t c_row = 0;
+  size_t rows = 0;
+  size_t depth = 0;
+};
+
+// One R × (C vectors) tile of C at (r0, col0). The depth is summed in chunks of kDepthChunk, each
+// chunk in registers from zero and then added to C: blocked summation, whose rounding error grows
+// with chunk + depth/chunk terms instead of depth (≈ 2× more accurate at d = 64, for about one
+// load, add and store per accumulator and chunk).
+template <int R, int C, bool kAccumulate, class D, class T = hn::TFromD<D>>
+HWY_INLINE void TileUpdate(D d, const Gemm<T>& g, size_t r0, size_t col0) {
+  const size_t N = hn::Lanes(d);
+  const T* HWY_RESTRICT a = g.a + r0 * g.a_row;
+  const T* HWY_RESTRICT b = g.b + col0;
+  T* HWY_RESTRICT c = g.c + r0 * g.c_row + col0;
+  hn::Vec<D> acc[R][C];
+  size_t k0 = 0;
+  do {
+    const size_t k1 = std::min(g.depth, k0 + kDepthChunk);
+    HWY_UNROLL(8)
+    for (int r = 0; r < R; ++r) {
+      HWY_UNROLL(8)
+      for (int v = 0; v < C; ++v) acc[r][v] = hn::Zero(d);
+    }
+    for (size_t k = k0; k < k1; ++k) {
+      const T* HWY_RESTRICT bk = b + k * g.b_row;
+      const T* HWY_RESTRICT ak = a + k * g.a_depth;
+      hn::Vec<D> bv[C];
+      HWY_UNROLL(8)
+      for (int v = 0; v < C; ++v) bv[v] = hn::LoadU(d, bk + v * N);
+      HWY_UNROLL(8)
+      for (int r = 0; r < R; ++r) {
+        const hn::Vec<D> ar = hn::Set(d, ak[r * g.a_row]);
+        HWY_UNROLL(8)
+        for (int v = 0; v < C; ++v) acc[r][v] = hn::MulAdd(ar, bv[v], acc[r][v]);
+      }
+    }
+    const bool overwrite = !kAccumulate && k0 == 0;
+    HWY_UNROLL(8)
+    for (int r = 0; r < R; ++r) {
+      HWY_UNROLL(8)
+      for (int v = 0; v < C; ++v) {
+        T* HWY_RESTRICT out = c + r * g.c_row + v * N;
+        hn::StoreU(overwrite ? acc[r][v] : hn::Add(hn::LoadU(d, out), acc[r][v]), d, out);
+      }
+    }
+    k0 = k1;
+  } while (k0 < g.depth);
+}
+
+// R rows of C, all `vectors` column vectors.
+template <int R, bool kAccumulate, class D, class T = hn::TFromD<D>>
+HWY_INLINE void RowGroup(D d, const Gemm<T>& g, size_t r0, size_t vectors) {
+  const size_t N = hn::Lanes(d);
+  size_t v = 0;
+  for (; v + kTileVectors <= vectors; v += kTileVectors) TileUpdate<R, kTileVectors, kAccumulate>(d, g, r0, v * N);
+  if constexpr (kTileVectors > 2) {
+    if (v + 2 <= vectors) {
+      TileUpdate<R, 2, kAccumulate>(d, g, r0, v * N);
+      v += 2;
+    }
+  }
+  if (v < vectors) TileUpdate<R, 1, kAccumulate>(d, g, r0, v * N);
+}
+
+// C [rows][vectors·N] (+)= A·B: whole tiles, then the leftover rows two and one at a time. A
+// single column vector (decode: one query) takes 8 rows at a time, for 8 independent FMA chains.
+template <bool kAccumulate, class D, class T = hn::TFromD<D>>
+HWY_NOINLINE void MatMul(D d, const Gemm<T>& g, size_t vectors) {
+  static_assert(kTileRows == 4, "the row remainder below handles up to 3 rows");
+  size_t r = 0;
+  if (vectors == 1) {
+    for (; r + 2 * kTileRows <= g.rows; r += 2 * kTileRows) TileUpdate<2 * kTileRows, 1, kAccumulate>(d, g, r, 0);
+  }
+  for (; r + kTileRows <= g.rows; r += kTileRows) RowGroup<kTileRows, kAccumulate>(d, g, r, vectors);
+  if (r + 2 <= g.rows) {
+    RowGroup<2, kAccumulate>(d, g, r, vectors);
+    r += 2;
+  }
+  if (r < g.rows) RowGroup<1, kAccumulate>(d, g, r, vectors);
+}
+
+// C [rows][cols] (+)= A·B for any cols: B's last partial vector of columns is first copied into
+// `panel` [depth][N], zero-padded, so that no load reads past the end of a B row.
+template <bool kAccumulate, class D, class T = hn::TFromD<D>>
+HWY_INLINE void MatMulCols(D d, const Gemm<T>& g, size_t cols, T* HWY_RESTRICT panel) {
+  const size_t N = hn::Lanes(d);
+  const size_t whole = cols / N;
+  if (whole > 0) MatMul<kAccumulate>(d, g, whole);
+  const size_t tail = cols - whole * N;
+  if (tail == 0) return;
+  for (size_t k = 0; k < g.depth; ++k) {
+    const T* src = g.b + k * g.b_row + whole * N;
+    for (size_t c = 0; c < N; ++c) panel[k * N + c] = c < tail ? src[c] : T{0};
+  }
+  Gemm<T> last = g;
+  last.b = panel;
+  last.b_row = N;
+  last.c = g.c + whole * N;
+  MatMul<kAccumulate>(d, last, 1);
+}
+
+// Packs rows [t0, t0 + n) of a [T, D] operand transposed: out[c·ld + t] = row(t)[c], columns
+// n..ld zero (ld is n rounded up to whole vectors, and the padding must not be NaN).
+template <class T>
+void PackTransposed(const fused::RowsView<const T>& x, int64_t b, int64_t h, int64_t t0, size_t n, size_t cols,
+                    size_t ld, T* HWY_RESTRICT out) {
+  for (size_t t = 0; t < n; ++t) {
+    const T* HWY_RESTRICT src = x.row(b, h, t0 + static_cast<int64_t>(t));
+    for (size_t c = 0; c < cols; ++c) out[c * ld + t] = src[c];
+  }
+  for (size_t c = 0; c < cols; ++c) std::fill(out + c * ld + n, out + (c + 1) * ld, T{0});
+}
+
+// ---- Scores: scale, bias, masks ----------------------------------------------------------------
+
+// The (query, key) pairs of one vector's lanes: lane ℓ < count is (i + ℓ·di, j + ℓ·dj), with
+// (di, dj) = (0, 1) when a vector runs along keys and (1, 0) when it runs along queries.
+struct LaneRun {
+  int64_t i = 0;
+  int64_t j = 0;
+  int64_t di = 0;
+  int64_t dj = 0;
+  size_t count = 0;
+};
+
+// A strided sequence of `count` elements as a vector (lanes past count are `fill`).
+template <class D, class T = hn::TFromD<D>, class E>
+HWY_INLINE hn::Vec<D> LoadStrided(D d, const E* x, int64_t stride, size_t count, T fill) {
+  if constexpr (std::is_same_v<E, T>) {
+    if (stride == 1 && count == hn::Lanes(d)) return hn::LoadU(d, x);
+  }
+  HWY_ALIGN T lanes[hn::MaxLanes(d)];
+  for (size_t l = 0; l < hn::Lanes(d); ++l)
+    lanes[l] = l < count ? static_cast<T>(x[static_cast<int64_t>(l) * stride]) : fill;
+  return hn::Load(d, lanes);
+}
+
+// s = scale·(q·k) + bias, −inf where the boolean mask or causality forbids the key. The same
+// function serves both tile layouts so that both compute bit-identical scores.
+template <class D, class T = hn::TFromD<D>>
+HWY_INLINE hn::Vec<D> Scores(D d, const Inputs<T>& in, int64_t b, int64_t h, const LaneRun& run, hn::Vec<D> dot) {
+  hn::Vec<D> s = hn::Mul(dot, hn::Set(d, in.scale));
+  if (in.bias) {
+    const T* x = in.bias.row(b, h, run.i) + run.j * in.bias.col_stride;
+    const int64_t stride = run.di * in.bias.row_stride + run.dj * in.bias.col_stride;
+    s = hn::Add(s, LoadStrided(d, x, stride, run.count, T{0}));
+  }
+  const hn::Vec<D> neg_inf = hn::Set(d, -std::numeric_limits<T>::infinity());
+  if (in.allowed) {
+    const uint8_t* x = in.allowed.row(b, h, run.i) + run.j * in.allowed.col_stride;
+    const int64_t stride = run.di * in.allowed.row_stride + run.dj * in.allowed.col_stride;
+    s = hn::IfThenElse(hn::Eq(LoadStrided(d, x, stride, run.count, T{1}), hn::Zero(d)), neg_inf, s);
+  }
+  if (in.causal) {
+    // Lane ℓ is masked when j_ℓ − i_ℓ = (j − i) + ℓ·(dj − di) exceeds Tk − Tq.
+    const int64_t offset = in.tk - in.tq;
+    const int64_t first = run.j - run.i;
+    const int64_t step = run.dj - run.di;
+    const int64_t last = first + step * static_cast<int64_t>(run.count > 0 ? run.count - 1 : 0);
+    if (std::max(first, last) > offset) {
+      const hn::RebindToSigned<D> di;
+      using I = hn::TFromD<decltype(di)>;
+      const auto lane = step > 0 ? hn::Iota(di, 0) : hn::Neg(hn::Iota(di, 0));
+      const auto gap = hn::Add(hn::Set(di, static_cast<I>(first)), lane);
+      s = hn::IfThenElse(hn::RebindMask(d, hn::Gt(gap, hn::Set(di, static_cast<I>(offset)))), neg_inf, s);
+    }
+  }
+  return s;
+}
+
+// Whether the tile of queries [q0, q0 + nq) and keys from j0 on has any visible pair under causality.
+template <class T>
+bool TileVisible(const Inputs<T>& in, int64_t q0, size_t nq, int64_t j0) {
+  return !in.causal || j0 <= q0 + static_cast<int64_t>(nq) - 1 + in.tk - in.tq;
+}
+
+// ---- Forward ---------------------------------------------------------------------------------------
+
+template <class T>
+struct ForwardScratch {
+  size_t acc_row;   // Dv rounded up to whole vectors
+  Buffer<T> qt;     // [Dk][Br]      Qᵀ of the query block (scores come out as Sᵀ, queries along vectors)
+  Buffer<T> st;     // [Bc][Br]      Sᵀ of one key block, then exp(Sᵀ − m)
+  Buffer<T> acc;    // [Br][Dv_pad]  o, the unnormalised output rows
+  Buffer<T> max;    // [Br]          m, running max
+  Buffer<T> sum;    // [Br]          l, running sum
+  Buffer<T> corr;   // [Br]          exp(m_old − m_new) of the last key block
+  Buffer<T> panel;  // [Bc][N]       V's last partial column vector
+
+  ForwardScratch(size_t dk, size_t dv_pad, size_t lanes)
+      : acc_row(dv_pad),
+        qt(Allocate<T>(dk * kQueryBlock)),
+        st(Allocate<T>(kKeyBlock * kQueryBlock)),
+        acc(Allocate<T>(kQueryBlock * acc_row)),
+        max(Allocate<T>(kQueryBlock)),
+        sum(Allocate<T>(kQueryBlock)),
+        corr(Allocate<T>(kQueryBlock)),
+        panel(Allocate<T>(kKeyBlock * lanes)) {}
+};
+
+// Turns the raw Sᵀ tile [nk][nq_pad] into exp(s − m') in place and advances the running max and
+// sum of every query (one vector of queries at a time, lane-wise across the nk key rows).
+template <class D, class T = hn::TFromD<D>>
+HWY_INLINE void OnlineSoftmaxStep(D d, const Inputs<T>& in, int64_t b, int64_t h, int64_t q0, size_t nq, int64_t j0,
+                                  size_t nk, ForwardScratch<T>& s) {
+  const size_t N = hn::Lanes(d);
+  const size_t ld = RoundUp(nq, N);
+  const hn::Vec<D> neg_inf = hn::Set(d, -std::numeric_limits<T>::infinity());
+  for (size_t i = 0; i < ld; i += N) {
+    T* HWY_RESTRICT col = s.st.get() + i;
+    LaneRun run{.i = q0 + static_cast<int64_t>(i), .j = j0, .di = 1, .dj = 0, .count = std::min(N, nq - i)};
+    hn::Vec<D> block_max = neg_inf;
+    for (size_t j = 0; j < nk; ++j, ++run.j) {
+      const hn::Vec<D> x = Scores(d, in, b, h, run, hn::Load(d, col + j * ld));
+      hn::Store(x, d, col + j * ld);
+      block_max = hn::Max(block_max, x);
+    }
+    const hn::Vec<D> old_max = hn::Load(d, s.max.get() + i);
+    const hn::Vec<D> new_max = hn::Max(old_max, block_max);
+    // Rows that have seen no visible key yet keep m = −inf; shifting by 0 there gives exp(−inf) = 0.
+    const hn::Vec<D> shift = hn::IfThenZeroElse(hn::Eq(new_max, neg_inf), new_max);
+    const hn::Vec<D> corr = hn::Exp(d, hn::Sub(old_max, shift));
+    // Summed in chunks like TileUpdate's depth: l's rounding error is out's and lse's.
+    hn::Vec<D> block_sum = hn::Zero(d);
+    for (size_t c0 = 0; c0 < nk; c0 += kDepthChunk) {
+      hn::Vec<D> chunk_sum = hn::Zero(d);
+      for (size_t j = c0; j < std::min(nk, c0 + kDepthChunk); ++j) {
+        const hn::Vec<D> p = hn::Exp(d, hn::Sub(hn::Load(d, col + j * ld), shift));
+        hn::Store(p, d, col + j * ld);
+        chunk_sum = hn::Add(chunk_sum, p);
+      }
+      block_sum = hn::Add(block_sum, chunk_sum);
+    }
+    hn::Store(hn::MulAdd(hn::Load(d, s.sum.get() + i), corr, block_sum), d, s.sum.get() + i);
+    hn::Store(new_max, d, s.max.get() + i);
+    hn::Store(corr, d, s.corr.get() + i);
+  }
+}
+
+// Online softmax of queries [q0, q0 + nq) (nq ≤ Br) of head (b, h) over keys [key_begin, key_end):
+// leaves m, l and o in the scratch.
+template <class D, class T = hn::TFromD<D>>
+void AttendQueryBlock(D d, const Inputs<T>& in, int64_t b, int64_t h, int64_t q0, size_t nq, int64_t key_begin,
+                      int64_t key_end, ForwardScratch<T>& s) {
+  const size_t N = hn::Lanes(d);
+  const size_t ld = RoundUp(nq, N);
+  const size_t dv = ToSize(in.dv);
+  const size_t acc_row = s.acc_row;
+  PackTransposed(in.q, b, h, q0, nq, ToSize(in.dk), ld, s.qt.get());
+  std::fill(s.max.get(), s.max.get() + ld, -std::numeric_limits<T>::infinity());
+  std::fill(s.sum.get(), s.sum.get() + ld, T{0});
+  std::fill(s.acc.get(), s.acc.get() + nq * acc_row, T{0});
+  // Causal: the last query of the block sees keys j < q0 + nq + Tk − Tq; later blocks are skipped.
+  if (in.causal) key_end = std::min(key_end, q0 + static_cast<int64_t>(nq) + in.tk - in.tq);
+  for (int64_t j0 = key_begin; j0 < key_end; j0 += static_cast<int64_t>(kKeyBlock)) {
+    const size_t nk = ToSize(std::min<int64_t>(static_cast<int64_t>(kKeyBlock), key_end - j0));
+    // Sᵀ [nk][ld] = K · Qᵀ
+    MatMul<false>(d,
+                  Gemm<T>{.a = in.k.row(b, h, j0),
+                          .a_row = ToSize(in.k.row_stride),
+                          .a_depth = 1,
+                          .b = s.qt.get(),
+                          .b_row = ld,
+                          .c = s.st.get(),
+                          .c_row = ld,
+                          .rows = nk,
+                          .depth = ToSize(in.dk)},
+                  ld / N);
+    OnlineSoftmaxStep(d, in, b, h, q0, nq, j0, nk, s);
+    for (size_t i = 0; i < nq; ++i) {
+      const T corr = s.corr[i];
+      if (corr == T{1}) continue;
+      T* HWY_RESTRICT row = s.acc.get() + i * acc_row;
+      for (size_t c = 0; c < acc_row; c += N) hn::Store(hn::Mul(hn::Load(d, row + c), hn::Set(d, corr)), d, row + c);
+    }
+    // o [nq][Dv] += P · V, with P(i, j) = Sᵀ[j][i]
+    MatMulCols<true>(d,
+                     Gemm<T>{.a = s.st.get(),
+                             .a_row = 1,
+                             .a_depth = ld,
+                             .b = in.v.row(b, h, j0),
+                             .b_row = ToSize(in.v.row_stride),
+                             .c = s.acc.get(),
+                             .c_row = acc_row,
+                             .rows = nq,
+                             .depth = nk},
+                     dv, s.panel.get());
+  }
+}
+
+// Stores lse rounded to T and, when wanted, the rest.
+template <class T>
+void WriteLse(const ForwardParams<T>& p, int64_t b, int64_t h, int64_t i, double lse) {
+  if (!p.lse) return;
+  const T rounded = static_cast<T>(lse);
+  p.lse.at(b, h, i) = rounded;
+  if (p.lse_lo) {
+    p.lse_lo[(b * p.in.heads + h) * p.in.tq + i] =
+        std::isinf(lse) ? T{0} : static_cast<T>(lse - static_cast<double>(rounded));
+  }
+}
+
+// out = o / l and lse = m + log l for the block's queries; 0 and −inf for rows that saw no key.
+template <class T>
+void WriteOutputs(const ForwardParams<T>& p, int64_t b, int64_t h, int64_t q0, size_t nq, const ForwardScratch<T>& s) {
+  for (size_t i = 0; i < nq; ++i) {
+    const int64_t qi = q0 + static_cast<int64_t>(i);
+    T* out = p.out.row(b, h, qi);
+    const T* acc = s.acc.get() + i * s.acc_row;
+    const bool empty = s.max[i] == -std::numeric_limits<T>::infinity();
+    for (int64_t c = 0; c < p.in.dv; ++c) out[c * p.out.col_stride] = empty ? T{0} : acc[c] / s.sum[i];
+    const double lse = empty ? -std::numeric_limits<double>::infinity()
+                             : static_cast<double>(s.max[i]) + std::log(static_cast<double>(s.sum[i]));
+    WriteLse(p, b, h, qi, lse);
+  }
+}
+
+// Chunks the keys of a decode problem are split into: enough tasks for any core count, none
+// shorter than kDecodeMinChunk keys. Depends only on the problem, so results do not depend on
+// the thread count.
+template <class T>
+int64_t DecodeChunks(const Inputs<T>& in) {
+  if (in.tq > kDecodeQueries || in.tk < 2 * kDecodeMinChunk) return 1;
+  const int64_t by_length = in.tk / kDecodeMinChunk;
+  const int64_t by_tasks = std::max<int64_t>(1, kDecodeTasks / std::max<int64_t>(1, in.heads_total()));
+  return std::max<int64_t>(1, std::min(by_length, by_tasks));
+}
+
+// Decode: every (head, key chunk) task leaves its partial (m, l, o) for the Tq ≤ 16 queries; a
+// second parallel_for merges the chunks of each head by log-sum-exp:
+//   M = max_c m_c,  w_c = exp(m_c − M) (0 for a chunk that saw no key),  l = Σ_c w_c l_c,
+//   out = Σ_c w_c o_c / l,  lse = M + log l;  M = −inf: out 0, lse −inf.
+template <class D, class T = hn::TFromD<D>>
+void ForwardDecode(D d, const ForwardParams<T>& p, int64_t chunks, std::vector<ForwardScratch<T>>& scratch) {
+  const Inputs<T>& in = p.in;
+  const size_t nq = ToSize(in.tq);
+  const size_t acc_row = scratch[0].acc_row;
+  const int64_t chunk_len =
+      static_cast<int64_t>(RoundUp(ToSize((in.tk + chunks - 1) / chunks), kKeyBlock));  // whole key blocks
+  const int64_t heads = in.heads_total();
+  const size_t parts = ToSize(heads * chunks);
+  std::vector<T> part_max(parts * nq), part_sum(parts * nq), part_acc(parts * nq * acc_row);
+  parallel_for(
+      heads * chunks,
+      [&](int64_t task, int worker) HWY_ATTR {
+        const int64_t bh = task / chunks;
+        const int64_t chunk = task % chunks;
+        const int64_t b = bh / in.heads, h = bh % in.heads;
+        ForwardScratch<T>& s = scratch[ToSize(worker)];
+        const int64_t begin = std::min(in.tk, chunk * chunk_len);
+        AttendQueryBlock(d, in, b, h, 0, nq, begin, std::min(in.tk, begin + chunk_len), s);
+        const size_t part = ToSize(task);
+        std::copy(s.max.get(), s.max.get() + nq, part_max.begin() + static_cast<ptrdiff_t>(part * nq));
+        std::copy(s.sum.get(), s.sum.get() + nq, part_sum.begin() + static_cast<ptrdiff_t>(part * nq));
+        std::copy(s.acc.get(), s.acc.get() + nq * acc_row,
+                  part_acc.begin() + static_cast<ptrdiff_t>(part * nq * acc_row));
+      },
+      ThreadLimit(in));
+  parallel_for(
+      heads,
+      [&](int64_t bh, int /*worker*/) HWY_ATTR {
+        const int64_t b = bh / in.heads, h = bh % in.heads;
+        std::vector<double> weight(ToSize(chunks));
+        for (size_t i = 0; i < nq; ++i) {
+          auto at = [&](int64_t chunk) { return ToSize(bh * chunks + chunk) * nq + i; };
+          double max = -std::numeric_limits<double>::infinity();
+          for (int64_t c = 0; c < chunks; ++c) max = std::max(max, static_cast<double>(part_max[at(c)]));
+          T* out = p.out.row(b, h, static_cast<int64_t>(i));
+          if (max == -std::numeric_limits<double>::infinity()) {
+            for (int64_t c = 0; c < in.dv; ++c) out[c * p.out.col_stride] = T{0};
+            WriteLse(p, b, h, static_cast<int64_t>(i), max);
+            continue;
+          }
+          double sum = 0;
+          for (int64_t c = 0; c < chunks; ++c) {
+            weight[ToSize(c)] = std::exp(static_cast<double>(part_max[at(c)]) - max);  // exp(−inf) = 0
+            sum += weight[ToSize(c)] * static_cast<double>(part_sum[at(c)]);
+          }
+          for (int64_t col = 0; col < in.dv; ++col) {
+            double value = 0;
+            for (int64_t c = 0; c < chunks; ++c)
+              value += weight[ToSize(c)] * static_cast<double>(part_acc[at(c) * acc_row + ToSize(col)]);
+            out[col * p.out.col_stride] = static_cast<T>(value / sum);
+          }
+          WriteLse(p, b, h, static_cast<int64_t>(i), max + std::log(sum));
+        }
+      },
+      ThreadLimit(in));
+}
+
+template <class T>
+void ForwardImpl(const ForwardParams<T>& p) {
+  const hn::ScalableTag<T> d;
+  const Inputs<T>& in = p.in;
+  const size_t N = hn::Lanes(d);
+  const size_t dv_pad = RoundUp(ToSize(in.dv), N);
+  std::vector<ForwardScratch<T>> scratch;
+  scratch.reserve(ToSize(max_workers()));
+  for (int w = 0; w < max_workers(); ++w) scratch.emplace_back(ToSize(in.dk), dv_pad, N);
+
+  const int64_t chunks = DecodeChunks(in);
+  if (chunks > 1) {
+    ForwardDecode(d, p, chunks, scratch);
+    return;
+  }
+  const int64_t blocks = (in.tq + static_cast<int64_t>(kQueryBlock) - 1) / static_cast<int64_t>(kQueryBlock);
+  parallel_for(
+      in.heads_total() * blocks,
+      [&](int64_t task, int worker) HWY_ATTR {
+        const int64_t bh = task / blocks;
+        // The last query blocks see the most keys under causality: hand them out first.
+        const int64_t block = blocks - 1 - task % blocks;
+        const int64_t b = bh / in.heads, h = bh % in.heads;
+        const int64_t q0 = block * static_cast<int64_t>(kQueryBlock);
+        const size_t nq = ToSize(std::min(static_cast<int64_t>(kQueryBlock), in.tq - q0));
+        ForwardScratch<T>& s = scratch[ToSize(worker)];
+        AttendQueryBlock(d, in, b, h, q0, nq, 0, in.tk, s);
+        WriteOutputs(p, b, h, q0, nq, s);
+      },
+      ThreadLimit(in));
+}
+
+// ---- Backward ------------------------------------------------------------------------------------
+
+template <class T>
+struct BackwardScratch {
+  Buffer<T> kt;      // [Dk][Bc]      Kᵀ of the key block (one-pass and pass 1)
+  Buffer<T> vt;      // [Dv][Bc]      Vᵀ of the key block
+  Buffer<T> qt;      // [Dk][Br]      Qᵀ of the query block (pass 2)
+  Buffer<T> dot;     // [Dv][Br]      dOᵀ of the query block
+  Buffer<T> p;       // [Br·Bc]       P tile (either layout)
+  Buffer<T> ds;      // [Br·Bc]       dP, then dS, tile
+  Buffer<T> dk_acc;  // [Bc][Dk_pad]  Σ_i dS_ij q_i of the key block
+  Buffer<T> dv_acc;  // [Bc][Dv_pad]  Σ_i P_ij dO_i
+  Buffer<T> dq;      // [Br][Dk_pad]  Σ_j dS_ij k_j of one tile
+  Buffer<T> lse_hi;  // [Br]          lse of the query block (pass 2), high part
+  Buffer<T> lse_lo;  // [Br]          and low part
+  Buffer<T> delta;   // [Br]          D of the query block (pass 2)
+  Buffer<T> panel;   // [max(Br, Bc)][N]
+
+  BackwardScratch(size_t dk, size_t dv, size_t lanes)
+      : kt(Allocate<T>(dk * kKeyBlock)),
+        vt(Allocate<T>(dv * kKeyBlock)),
+        qt(Allocate<T>(dk * kQueryBlock)),
+        dot(Allocate<T>(dv * kQueryBlock)),
+        p(Allocate<T>(kQueryBlock * kKeyBlock)),
+        ds(Allocate<T>(kQueryBlock * kKeyBlock)),
+        dk_acc(Allocate<T>(kKeyBlock * RoundUp(dk, lanes))),
+        dv_acc(Allocate<T>(kKeyBlock * RoundUp(dv, lanes))),
+        dq(Allocate<T>(kQueryBlock * RoundUp(dk, lanes))),
+        lse_hi(Allocate<T>(kQueryBlock)),
+        lse_lo(Allocate<T>(kQueryBlock)),
+        delta(Allocate<T>(kQueryBlock)),
+        panel(Allocate<T>(std::max(kQueryBlock, kKeyBlock) * lanes)) {}
+};
+
+// P = exp((s − lse_hi) − lse_lo) and dS = P ∘ (dP − D) for one vector of (query, key) pairs, in
+// place: p_inout holds q·k, ds_inout dO·v. Shared by both tile layouts, so that both give
+// bit-identical P and dS.
+template <class D, class T = hn::TFromD<D>>
+HWY_INLINE void ProbabilityAndScoreGradient(D d, const Inputs<T>& in, int64_t b, int64_t h, const LaneRun& run,
+                                            hn::Vec<D> lse_hi, hn::Vec<D> lse_lo, hn::Vec<D> delta,
+                                            T* HWY_RESTRICT p_inout, T* HWY_RESTRICT ds_inout) {
+  const hn::Vec<D> s = Scores(d, in, b, h, run, hn::Load(d, p_inout));
+  const hn::Vec<D> p = hn::Exp(d, hn::Sub(hn::Sub(s, lse_hi), lse_lo));
+  hn::Store(p, d, p_inout);
+  hn::Store(hn::Mul(p, hn::Sub(hn::Load(d, ds_inout), delta)), d, ds_inout);
+}
+
+// rows of x += scale · tile. Not inlined: both backward schedules run this very code, so the
+// rounding of the update cannot differ between them.
+template <class T>
+HWY_NOINLINE void AddScaledRows(const fused::RowsView<T>& x, int64_t b, int64_t h, int64_t t0, size_t rows, size_t cols,
+                                const T* HWY_RESTRICT tile, size_t ld, T scale) {
+  const hn::ScalableTag<T> d;
+  const size_t N = hn::Lanes(d);
+  const auto factor = hn::Set(d, scale);
+  for (size_t r = 0; r < rows; ++r) {
+    T* dst = x.row(b, h, t0 + static_cast<int64_t>(r));
+    const T* src = tile + r * ld;
+    size_t c = 0;
+    if (x.col_stride == 1) {
+      for (; c + N <= cols; c += N)
+        hn::StoreU(hn::MulAdd(factor, hn::Load(d, src + c), hn::LoadU(d, dst + c)), d, dst + c);
+    }
+    for (; c < cols; ++c) {
+      const hn::CappedTag<T, 1> d1;
+      T* at = dst + static_cast<int64_t>(c) * x.col_stride;
+      hn::StoreU(hn::MulAdd(hn::Set(d1, scale), hn::Set(d1, src[c]), hn::LoadU(d1, at)), d1, at);
+    }
+  }
+}
+
+// D_i = dO_i·out_i of every row of every head [B·H·Tq], summed lane for lane as TileUpdate sums
+// dP_ij = dO_i·v_j: MulAdd over d, chunks of kDepthChunk from zero, each chunk added in turn.
+template <class T>
+std::vector<T> RowDeltas(const BackwardParams<T>& p) {
+  const Inputs<T>& in = p.in;
+  std::vector<T> delta(ToSize(in.heads_total() * in.tq));
+  parallel_for(
+      in.heads_total(),
+      [&](int64_t bh, int /*worker*/) HWY_ATTR {
+        const hn::CappedTag<T, 1> d1;
+        const int64_t b = bh / in.heads, h = bh % in.heads;
+        for (int64_t i = 0; i < in.tq; ++i) {
+          const T* dout = p.dout.row(b, h, i);
+          const T* out = p.out.row(b, h, i);
+          auto total = hn::Zero(d1);
+          for (int64_t c0 = 0; c0 < in.dv; c0 += static_cast<int64_t>(kDepthChunk)) {
+            auto acc = hn::Zero(d1);
+            const int64_t c1 = std::min(in.dv, c0 + static_cast<int64_t>(kDepthChunk));
+            for (int64_t c = c0; c < c1; ++c)
+              acc = hn::MulAdd(hn::Set(d1, dout[c]), hn::Set(d1, out[c * p.out.col_stride]), acc);
+            total = c0 == 0 ? acc : hn::Add(total, acc);
+          }
+          delta[ToSize(bh * in.tq + i)] = hn::GetLane(total);
+        }
+      },
+      ThreadLimit(in));
+  return delta;
+}
+
+// Adds one tile's dS (queries as rows, row stride ld) into dbias. Where the bias was broadcast over
+// queries, a tile's contributions to one element are first summed in float64, in query order, so
+// that an element shared by many rows takes one rounding per tile rather than one per score.
+template <class T>
+void AddTileToBias(const fused::ScoresView<T>& dbias, int64_t b, int64_t h, int64_t q0, size_t nq, int64_t j0,
+                   size_t nk, const T* HWY_RESTRICT ds, size_t ld) {
+  if (dbias.row_stride == 0) {
+    T* row = dbias.row(b, h, q0) + j0 * dbias.col_stride;
+    for (size_t j = 0; j < nk; ++j) {
+      double sum = 0;
+      for (size_t i = 0; i < nq; ++i) sum += static_cast<double>(ds[i * ld + j]);
+      row[static_cast<int64_t>(j) * dbias.col_stride] += static_cast<T>(sum);
+    }
+    return;
+  }
+  for (size_t i = 0; i < nq; ++i) {
+    T* row = dbias.row(b, h, q0 + static_cast<int64_t>(i)) + j0 * dbias.col_stride;
+    for (size_t j = 0; j < nk; ++j) row[static_cast<int64_t>(j) * dbias.col_stride] += ds[i * ld + j];
+  }
+}
+
+// The heads whose dbias elements coincide (a bias broadcast over B or H) form a group, run by one
+// task in increasing head order; otherwise every head is its own group.
+struct HeadGroups {
+  int64_t batch = 0, heads = 0;
+  bool share_batch = false, share_heads = false;
+
+  int64_t count() const { return (share_batch ? 1 : batch) * (share_heads ? 1 : heads); }
+  int64_t size() const { return (share_batch ? batch : 1) * (share_heads ? heads : 1); }
+  // Member m (in increasing b·H + h order) of group g, as (b, h).
+  std::pair<int64_t, int64_t> member(int64_t g, int64_t m) const {
+    const int64_t group_heads = share_heads ? 1 : heads;
+    const int64_t gb = share_batch ? 0 : g / group_heads, gh = share_heads ? 0 : g % group_heads;
+    const int64_t member_heads = share_heads ? heads : 1;
+    return {gb + (share_batch ? m / member_heads : 0), gh + (share_heads ? m % member_heads : 0)};
+  }
+};
+
+template <class T>
+class BackwardKernel {
+ public:
+  using D = hn::ScalableTag<T>;
+
+  explicit BackwardKernel(const BackwardParams<T>& p)
+      : p_(p),
+        in_(p.in),
+        // A bias broadcast over the keys (one value per query row) shifts every score of the row
+        // alike, which softmax ignores: its gradient Σ_j dS_ij is exactly 0 and is not summed.
+        dbias_(p.dbias && p.dbias.col_stride != 0 ? p.dbias : fused::ScoresView<T>{}),
+        N_(hn::Lanes(D())),
+        dk_(ToSize(in_.dk)),
+        dv_(ToSize(in_.dv)),
+        dk_pad_(RoundUp(dk_, N_)),
+        dv_pad_(RoundUp(dv_, N_)),
+        delta_(RowDeltas(p)) {
+    groups_ = HeadGroups{.batch = in_.batch,
+                         .heads = in_.heads,
+                         .share_batch = dbias_ && dbias_.batch_stride == 0 && in_.batch > 1,
+                         .share_heads = dbias_ && dbias_.head_stride == 0 && in_.heads > 1};
+    for (int w = 0; w < max_workers(); ++w) scratch_.emplace_back(dk_, dv_, N_);
+  }
+
+  void Run() {
+    const int64_t query_blocks = BlockCount(in_.tq, kQueryBlock);
+    const int64_t key_blocks = BlockCount(in_.tk, kKeyBlock);
+    const int64_t groups = groups_.count();
+    // Cost in tiles: one pass does 5 products per tile, two passes 7 (QKᵀ and dO Vᵀ twice) but
+    // split the heads' work over more tasks.
+    const int thread_limit = ThreadLimit(in_);
+    const int64_t workers = thread_limit == 1 ? 1 : max_workers();
+    const bool one_pass = 5 * workers * ((groups + workers - 1) / workers) <= 7 * groups;
+    if (one_pass) {
+      parallel_for(
+          groups,
+          [&](int64_t g, int worker) HWY_ATTR {
+            for (int64_t m = 0; m < groups_.size(); ++m) {
+              const auto [b, h] = groups_.member(g, m);
+              for (int64_t kb = 0; kb < key_blocks; ++kb)
+                KeyBlock(b, h, kb, query_blocks, scratch_[ToSize(worker)], true);
+            }
+          },
+          thread_limit);
+      return;
+    }
+    parallel_for(
+        groups * key_blocks,
+        [&](int64_t task, int worker) HWY_ATTR {
+          for (int64_t m = 0; m < groups_.size(); ++m) {
+            const auto [b, h] = groups_.member(task / key_blocks, m);
+            KeyBlock(b, h, task % key_blocks, query_blocks, scratch_[ToSize(worker)], false);
+          }
+        },
+        thread_limit);
+    parallel_for(
+        groups * query_blocks,
+        [&](int64_t task, int worker) HWY_ATTR {
+          for (int64_t m = 0; m < groups_.size(); ++m) {
+            const auto [b, h] = groups_.member(task / query_blocks, m);
+            QueryBlock(b, h, task % query_blocks, key_blocks, scratch_[ToSize(worker)]);
+          }
+        },
+        thread_limit);
+  }
+
+ private:
+  static int64_t BlockCount(int64_t n, size_t block) {
+    return (n + static_cast<int64_t>(block) - 1) / static_cast<int64_t>(block);
+  }
+  int64_t RowIndex(int64_t b, int64_t h, int64_t i) const { return (b * in_.heads + h) * in_.tq + i; }
+
+  // Key block kb of head (b, h) against every query block that sees it: dK, dV and dbias of its
+  // keys; with `with_dq` (one pass) also each tile's dQ.
+  void KeyBlock(int64_t b, int64_t h, int64_t kb, int64_t query_blocks, BackwardScratch<T>& s, bool with_dq) {
+    const D d;
+    const int64_t j0 = kb * static_cast<int64_t>(kKeyBlock);
+    const size_t nk = ToSize(std::min(static_cast<int64_t>(kKeyBlock), in_.tk - j0));
+    const size_t ld = RoundUp(nk, N_);
+    PackTransposed(in_.k, b, h, j0, nk, dk_, ld, s.kt.get());
+    PackTransposed(in_.v, b, h, j0, nk, dv_, ld, s.vt.get());
+    std::fill(s.dk_acc.get(), s.dk_acc.get() + nk * dk_pad_, T{0});
+    std::fill(s.dv_acc.get(), s.dv_acc.get() + nk * dv_pad_, T{0});
+    for (int64_t qb = 0; qb < query_blocks; ++qb) {
+      const int64_t q0 = qb * static_cast<int64_t>(kQueryBlock);
+      const size_t nq = ToSize(std::min(static_cast<int64_t>(kQueryBlock), in_.tq - q0));
+      if (!TileVisible(in_, q0, nq, j0)) continue;
+      // S [nq][ld] = Q·Kᵀ and dP = dO·Vᵀ
+      MatMul<false>(d,
+                    Gemm<T>{.a = in_.q.row(b, h, q0),
+                            .a_row = ToSize(in_.q.row_stride),
+                            .a_depth = 1,
+                            .b = s.kt.get(),
+                            .b_row = ld,
+                            .c = s.p.get(),
+                            .c_row = ld,
+                            .rows = nq,
+                            .depth = dk_},
+                    ld / N_);
+      MatMul<false>(d,
+                    Gemm<T>{.a = p_.dout.row(b, h, q0),
+                            .a_row = ToSize(p_.dout.row_stride),
+                            .a_depth = 1,
+                            .b = s.vt.get(),
+                            .b_row = ld,
+                            .c = s.ds.get(),
+                            .c_row = ld,
+                            .rows = nq,
+                            .depth = dv_},
+                    ld / N_);
+      for (size_t i = 0; i < nq; ++i) {
+        const int64_t qi = q0 + static_cast<int64_t>(i);
+        const hn::Vec<D> lse_hi = hn::Set(d, p_.lse_hi[RowIndex(b, h, qi)]);
+        const hn::Vec<D> lse_lo = hn::Set(d, p_.lse_lo[RowIndex(b, h, qi)]);
+        const hn::Vec<D> delta = hn::Set(d, delta_[ToSize(RowIndex(b, h, qi))]);
+        for (size_t j = 0; j < ld; j += N_) {
+          const LaneRun run{
+              .i = qi, .j = j0 + static_cast<int64_t>(j), .di = 0, .dj = 1, .count = std::min(N_, nk - j)};
+          ProbabilityAndScoreGradient(d, in_, b, h, run, lse_hi, lse_lo, delta, s.p.get() + i * ld + j,
+                                      s.ds.get() + i * ld + j);
+        }
+      }
+      if (dbias_) AddTileToBias(dbias_, b, h, q0, nq, j0, nk, s.ds.get(), ld);
+      // dV [nk] += Pᵀ·dO and dK += dSᵀ·Q (scaled when written out)
+      MatMulCols<true>(d,
+                       Gemm<T>{.a = s.p.get(),
+                               .a_row = 1,
+                               .a_depth = ld,
+                               .b = p_.dout.row(b, h, q0),
+                               .b_row = ToSize(p_.dout.row_stride),
+                               .c = s.dv_acc.get(),
+                               .c_row = dv_pad_,
+                               .rows = nk,
+                               .depth = nq},
+                       dv_, s.panel.get());
+      MatMulCols<true>(d,
+                       Gemm<T>{.a = s.ds.get(),
+                               .a_row = 1,
+                               .a_depth = ld,
+                               .b = in_.q.row(b, h, q0),
+                               .b_row = ToSize(in_.q.row_stride),
+                               .c = s.dk_acc.get(),
+                               .c_row = dk_pad_,
+                               .rows = nk,
+                               .depth = nq},
+                       dk_, s.panel.get());
+      if (with_dq) {
+        // dQ tile [nq] = dS·K, added to dq now: tile by tile in key-block order, as pass 2 does.
+        MatMulCols<false>(d,
+                          Gemm<T>{.a = s.ds.get(),
+                                  .a_row = ld,
+                                  .a_depth = 1,
+                                  .b = in_.k.row(b, h, j0),
+                                  .b_row = ToSize(in_.k.row_stride),
+                                  .c = s.dq.get(),
+                                  .c_row = dk_pad_,
+                                  .rows = nq,
+                                  .depth = nk},
+                          dk_, s.panel.get());
+        AddScaledRows(p_.dq, b, h, q0, nq, dk_, s.dq.get(), dk_pad_, in_.scale);
+      }
+    }
+    AddScaledRows(p_.dk, b, h, j0, nk, dk_, s.dk_acc.get(), dk_pad_, in_.scale);
+    AddScaledRows(p_.dv, b, h, j0, nk, dv_, s.dv_acc.get(), dv_pad_, T{1});
+  }
+
+  // Query block qb of head (b, h) against every key block it sees, tiles with keys as rows: dQ.
+  void QueryBlock(int64_t b, int64_t h, int64_t qb, int64_t key_blocks, BackwardScratch<T>& s) {
+    const D d;
+    const int64_t q0 = qb * static_cast<int64_t>(kQueryBlock);
+    const size_t nq = ToSize(std::min(static_cast<int64_t>(kQueryBlock), in_.tq - q0));
+    const size_t ld = RoundUp(nq, N_);
+    PackTransposed(in_.q, b, h, q0, nq, dk_, ld, s.qt.get());
+    PackTransposed(p_.dout, b, h, q0, nq, dv_, ld, s.dot.get());
+    for (size_t i = 0; i < ld; ++i) {
+      const int64_t qi = q0 + static_cast<int64_t>(i);
+      s.lse_hi[i] = i < nq ? p_.lse_hi[RowIndex(b, h, qi)] : std::numeric_limits<T>::infinity();
+      s.lse_lo[i] = i < nq ? p_.lse_lo[RowIndex(b, h, qi)] : T{0};
+      s.delta[i] = i < nq ? delta_[ToSize(RowIndex(b, h, qi))] : T{0};
+    }
+    for (int64_t kb = 0; kb < key_blocks; ++kb) {
+      const int64_t j0 = kb * static_cast<int64_t>(kKeyBlock);
+      if (!TileVisible(in_, q0, nq, j0)) break;
+      const size_t nk = ToSize(std::min(static_cast<int64_t>(kKeyBlock), in_.tk - j0));
+      // Sᵀ [nk][ld] = K·Qᵀ and dPᵀ = V·dOᵀ
+      MatMul<false>(d,
+                    Gemm<T>{.a = in_.k.row(b, h, j0),
+                            .a_row = ToSize(in_.k.row_stride),
+                            .a_depth = 1,
+                            .b = s.qt.get(),
+                            .b_row = ld,
+                            .c = s.p.get(),
+                            .c_row = ld,
+                            .rows = nk,
+                            .depth = dk_},
+                    ld / N_);
+      MatMul<false>(d,
+                    Gemm<T>{.a = in_.v.row(b, h, j0),
+                            .a_row = ToSize(in_.v.row_stride),
+                            .a_depth = 1,
+                            .b = s.dot.get(),
+                            .b_row = ld,
+                            .c = s.ds.get(),
+                            .c_row = ld,
+                            .rows = nk,
+                            .depth = dv_},
+                    ld / N_);
+      for (size_t j = 0; j < nk; ++j) {
+        const int64_t kj = j0 + static_cast<int64_t>(j);
+        for (size_t i = 0; i < ld; i += N_) {
+          const LaneRun run{
+              .i = q0 + static_cast<int64_t>(i), .j = kj, .di = 1, .dj = 0, .count = std::min(N_, nq - i)};
+          ProbabilityAndScoreGradient(d, in_, b, h, run, hn::Load(d, s.lse_hi.get() + i),
+                                      hn::Load(d, s.lse_lo.get() + i), hn::Load(d, s.delta.get() + i),
+                                      s.p.get() + j * ld + i, s.ds.get() + j * ld + i);
+        }
+      }
+      // dQ tile [nq] = dS·K, with dS(i, j) = dSᵀ[j][i]
+      MatMulCols<false>(d,
+                        Gemm<T>{.a = s.ds.get(),
+                                .a_row = 1,
+                                .a_depth = ld,
+                                .b = in_.k.row(b, h, j0),
+                                .b_row = ToSize(in_.k.row_stride),
+                                .c = s.dq.get(),
+                                .c_row = dk_pad_,
+                                .rows = nq,
+                                .depth = nk},
+                        dk_, s.panel.get());
+      AddScaledRows(p_.dq, b, h, q0, nq, dk_, s.dq.get(), dk_pad_, in_.scale);
+    }
+  }
+
+  const BackwardParams<T>& p_;
+  const Inputs<T>& in_;
+  fused::ScoresView<T> dbias_;  // absent when not wanted or identically 0
+  size_t N_, dk_, dv_, dk_pad_, dv_pad_;
+  std::vector<T> delta_;  // [B·H·Tq] D_i
+  HeadGroups groups_;
+  std::vector<BackwardScratch<T>> scratch_;
+};
+
+// ---- Per-target entry points (non-templates, for HWY_EXPORT) ---------------------------------------
+
+void ForwardFloat(const ForwardParams<float>& p) { ForwardImpl(p); }
+void ForwardDouble(const ForwardParams<double>& p) { ForwardImpl(p); }
+void BackwardFloat(const BackwardParams<float>& p) { BackwardKernel<float>(p).Run(); }
+void BackwardDouble(const BackwardParams<double>& p) { BackwardKernel<double>(p).Run(); }
+const char* TargetName() { return hwy::TargetName(HWY_TARGET); }
+
+}  // namespace qkv::HWY_NAMESPACE
+HWY_AFTER_NAMESPACE();
+
+#endif  // per-target include guard

@@ -1,0 +1,266 @@
+// Fused attention, forward and backward: the API boundary (checks, views, saved statistics) and the
+// per-instruction-set dispatch. The kernels, and the comment that explains them, are in
+// attention_fused-inl.h, which Highway's foreach_target.h compiles once per target below.
+
+#include "qkv/attention_fused.hpp"
+
+#include <fmt/format.h>
+
+#include <cmath>
+#include <limits>
+#include <span>
+#include <type_traits>
+#include <vector>
+
+#include "qkv/attention.hpp"
+#include "qkv/error.hpp"
+#include "qkv/parallel.hpp"
+
+// SSSE3-only CPUs are rare enough not to be worth the compile time; they run the portable build.
+#define HWY_DISABLED_TARGETS HWY_SSSE3
+// foreach_target.h includes this path itself, once per target; it resolves against qkv's include/
+// directory. Then the translation unit's own target (the baseline) follows. The order matters.
+#undef HWY_TARGET_INCLUDE
+#define HWY_TARGET_INCLUDE "../src/attention_fused-inl.h"
+// clang-format off
+#include "hwy/foreach_target.h"  // IWYU pragma: keep
+#include "hwy/highway.h"
+#include "attention_fused-inl.h"
+// clang-format on
+
+#if HWY_ONCE
+namespace qkv {
+
+HWY_EXPORT(ForwardFloat);
+HWY_EXPORT(ForwardDouble);
+HWY_EXPORT(BackwardFloat);
+HWY_EXPORT(BackwardDouble);
+HWY_EXPORT(TargetName);
+
+namespace {
+
+template <class T>
+fused::RowsView<T> rows_of(TensorView<T> view4) {
+  return {.data = view4.data,
+          .batch_stride = view4.strides[0],
+          .head_stride = view4.strides[1],
+          .row_stride = view4.strides[2],
+          .col_stride = view4.strides[3]};
+}
+
+template <class T>
+fused::ScoresView<T> scores_of(TensorView<T> view4) {
+  return {.data = view4.data,
+          .batch_stride = view4.strides[0],
+          .head_stride = view4.strides[1],
+          .row_stride = view4.strides[2],
+          .col_stride = view4.strides[3]};
+}
+
+// The inputs of one call, checked as the reference checks them (same messages), seen as [B, H, T, D].
+template <class T>
+struct Call {
+  fused::Inputs<T> in;
+  Shape leading;  // the leading dims of q as given (rank 0 to 2), for the shapes of outputs
+
+  Shape with_leading(std::initializer_list<int64_t> tail) const {
+    std::vector<int64_t> dims(leading.dims().begin(), leading.dims().end());
+    dims.insert(dims.end(), tail.begin(), tail.end());
+    return Shape(std::span<const int64_t>(dims));
+  }
+  Shape scores() const { return {in.batch, in.heads, in.tq, in.tk}; }
+};
+
+template <class T>
+Call<T> make_call(const AttentionParams<T>& params) {
+  Call<T> call;
+  const TensorView<const T> q = as_bhtd(params.q, "q");
+  call.leading =
+      Shape(std::span<const int64_t>(params.q.shape.dims().data(), static_cast<size_t>(params.q.rank() - 2)));
+  const int64_t dk = q.shape[3];
+  if (dk == 0) throw ShapeError(fmt::format("q: d_k must be at least 1, got shape {}", params.q.shape.str()));
+  const int64_t tk = params.k.rank() >= 2 ? params.k.shape.from_back(2) : 0;
+  check_shape("k", params.k.shape, call.with_leading({tk, dk}));
+  const int64_t dv = params.v.rank() >= 1 ? params.v.shape.from_back(1) : 0;
+  check_shape("v", params.v.shape, call.with_leading({tk, dv}));
+  check_last_dim_contiguous(params.q, "q");
+  check_last_dim_contiguous(params.k, "k");
+  check_last_dim_contiguous(params.v, "v");
+  const double scale = params.scale.value_or(default_scale(dk));
+  if (!std::isfinite(scale)) throw ValueError(fmt::format("scale: expected a finite number, got {}", scale));
+
+  fused::Inputs<T>& in = call.in;
+  in = {.batch = q.shape[0],
+        .heads = q.shape[1],
+        .tq = q.shape[2],
+        .tk = tk,
+        .dk = dk,
+        .dv = dv,
+        .q = rows_of(q),
+        .k = rows_of(as_bhtd(params.k, "k")),
+        .v = rows_of(as_bhtd(params.v, "v")),
+        .allowed = {},
+        .bias = {},
+        .causal = params.mask.causal,
+        .scale = static_cast<T>(scale)};
+  if (params.mask.allowed) in.allowed = scores_of(broadcast_to(*params.mask.allowed, call.scores(), "mask"));
+  if (params.mask.bias) in.bias = scores_of(broadcast_to(*params.mask.bias, call.scores(), "bias"));
+  return call;
+}
+
+template <class T>
+fused::ForwardParams<T> forward_params(const Call<T>& call, TensorView<T> out, std::optional<TensorView<T>> lse,
+                                       T* lse_lo = nullptr) {
+  fused::ForwardParams<T> p{.in = call.in, .out = rows_of(as_bhtd(out, "out")), .lse = {}, .lse_lo = lse_lo};
+  if (lse) {
+    const TensorView<T> lse4 = as_rank4(*lse);  // [1, B, H, Tq]
+    p.lse = {
+        .data = lse4.data, .batch_stride = lse4.strides[1], .head_stride = lse4.strides[2], .stride = lse4.strides[3]};
+  }
+  return p;
+}
+
+template <class T>
+void dispatch_forward(const fused::ForwardParams<T>& p) {
+  if constexpr (std::is_same_v<T, float>) {
+    HWY_DYNAMIC_DISPATCH(ForwardFloat)(p);
+  } else {
+    HWY_DYNAMIC_DISPATCH(ForwardDouble)(p);
+  }
+}
+
+template <class T>
+void dispatch_backward(const fused::BackwardParams<T>& p) {
+  if constexpr (std::is_same_v<T, float>) {
+    HWY_DYNAMIC_DISPATCH(BackwardFloat)(p);
+  } else {
+    HWY_DYNAMIC_DISPATCH(BackwardDouble)(p);
+  }
+}
+
+// The target forced by attention_fused_use_target, 0 when none.
+int64_t g_forced_target = 0;
+
+std::vector<int64_t> supported_targets() {
+  if (g_forced_target != 0) hwy::SetSupportedTargetsForTest(0);
+  std::vector<int64_t> targets = hwy::SupportedAndGeneratedTargets();
+  if (g_forced_target != 0) hwy::SetSupportedTargetsForTest(g_forced_target);
+  return targets;
+}
+
+}  // namespace
+
+template <class T>
+void attention_forward_fused(const AttentionParams<T>& params, const AttentionOutputs<T>& outputs) {
+  const Call<T> call = make_call(params);
+  const fused::Inputs<T>& in = call.in;
+  check_shape("out", outputs.out.shape, call.with_leading({in.tq, in.dv}));
+  if (outputs.weights) {
+    throw ValueError(
+        "weights: the fused kernel never materialises the Tq×Tk weights α; use AttentionImpl::reference (or automatic) "
+        "to get them");
+  }
+  if (outputs.lse) check_shape("lse", outputs.lse->shape, call.with_leading({in.tq}));
+  dispatch_forward(forward_params(call, outputs.out, outputs.lse));
+}
+
+template <class T>
+void attention_backward_fused(const AttentionParams<T>& params, TensorView<const T> dout,
+                              const AttentionGradients<T>& grads, const std::optional<AttentionSaved<T>>& saved) {
+  const Call<T> call = make_call(params);
+  const fused::Inputs<T>& in = call.in;
+  check_shape("dout", dout.shape, call.with_leading({in.tq, in.dv}));
+  check_shape("dq", grads.dq.shape, params.q.shape);
+  check_shape("dk", grads.dk.shape, params.k.shape);
+  check_shape("dv", grads.dv.shape, params.v.shape);
+  if (grads.dbias && !params.mask.bias) throw ShapeError("dbias: given, but the mask has no additive bias");
+  if (grads.dbias) check_shape("dbias", grads.dbias->shape, params.mask.bias->shape);
+  if (saved) {
+    check_shape("saved.out", saved->out.shape, call.with_leading({in.tq, in.dv}));
+    check_shape("saved.lse", saved->lse.shape, call.with_leading({in.tq}));
+  }
+
+  // Without the forward's results, run it: out and lse are O(T·d), never O(T²). Its lse then
+  // comes in two parts, so P is recomputed without the rounding of lse to T (a relative error of
+  // up to half an ulp of lse in every P) that a saved lse carries.
+  const size_t rows = static_cast<size_t>(in.heads_total() * in.tq);
+  std::vector<T> lse_lo(rows);
+  Tensor<T> recomputed_out, recomputed_lse;
+  TensorView<const T> out = saved ? saved->out : TensorView<const T>{};
+  TensorView<const T> lse = saved ? saved->lse : TensorView<const T>{};
+  if (!saved) {
+    recomputed_out = Tensor<T>(call.with_leading({in.tq, in.dv}));
+    recomputed_lse = Tensor<T>(call.with_leading({in.tq}));
+    dispatch_forward(forward_params<T>(call, recomputed_out.view(), recomputed_lse.view(), lse_lo.data()));
+    out = recomputed_out.cview();
+    lse = recomputed_lse.cview();
+  }
+  // The kernels load dO rows as vectors: a dout whose last dim is strided is copied first.
+  Tensor<T> dout_copy;
+  TensorView<const T> dout4 = as_bhtd(dout, "dout");
+  if (dout4.shape[3] > 1 && dout4.strides[3] != 1) {
+    dout_copy = to_tensor<T, T>(dout4);
+    dout4 = dout_copy.cview();
+  }
+
+  // Per row, the lse that P is recomputed from; fully masked rows (−inf) become +inf, see lse_hi.
+  const TensorView<const T> lse4 = as_rank4(lse);
+  std::vector<T> lse_hi(rows);
+  for (int64_t bh = 0; bh < in.heads_total(); ++bh) {
+    for (int64_t i = 0; i < in.tq; ++i) {
+      const T row_lse = lse4(0, bh / in.heads, bh % in.heads, i);
+      lse_hi[static_cast<size_t>(bh * in.tq + i)] =
+          row_lse == -std::numeric_limits<T>::infinity() ? std::numeric_limits<T>::infinity() : row_lse;
+    }
+  }
+
+  fused::BackwardParams<T> p{.in = in,
+                             .dout = rows_of(dout4),
+                             .lse_hi = lse_hi.data(),
+                             .lse_lo = lse_lo.data(),
+                             .out = rows_of(as_bhtd(out, "saved.out")),
+                             .dq = rows_of(as_bhtd(grads.dq, "dq")),
+                             .dk = rows_of(as_bhtd(grads.dk, "dk")),
+                             .dv = rows_of(as_bhtd(grads.dv, "dv")),
+                             .dbias = {}};
+  if (grads.dbias) p.dbias = scores_of(broadcast_to(*grads.dbias, call.scores(), "dbias"));
+  dispatch_backward(p);
+}
+
+std::vector<std::string> attention_fused_targets() {
+  std::vector<std::string> names;
+  for (const int64_t target : supported_targets()) names.emplace_back(hwy::TargetName(target));
+  return names;
+}
+
+std::string attention_fused_target() { return HWY_DYNAMIC_DISPATCH(TargetName)(); }
+
+void attention_fused_use_target(std::string_view target) {
+  if (target.empty()) {
+    g_forced_target = 0;
+    hwy::SetSupportedTargetsForTest(0);
+    return;
+  }
+  std::string available;
+  for (const int64_t t : supported_targets()) {
+    if (target == hwy::TargetName(t)) {
+      g_forced_target = t;
+      hwy::SetSupportedTargetsForTest(t);
+      return;
+    }
+    available += fmt::format("{}{}", available.empty() ? "" : ", ", hwy::TargetName(t));
+  }
+  throw ValueError(fmt::format("target: expected one of {}, got \"{}\"", available, target));
+}
+
+#define QKV_INSTANTIATE_ATTENTION_FUSED(T)                                                                             \
+  template void attention_forward_fused(const AttentionParams<T>&, const AttentionOutputs<T>&);                        \
+  template void attention_backward_fused(const AttentionParams<T>&, TensorView<const T>, const AttentionGradients<T>&, \
+                                         const std::optional<AttentionSaved<T>>&);
+
+QKV_INSTANTIATE_ATTENTION_FUSED(float)
+QKV_INSTANTIATE_ATTENTION_FUSED(double)
+#undef QKV_INSTANTIATE_ATTENTION_FUSED
+
+}  // namespace qkv
+#endif  // HWY_ONCE

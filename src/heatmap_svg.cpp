@@ -1,0 +1,212 @@
+// SVG heatmaps, written by hand rather than through cairo's SVG surface: cairo would draw each cell
+// as a <path> and each label as glyph outlines. Here a cell is a <rect> with a <title> (its query,
+// key and exact value, shown as a tooltip), and labels are <text>: the file is small, its text can
+// be searched and selected, and it can be restyled or edited. The layout is the PNG's, measured with
+// pango in the same fonts, which the file names first in its font-family list.
+//
+// Only cells are <rect> elements (the background, frames and ticks are <path>s), so a reader can
+// count them. A matrix of more than kMaxVectorCells cells is one embedded PNG, a pixel per cell,
+// scaled without smoothing: a million <rect>s would make a file of a hundred megabytes.
+
+#include <fmt/format.h>
+
+#include "heatmap_internal.hpp"
+
+namespace qkv::heatmap_detail {
+namespace {
+
+// Text for XML content and attribute values. Labels were sanitised (no controls); U+FFFE and U+FFFF
+// are UTF-8 but not XML characters.
+std::string xml_escape(std::string_view text) {
+  std::string out;
+  out.reserve(text.size());
+  for (size_t i = 0; i < text.size(); ++i) {
+    const char c = text[i];
+    if (c == '&') {
+      out += "&amp;";
+    } else if (c == '<') {
+      out += "&lt;";
+    } else if (c == '>') {
+      out += "&gt;";
+    } else if (c == '"') {
+      out += "&quot;";
+    } else if (text.substr(i, 2) == "\xEF\xBF" && i + 2 < text.size() &&
+               (text[i + 2] == '\xBE' || text[i + 2] == '\xBF')) {
+      out += "\uFFFD";
+      i += 2;
+    } else {
+      out += c;
+    }
+  }
+  return out;
+}
+
+std::string hex(Rgb c) { return fmt::format("#{:02x}{:02x}{:02x}", c.r, c.g, c.b); }
+
+std::string base64(std::string_view bytes) {
+  constexpr std::string_view kDigits = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
+  std::string out;
+  out.reserve((bytes.size() + 2) / 3 * 4);
+  for (size_t i = 0; i < bytes.size(); i += 3) {
+    uint32_t chunk = static_cast<uint32_t>(static_cast<unsigned char>(bytes[i])) << 16;
+    if (i + 1 < bytes.size()) chunk |= static_cast<uint32_t>(static_cast<unsigned char>(bytes[i + 1])) << 8;
+    if (i + 2 < bytes.size()) chunk |= static_cast<unsigned char>(bytes[i + 2]);
+    out += kDigits[(chunk >> 18) & 63];
+    out += kDigits[(chunk >> 12) & 63];
+    out += i + 1 < bytes.size() ? kDigits[(chunk >> 6) & 63] : '=';
+    out += i + 2 < bytes.size() ? kDigits[chunk & 63] : '=';
+  }
+  return out;
+}
+
+// A filled axis-aligned rectangle that is not a cell.
+void box(std::string& out, double x, double y, double w, double h, std::string_view fill) {
+  fmt::format_to(std::back_inserter(out), R"svg(<path d="M{} {}h{}v{}h{}z" fill="{}"/>)svg", x, y, w, h, -w, fill);
+  out += '\n';
+}
+
+enum class Anchor { start, middle, end };
+
+std::string_view anchor_name(Anchor a) { return a == Anchor::start ? "start" : a == Anchor::middle ? "middle" : "end"; }
+
+// Text anchored at (x, y): horizontally by `anchor`, vertically on its centre line.
+void text(std::string& out, std::string_view content, double size, Rgb color, double x, double y, Anchor anchor,
+          std::string_view extra = "") {
+  fmt::format_to(
+      std::back_inserter(out),
+      R"svg(<text x="{}" y="{}" font-size="{}" fill="{}" text-anchor="{}" dominant-baseline="central"{}>{}</text>)svg",
+      x, y, size, hex(color), anchor_name(anchor), extra, xml_escape(content));
+  out += '\n';
+}
+
+// The same, turned a quarter left (reading upwards), anchored at (x, y).
+void rotated_text(std::string& out, std::string_view content, double size, Rgb color, double x, double y,
+                  Anchor anchor) {
+  fmt::format_to(
+      std::back_inserter(out),
+      R"svg(<text transform="translate({} {}) rotate(-90)" font-size="{}" fill="{}" text-anchor="{}" dominant-baseline="central">{}</text>)svg",
+      x, y, size, hex(color), anchor_name(anchor), xml_escape(content));
+  out += '\n';
+}
+
+void panel_svg(std::string& out, const Figure& f, const Panel& panel, const HeatmapPanelLayout& p) {
+  const auto mx = static_cast<double>(p.matrix.x);
+  const auto my = static_cast<double>(p.matrix.y);
+  const auto cw = static_cast<double>(p.cell_width);
+  const auto ch = static_cast<double>(p.cell_height);
+  if (p.caption.height > 0) {
+    text(out, panel.caption, kCaptionSize, kInk, mx + static_cast<double>(p.matrix.width) / 2,
+         static_cast<double>(p.caption.y) + static_cast<double>(p.caption.height) / 2, Anchor::middle);
+  }
+  if (f.tq * f.tk <= kMaxVectorCells) {
+    fmt::format_to(std::back_inserter(out), "<g class=\"cells\" data-head=\"{}\" shape-rendering=\"crispEdges\">\n",
+                   panel.head);
+    for (int64_t i = 0; i < f.tq; ++i) {
+      for (int64_t j = 0; j < f.tk; ++j) {
+        const double value = panel.values[static_cast<size_t>(i * f.tk + j)];
+        fmt::format_to(
+            std::back_inserter(out),
+            R"svg(<rect x="{}" y="{}" width="{}" height="{}" fill="{}"><title>{} → {}: {}</title></rect>)svg",
+            mx + static_cast<double>(j) * cw, my + static_cast<double>(i) * ch, cw, ch, hex(f.color(value)),
+            xml_escape(f.row_labels[static_cast<size_t>(i)]), xml_escape(f.col_labels[static_cast<size_t>(j)]),
+            f.exact(value));
+        out += '\n';
+      }
+    }
+    out += "</g>\n";
+  } else {
+    fmt::format_to(
+        std::back_inserter(out),
+        R"svg(<image x="{}" y="{}" width="{}" height="{}" preserveAspectRatio="none" )svg"
+        R"svg(style="image-rendering:pixelated;image-rendering:crisp-edges" href="data:image/png;base64,{}"/>)svg",
+        mx, my, p.matrix.width, p.matrix.height, base64(matrix_png(f, panel)));
+    out += '\n';
+  }
+  if (f.annotate) {
+    out += "<g class=\"annotations\">\n";
+    for (int64_t i = 0; i < f.tq; ++i) {
+      for (int64_t j = 0; j < f.tk; ++j) {
+        const double value = panel.values[static_cast<size_t>(i * f.tk + j)];
+        const Rgb ink = luma(f.color(value)) > 128.0 ? Rgb{0, 0, 0} : Rgb{255, 255, 255};
+        text(out, annotation(value), kAnnotationSize, ink, mx + (static_cast<double>(j) + 0.5) * cw,
+             my + (static_cast<double>(i) + 0.5) * ch, Anchor::middle);
+      }
+    }
+    out += "</g>\n";
+  }
+  if (p.row_labels.width > 0) {
+    for (int64_t i = 0; i < f.tq; i += p.row_label_step) {
+      const double centre = my + (static_cast<double>(i) + 0.5) * ch;
+      box(out, mx - kTickLength, std::floor(centre), kTickLength, 1, hex(kMutedInk));
+      text(out, f.row_text[static_cast<size_t>(i)], kLabelSize, kInk,
+           static_cast<double>(p.row_labels.x + p.row_labels.width), centre, Anchor::end);
+    }
+  }
+  if (p.col_labels.height > 0) {
+    const double bottom = my + static_cast<double>(p.matrix.height);
+    for (int64_t j = 0; j < f.tk; j += p.col_label_step) {
+      const double centre = mx + (static_cast<double>(j) + 0.5) * cw;
+      box(out, std::floor(centre), bottom, 1, kTickLength, hex(kMutedInk));
+      const std::string& label = f.col_text[static_cast<size_t>(j)];
+      if (p.col_labels_rotated) {
+        rotated_text(out, label, kLabelSize, kInk, centre, static_cast<double>(p.col_labels.y), Anchor::end);
+      } else {
+        text(out, label, kLabelSize, kInk, centre,
+             static_cast<double>(p.col_labels.y) + static_cast<double>(p.col_labels.height) / 2, Anchor::middle);
+      }
+    }
+  }
+}
+
+}  // namespace
+
+std::string render_svg(const Figure& f) {
+  const HeatmapLayout& L = f.layout;
+  std::string out;
+  out += "<?xml version=\"1.0\" encoding=\"UTF-8\"?>\n";
+  fmt::format_to(std::back_inserter(out),
+                 R"svg(<svg xmlns="http://www.w3.org/2000/svg" width="{0}" height="{1}" viewBox="0 0 {0} {1}" )svg"
+                 R"svg(font-family="{2}">)svg",
+                 L.width, L.height, xml_escape(kFontFamily));
+  out += '\n';
+  fmt::format_to(std::back_inserter(out), "<title>{}</title>\n",
+                 xml_escape(f.title.empty() ? "attention weights (rows = queries, columns = keys)" : f.title));
+  out += "<defs><linearGradient id=\"qkv-colormap\" x1=\"0\" y1=\"1\" x2=\"0\" y2=\"0\">\n";
+  const auto samples = colormap_samples(f.colormap);
+  for (size_t k = 0; k < samples.size(); ++k) {
+    fmt::format_to(std::back_inserter(out), "<stop offset=\"{}\" stop-color=\"{}\"/>\n",
+                   static_cast<double>(k) / static_cast<double>(samples.size() - 1), hex(samples[k]));
+  }
+  out += "</linearGradient></defs>\n";
+  box(out, 0, 0, static_cast<double>(L.width), static_cast<double>(L.height), "#ffffff");
+
+  if (L.title.height > 0) {
+    text(out, f.title, kTitleSize, kInk, static_cast<double>(L.title.x) + static_cast<double>(L.title.width) / 2,
+         static_cast<double>(L.title.y) + static_cast<double>(L.title.height) / 2, Anchor::middle,
+         " font-weight=\"bold\"");
+  }
+  for (size_t k = 0; k < f.panels.size(); ++k) panel_svg(out, f, f.panels[k], L.panels[k]);
+  const PixelRect& rows = L.row_axis_title;
+  rotated_text(out, "queries", kAxisTitleSize, kMutedInk,
+               static_cast<double>(rows.x) + static_cast<double>(rows.width) / 2,
+               static_cast<double>(rows.y) + static_cast<double>(rows.height) / 2, Anchor::middle);
+  const PixelRect& cols = L.col_axis_title;
+  text(out, "keys", kAxisTitleSize, kMutedInk, static_cast<double>(cols.x) + static_cast<double>(cols.width) / 2,
+       static_cast<double>(cols.y) + static_cast<double>(cols.height) / 2, Anchor::middle);
+
+  const auto bx = static_cast<double>(L.colorbar.x);
+  const auto by = static_cast<double>(L.colorbar.y);
+  const auto bw = static_cast<double>(L.colorbar.width);
+  const auto bh = static_cast<double>(L.colorbar.height);
+  box(out, bx - 1, by - 1, bw + 2, bh + 2, hex(kMutedInk));
+  box(out, bx, by, bw, bh, "url(#qkv-colormap)");
+  for (size_t k = 0; k < L.ticks.size(); ++k) {
+    const double ty = by + (1.0 - f.position(L.ticks[k])) * bh;
+    box(out, bx + bw, std::min(std::floor(ty), by + bh - 1), kTickLength, 1, hex(kMutedInk));
+    text(out, f.tick_text[k], kTickSize, kInk, static_cast<double>(L.colorbar_labels.x), ty, Anchor::start);
+  }
+  out += "</svg>\n";
+  return out;
+}
+
+}  // namespace qkv::heatmap_detail

@@ -1,0 +1,346 @@
+#!/usr/bin/env python3
+"""Bad input to `qkv attend` and `qkv attend-backward`, and a happy path of each.
+
+Every refusal must exit with code 2, print one error line that names the option at fault, and
+leave the working directory exactly as it was: no output, no temporary file, even when the bad
+option is the second of two outputs. The happy paths check the outputs' shapes and a few values
+against numpy, so that a refusal test cannot pass by the tool refusing everything.
+
+Run: QKV_BIN=build/release/apps/qkv /usr/bin/python3 tests/cli/test_attend_errors.py
+"""
+
+import os
+import subprocess
+import sys
+import tempfile
+
+import numpy as np
+
+QKV = os.path.abspath(os.environ["QKV_BIN"]) if os.environ.get("QKV_BIN") else None
+EXIT_BAD_INPUT = 2
+
+
+class Suite:
+    def __init__(self, workdir):
+        self.workdir = workdir
+        self.failures = []
+        self.count = 0
+
+    def path(self, name):
+        return os.path.join(self.workdir, name)
+
+    def save(self, name, array):
+        np.save(self.path(name), array)
+        return name
+
+    def write_bytes(self, name, data):
+        with open(self.path(name), "wb") as f:
+            f.write(data)
+        return name
+
+    def files(self):
+        found = set()
+        for root, _, names in os.walk(self.workdir):
+            for name in names:
+                found.add(os.path.relpath(os.path.join(root, name), self.workdir))
+        return found
+
+    def run(self, args):
+        # Every run here is small or refused up front: a run that takes long is a failure, not a wait.
+        return subprocess.run([QKV, *args], cwd=self.workdir, capture_output=True, text=True, timeout=30)
+
+    def fail(self, name, problem, result):
+        self.failures.append(name)
+        print(f"FAIL {name}: {problem}\n     stdout: {result.stdout.strip()!r}\n     stderr: {result.stderr.strip()!r}")
+
+    def refuse(self, name, args, *must_mention):
+        """The command exits 2, its error line mentions every string of must_mention, and no file appears."""
+        self.count += 1
+        before = self.files()
+        result = self.run(args)
+        appeared = sorted(self.files() - before)
+        for extra in appeared:
+            os.remove(self.path(extra))
+        lines = result.stderr.strip().splitlines()
+        first = lines[0] if lines else ""
+        if result.returncode != EXIT_BAD_INPUT:
+            return self.fail(name, f"exit code {result.returncode}, expected {EXIT_BAD_INPUT}", result)
+        if not first.startswith("qkv: error: "):
+            return self.fail(name, "the first stderr line is not 'qkv: error: ...'", result)
+        # CLI11's own parse errors add a second line pointing at --help; ours are one line.
+        if len(lines) > 2 or (len(lines) == 2 and not lines[1].startswith("Run with --help")):
+            return self.fail(name, f"expected a one-line error, got {len(lines)} lines", result)
+        missing = [text for text in must_mention if text not in first]
+        if missing:
+            return self.fail(name, f"the error does not mention {missing}", result)
+        if appeared:
+            return self.fail(name, f"files appeared: {appeared}", result)
+        print(f"ok   {name}: {first}")
+
+    def succeed(self, name, args, check=None):
+        """The command exits 0 and check(result) (if given) returns None or a problem."""
+        self.count += 1
+        result = self.run(args)
+        if result.returncode != 0:
+            return self.fail(name, f"exit code {result.returncode}, expected 0", result)
+        problem = check(result) if check else None
+        if problem:
+            return self.fail(name, problem, result)
+        print(f"ok   {name}")
+
+
+def softmax_attention(q, k, v, scale, mask=None):
+    """float64 numpy reference for the happy paths (no fully masked rows)."""
+    s = scale * (q.astype(np.float64) @ np.swapaxes(k.astype(np.float64), -1, -2))
+    if mask is not None:
+        s = s + mask
+    s = s - s.max(axis=-1, keepdims=True)
+    p = np.exp(s)
+    p /= p.sum(axis=-1, keepdims=True)
+    return p @ v.astype(np.float64), p
+
+
+def main():
+    if not QKV or not os.access(QKV, os.X_OK):
+        print(f"QKV_BIN must name the qkv binary, got {QKV!r}")
+        return 1
+    rng = np.random.default_rng(7)
+    with tempfile.TemporaryDirectory(prefix="qkv_attend_errors_") as workdir:
+        t = Suite(workdir)
+        f32 = np.float32
+        B, H, Tq, Tk, Dk, Dv, A = 2, 3, 5, 7, 4, 6, 8
+        t.save("q.npy", rng.standard_normal((B, H, Tq, Dk)).astype(f32))
+        t.save("k.npy", rng.standard_normal((B, H, Tk, Dk)).astype(f32))
+        t.save("v.npy", rng.standard_normal((B, H, Tk, Dv)).astype(f32))
+        t.save("dout.npy", rng.standard_normal((B, H, Tq, Dv)).astype(f32))
+        t.save("bias.npy", rng.standard_normal((1, H, Tq, Tk)).astype(f32))
+        t.save("allowed.npy", rng.random((Tq, Tk)) < 0.7)
+        t.save("wq.npy", rng.standard_normal((A, Dk)).astype(f32))
+        t.save("wk.npy", rng.standard_normal((A, Dk)).astype(f32))
+        t.save("ww.npy", rng.standard_normal((A,)).astype(f32))
+        os.mkdir(t.path("outdir"))
+        qkv = ["--q", "q.npy", "--k", "k.npy", "--v", "v.npy"]
+        attend = ["attend", *qkv]
+        backward = ["attend-backward", *qkv, "--dout", "dout.npy"]
+        additive = ["--score", "additive", "--wq", "wq.npy", "--wk", "wk.npy", "--ww", "ww.npy"]
+
+        # ---- Files that cannot be read, or are not .npy arrays qkv takes.
+        t.refuse("missing input file", ["attend", "--q", "nope.npy", "--k", "k.npy", "--v", "v.npy", "-o", "o.npy"],
+                 "--q:", "nope.npy")
+        t.refuse("input is a directory", ["attend", "--q", "q.npy", "--k", "outdir", "--v", "v.npy", "-o", "o.npy"],
+                 "--k:", "outdir")
+        t.write_bytes("garbage.npy", b"this is not an npy file at all")
+        t.refuse("not an npy file", ["attend", "--q", "q.npy", "--k", "k.npy", "--v", "garbage.npy", "-o", "o.npy"],
+                 "--v:", "garbage.npy")
+        with open(t.path("q.npy"), "rb") as f:
+            t.write_bytes("truncated.npy", f.read()[:-10])
+        t.refuse("truncated npy", ["attend", "--q", "truncated.npy", "--k", "k.npy", "--v", "v.npy", "-o", "o.npy"],
+                 "--q:", "truncated")
+        t.save("q_i64.npy", np.ones((B, H, Tq, Dk), dtype=np.int64))
+        t.refuse("int64 Q", ["attend", "--q", "q_i64.npy", "--k", "k.npy", "--v", "v.npy", "-o", "o.npy"],
+                 "--q:", "int64", "float32")
+        t.save("q_big.npy", np.full((Tq, Dk), 1e300))
+        t.refuse("float64 beyond float32's range",
+                 ["attend", "--q", "q_big.npy", "--k", "k.npy", "--v", "v.npy", "-o", "o.npy"], "--q:", "range")
+
+        # ---- Shapes that do not fit together.
+        t.save("k_dk3.npy", np.ones((B, H, Tk, 3), dtype=f32))
+        t.refuse("Dk of K differs from Q",
+                 ["attend", "--q", "q.npy", "--k", "k_dk3.npy", "--v", "v.npy", "-o", "o.npy"], "--k:",
+                 str([B, H, Tk, Dk]), str([B, H, Tk, 3]))
+        t.save("v_tk6.npy", np.ones((B, H, 6, Dv), dtype=f32))
+        t.refuse("Tk of V differs from K",
+                 ["attend", "--q", "q.npy", "--k", "k.npy", "--v", "v_tk6.npy", "-o", "o.npy"], "--v:",
+                 str([B, H, 6, Dv]))
+        t.save("k_h2.npy", np.ones((B, 2, Tk, Dk), dtype=f32))
+        t.refuse("leading dims differ", ["attend", "--q", "q.npy", "--k", "k_h2.npy", "--v", "v.npy", "-o", "o.npy"],
+                 "--k:")
+        t.save("q_rank1.npy", np.ones((Dk,), dtype=f32))
+        t.refuse("Q of rank 1", ["attend", "--q", "q_rank1.npy", "--k", "k.npy", "--v", "v.npy", "-o", "o.npy"], "--q:")
+        t.save("q_rank5.npy", np.ones((1, B, H, Tq, Dk), dtype=f32))
+        t.refuse("Q of rank 5", ["attend", "--q", "q_rank5.npy", "--k", "k.npy", "--v", "v.npy", "-o", "o.npy"], "--q:")
+        t.save("q_d0.npy", np.ones((Tq, 0), dtype=f32))
+        t.save("k_d0.npy", np.ones((Tk, 0), dtype=f32))
+        t.refuse("d_k = 0", ["attend", "--q", "q_d0.npy", "--k", "k_d0.npy", "--v", "v.npy", "-o", "o.npy"],
+                 "--q:", "d_k")
+
+        # ---- Non-finite values: refused with the count and the first index.
+        q_nan = rng.standard_normal((B, H, Tq, Dk)).astype(f32)
+        q_nan[1, 2, 3, 0] = np.nan
+        q_nan[1, 2, 4, 1] = np.inf
+        t.save("q_nan.npy", q_nan)
+        t.refuse("NaN in Q", ["attend", "--q", "q_nan.npy", "--k", "k.npy", "--v", "v.npy", "-o", "o.npy"],
+                 "--q:", "2 non-finite", "[1, 2, 3, 0]", "--allow-nonfinite")
+        v_inf = rng.standard_normal((B, H, Tk, Dv))
+        v_inf[0, 0, 0, 5] = -np.inf
+        t.save("v_inf.npy", v_inf)
+        t.refuse("-inf in float64 V", ["attend", "--q", "q.npy", "--k", "k.npy", "--v", "v_inf.npy", "-o", "o.npy"],
+                 "--v:", "1 non-finite", "[0, 0, 0, 5]")
+        bias_pinf = np.zeros((Tq, Tk), dtype=f32)
+        bias_pinf[2, 3] = np.inf
+        t.save("bias_pinf.npy", bias_pinf)
+        t.refuse("+inf in a float mask", [*attend, "--mask", "bias_pinf.npy", "-o", "o.npy"], "--mask:", "[2, 3]")
+        dout_nan = np.zeros((B, H, Tq, Dv), dtype=f32)
+        dout_nan[0, 1, 2, 3] = np.nan
+        t.save("dout_nan.npy", dout_nan)
+        t.refuse("NaN in dO", ["attend-backward", *qkv, "--dout", "dout_nan.npy", "--dq", "dq.npy"],
+                 "--dout:", "[0, 1, 2, 3]")
+        wk_nan = np.ones((A, Dk), dtype=f32)
+        wk_nan[3, 1] = np.nan
+        t.save("wk_nan.npy", wk_nan)
+        t.refuse("NaN in WK", [*attend, "--score", "additive", "--wq", "wq.npy", "--wk", "wk_nan.npy", "--ww", "ww.npy",
+                               "-o", "o.npy"], "--wk:", "[3, 1]")
+
+        # ---- Masks.
+        t.save("mask_bad.npy", np.ones((Tq, 3), dtype=bool))
+        t.refuse("mask that does not broadcast", [*attend, "--mask", "mask_bad.npy", "-o", "o.npy"],
+                 "--mask:", str([B, H, Tq, Tk]), str([Tq, 3]))
+        t.save("mask_h2.npy", np.zeros((2, Tq, Tk), dtype=f32))
+        t.refuse("float mask with the wrong heads", [*attend, "--mask", "mask_h2.npy", "-o", "o.npy"], "--mask:")
+        t.save("mask_i64.npy", np.ones((Tq, Tk), dtype=np.int64))
+        t.refuse("int64 mask", [*attend, "--mask", "mask_i64.npy", "-o", "o.npy"], "--mask:", "int64", "bool")
+
+        # ---- Options that do not fit together.
+        t.refuse("--score additive without --wq", [*attend, "--score", "additive", "--wk", "wk.npy", "--ww", "ww.npy",
+                                                   "-o", "o.npy"], "--wq:")
+        t.refuse("--score additive without --ww", [*attend, "--score", "additive", "--wq", "wq.npy", "--wk", "wk.npy",
+                                                   "-o", "o.npy"], "--ww:")
+        t.refuse("--wq with --score dot", [*attend, "--wq", "wq.npy", "-o", "o.npy"], "--wq:")
+        t.save("wk_bad.npy", np.ones((A, Dk + 1), dtype=f32))
+        t.refuse("--wk of the wrong shape", [*attend, "--score", "additive", "--wq", "wq.npy", "--wk", "wk_bad.npy",
+                                             "--ww", "ww.npy", "-o", "o.npy"], "--wk:", str([A, Dk]), str([A, Dk + 1]))
+        t.save("ww_bad.npy", np.ones((A - 1,), dtype=f32))
+        t.refuse("--ww of the wrong length", [*attend, "--score", "additive", "--wq", "wq.npy", "--wk", "wk.npy",
+                                              "--ww", "ww_bad.npy", "-o", "o.npy"], "--ww:")
+        t.refuse("--scale inf", [*attend, "--scale", "inf", "-o", "o.npy"], "--scale", "finite")
+        t.refuse("--scale nan", [*attend, "--scale", "nan", "-o", "o.npy"], "--scale", "finite")
+        t.refuse("--scale not a number", [*attend, "--scale", "abc", "-o", "o.npy"], "--scale")
+        t.refuse("--scale with --score additive", [*attend, *additive, "--scale", "0.5", "-o", "o.npy"], "--scale")
+        t.refuse("unknown --impl", [*attend, "--impl", "fast", "-o", "o.npy"], "--impl")
+        t.refuse("unknown --score", [*attend, "--score", "cosine", "-o", "o.npy"], "--score")
+        t.refuse("missing --q", ["attend", "--k", "k.npy", "--v", "v.npy", "-o", "o.npy"], "--q")
+        t.refuse("missing -o", [*attend], "--out")
+
+        # ---- Outputs: every path is checked before any work, so nothing is written when one is bad.
+        t.refuse("output in a missing directory", [*attend, "-o", "missing/o.npy"], "-o:", "missing")
+        t.refuse("second output in a missing directory", [*attend, "-o", "o.npy", "--weights", "missing/a.npy"],
+                 "--weights:", "missing")
+        t.refuse("third output is a directory", [*attend, "-o", "o.npy", "--weights", "a.npy", "--lse", "outdir"],
+                 "--lse:", "directory")
+        t.refuse("two outputs name one file", [*attend, "-o", "o.npy", "--weights", "./o.npy"], "--weights:", "-o")
+        # A 250-character name is valid, but the temporary file beside it is too long a name: the second
+        # output fails while being written, after the first was, and neither may remain.
+        long_name = "w" * 246 + ".npy"
+        t.refuse("second output fails while being written", [*attend, "-o", "o.npy", "--weights", long_name],
+                 "--weights:", "too long")
+        t.refuse("backward: second output in a missing directory",
+                 [*backward, "--dq", "dq.npy", "--dk", "missing/dk.npy"], "--dk:", "missing")
+        t.refuse("backward: bad output and bad input", [*backward, "--mask", "mask_bad.npy", "--dq", "dq.npy"],
+                 "--mask:")
+        t.refuse("backward without outputs", [*backward], "--dq", "at least one")
+        t.refuse("backward: --dbias without a mask", [*backward, "--dq", "dq.npy", "--dbias", "db.npy"], "--dbias:")
+        t.refuse("backward: --dbias with a bool mask",
+                 [*backward, "--mask", "allowed.npy", "--dq", "dq.npy", "--dbias", "db.npy"], "--dbias:", "bool")
+        t.refuse("backward: --dwq with --score dot", [*backward, "--dq", "dq.npy", "--dwq", "dwq.npy"], "--dwq:")
+        t.save("dout_bad.npy", np.ones((B, H, Tq, Dv + 1), dtype=f32))
+        t.refuse("backward: dO of the wrong shape",
+                 ["attend-backward", *qkv, "--dout", "dout_bad.npy", "--dq", "dq.npy"], "--dout:", str([B, H, Tq, Dv]))
+        t.refuse("backward: missing dO file", ["attend-backward", *qkv, "--dout", "nope.npy", "--dq", "dq.npy"],
+                 "--dout:")
+
+        # ---- A problem whose per-head Tq×Tk scores would not fit in memory is refused before any work,
+        # with the size it needs. Only the reference materialises them (and the weights, when asked
+        # for); the fused kernel of --impl auto would run it, in hours, so these runs name the reference.
+        n = 2_000_000
+        t.save("long.npy", np.ones((n, 1), dtype=f32))
+        long_qkv = ["--q", "long.npy", "--k", "long.npy", "--v", "long.npy"]
+        t.refuse("per-head scores beyond memory", ["attend", *long_qkv, "--impl", "reference", "-o", "o.npy"],
+                 "needs", "TiB")
+        t.refuse("weights beyond memory", ["attend", *long_qkv, "-o", "o.npy", "--weights", "a.npy"],
+                 "--weights", "needs", "TiB")
+        t.refuse("backward beyond memory", ["attend-backward", *long_qkv, "--impl", "reference", "--dout", "long.npy",
+                                            "--dq", "dq.npy", "--dv", "dv.npy"], "needs", "TiB")
+        os.remove(t.path("long.npy"))
+
+        # ---- Happy paths.
+        q, k, v = (np.load(t.path(name)) for name in ("q.npy", "k.npy", "v.npy"))
+        bias = np.load(t.path("bias.npy"))
+
+        def check_forward(_):
+            out, weights, lse = (np.load(t.path(name)) for name in ("outdir/o.npy", "outdir/a.npy", "outdir/l.npy"))
+            want_out, want_p = softmax_attention(q, k, v, 1 / np.sqrt(Dk), bias)
+            if out.dtype != np.float32 or out.shape != (B, H, Tq, Dv):
+                return f"out: {out.dtype} {out.shape}"
+            if weights.shape != (B, H, Tq, Tk) or lse.shape != (B, H, Tq):
+                return f"weights {weights.shape}, lse {lse.shape}"
+            # float32 outputs of a float64-accumulated computation on O(1) values: a few float32 ulps.
+            tol = 16 * np.finfo(np.float32).eps
+            if np.abs(out - want_out).max() > tol or np.abs(weights - want_p).max() > tol:
+                return f"values differ from numpy by {np.abs(out - want_out).max():.3g} (out)"
+            leftovers = sorted(f for f in os.listdir(t.path("outdir")) if f not in ("o.npy", "a.npy", "l.npy"))
+            return f"stray files {leftovers}" if leftovers else None
+
+        t.succeed("attend with every output",
+                  [*attend, "--mask", "bias.npy", "-o", "outdir/o.npy", "--weights", "outdir/a.npy", "--lse",
+                   "outdir/l.npy"], check_forward)
+        t.succeed("attend overwrites an existing output", [*attend, "--mask", "bias.npy", "-o", "outdir/o.npy",
+                                                           "--weights", "outdir/a.npy", "--lse", "outdir/l.npy"],
+                  check_forward)
+        t.save("q64.npy", q.astype(np.float64))
+        t.succeed("float64 input", ["attend", "--q", "q64.npy", "--k", "k.npy", "--v", "v.npy", "--causal",
+                                    "--mask", "allowed.npy", "--impl", "reference", "-o", "o64.npy"],
+                  lambda _: None if np.isfinite(np.load(t.path("o64.npy"))).all() else "non-finite output")
+        bias_ninf = np.zeros((Tq, Tk), dtype=f32)
+        bias_ninf[:, 1:] = -np.inf
+        t.save("bias_ninf.npy", bias_ninf)
+        # Only key 0 is visible: its weight is 1 and the output is its value, up to float32 rounding.
+        only_key0 = np.broadcast_to(v[:, :, :1], (B, H, Tq, Dv))
+        t.succeed("-inf in a float mask masks", [*attend, "--mask", "bias_ninf.npy", "-o", "o_ninf.npy"],
+                  lambda _: None if np.abs(np.load(t.path("o_ninf.npy")) - only_key0).max()
+                  <= 4 * np.finfo(np.float32).eps * np.abs(v).max() else "out != the value of key 0")
+        t.succeed("--allow-nonfinite accepts NaN", ["attend", "--q", "q_nan.npy", "--k", "k.npy", "--v", "v.npy",
+                                                    "--allow-nonfinite", "-o", "o_nan.npy"],
+                  lambda _: None if np.isnan(np.load(t.path("o_nan.npy"))).any() else "expected NaN in the output")
+
+        def check_backward(names, shapes):
+            def check(_):
+                for name, shape in zip(names, shapes):
+                    got = np.load(t.path(name))
+                    if got.shape != shape or got.dtype != np.float32 or not np.isfinite(got).all():
+                        return f"{name}: {got.dtype} {got.shape}, expected float32 {shape}, finite"
+                return None
+            return check
+
+        t.succeed("attend-backward with every output",
+                  [*backward, "--mask", "bias.npy", "--causal", "--dq", "dq.npy", "--dk", "dk.npy", "--dv", "dv.npy",
+                   "--dbias", "db.npy"],
+                  check_backward(["dq.npy", "dk.npy", "dv.npy", "db.npy"],
+                                 [q.shape, k.shape, v.shape, bias.shape]))
+        t.succeed("attend-backward writes only what is asked", [*backward, "--dv", "dv_only.npy"],
+                  lambda _: None if not os.path.exists(t.path("dq_only.npy")) and os.path.exists(t.path("dv_only.npy"))
+                  else "wrong files")
+        t.succeed("attend --score additive", [*attend, *additive, "--mask", "allowed.npy", "-o", "o_add.npy"],
+                  check_backward(["o_add.npy"], [(B, H, Tq, Dv)]))
+        t.succeed("attend-backward --score additive",
+                  [*backward, *additive, "--dq", "adq.npy", "--dwq", "dwq.npy", "--dwk", "dwk.npy", "--dww", "dww.npy"],
+                  check_backward(["adq.npy", "dwq.npy", "dwk.npy", "dww.npy"], [q.shape, (A, Dk), (A, Dk), (A,)]))
+
+        # ---- Help: the subcommands are listed, and each explains shapes, masks and the causal rule.
+        def help_mentions(*texts):
+            return lambda r: None if all(x in r.stdout for x in texts) else f"help lacks one of {texts}"
+
+        t.succeed("qkv --help lists the subcommands", ["--help"], help_mentions("attend", "attend-backward"))
+        t.succeed("attend --help", ["attend", "--help"],
+                  help_mentions("[..., Tq, Dk]", "i + Tk - Tq", "true = visible", "-inf", "Example"))
+        t.succeed("attend-backward --help", ["attend-backward", "--help"],
+                  help_mentions("--dout", "i + Tk - Tq", "--dbias", "Example"))
+
+        print(f"{t.count - len(t.failures)} of {t.count} checks passed")
+        if t.failures:
+            print("failed: " + "; ".join(t.failures))
+            return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,98 @@
+#!/usr/bin/env bash
+# qkv demo: the worked example prints a T×T α whose rows sum to 1, reproduces itself byte for byte
+# from a seed, takes UTF-8 (CJK) tokens, refuses 0 or more than 64 tokens with exit code 2, walks
+# the four steps with --explain, and colours only when asked or on a terminal.
+set -uo pipefail
+
+: "${QKV_BIN:?QKV_BIN must name the qkv binary}"
+tmp=$(mktemp -d)
+trap 'rm -rf "$tmp"' EXIT
+failures=0
+fail() {
+  echo "FAIL: $*" >&2
+  failures=$((failures + 1))
+}
+
+# Runs qkv with NO_COLOR set; stdout to $tmp/out, stderr to $tmp/err, the exit code to $rc.
+run() {
+  NO_COLOR=1 "$QKV_BIN" "$@" >"$tmp/out" 2>"$tmp/err"
+  rc=$?
+}
+
+# The rows of the α table: indent, a token, T values and their sum, all with 3 decimals.
+alpha_rows() {
+  local t=$1
+  grep -E "^   [^ ]+( +[0-9]\.[0-9]{3}){$((t + 1))}\$" "$tmp/out"
+}
+
+# Every row of the α table sums to 1.000, and there are exactly T of them.
+check_alpha() {
+  local what=$1 t=$2 rows sums
+  rows=$(alpha_rows "$t" | wc -l)
+  [[ $rows -eq $t ]] || fail "$what: expected $t rows of α with their sums, found $rows"
+  sums=$(alpha_rows "$t" | awk '{ print $NF }' | sort -u)
+  [[ $sums == "1.000" ]] || fail "$what: row sums are not all 1.000: $(echo "$sums" | tr '\n' ' ')"
+}
+
+run demo
+[[ $rc -eq 0 ]] || fail "qkv demo exited $rc: $(cat "$tmp/err")"
+check_alpha "qkv demo" 6
+grep -q "heatmap of α" "$tmp/out" || fail "qkv demo: no heatmap"
+grep -q "scale: 0.000 \[ ░▒▓█\]" "$tmp/out" || fail "qkv demo: no shade legend under the heatmap"
+grep -q "qkv attend --help" "$tmp/out" || fail "qkv demo: no hint of what to try next"
+if grep -q $'\x1b' "$tmp/out"; then fail "qkv demo: escape codes in piped output with NO_COLOR"; fi
+cp "$tmp/out" "$tmp/seed0"
+
+run demo --seed 0
+cmp -s "$tmp/out" "$tmp/seed0" || fail "qkv demo --seed 0 differs from the default run (seed 0)"
+run demo
+cmp -s "$tmp/out" "$tmp/seed0" || fail "two runs of qkv demo differ"
+run demo --seed 1
+[[ $rc -eq 0 ]] || fail "qkv demo --seed 1 exited $rc"
+check_alpha "qkv demo --seed 1" 6
+cmp -s "$tmp/out" "$tmp/seed0" && fail "qkv demo --seed 1 prints the same as seed 0"
+
+run demo --tokens "我 阅读 书"
+[[ $rc -eq 0 ]] || fail "qkv demo --tokens (CJK) exited $rc: $(cat "$tmp/err")"
+check_alpha "qkv demo --tokens (CJK)" 3
+grep -q "阅读" "$tmp/out" || fail "qkv demo --tokens (CJK): the labels are missing"
+
+run demo --tokens "  one  "
+[[ $rc -eq 0 ]] || fail "qkv demo --tokens with one token exited $rc"
+check_alpha "qkv demo --tokens (one token)" 1
+
+run demo --tokens ""
+[[ $rc -eq 2 ]] || fail "qkv demo --tokens '' exited $rc, expected 2"
+grep -q -- "--tokens: expected 1 to 64 tokens" "$tmp/err" ||
+  fail "qkv demo --tokens '': unclear message: $(cat "$tmp/err")"
+
+sixty_four=$(printf 't%d ' $(seq 1 64))
+run demo --tokens "$sixty_four"
+[[ $rc -eq 0 ]] || fail "qkv demo with 64 tokens exited $rc"
+check_alpha "qkv demo with 64 tokens" 64
+run demo --tokens "$sixty_four t65"
+[[ $rc -eq 2 ]] || fail "qkv demo with 65 tokens exited $rc, expected 2"
+grep -q "got 65" "$tmp/err" || fail "qkv demo with 65 tokens: the message does not say how many came: $(cat "$tmp/err")"
+
+run demo --explain
+[[ $rc -eq 0 ]] || fail "qkv demo --explain exited $rc"
+for step in "1. project: X \[6, 32\] · W_Qᵀ \[32, 32\] → Q \[6, 32\]" "2. score: e = Q Kᵀ / √32" \
+  "3. normalise: α = softmax\(e\)" "Why divide by √d" "4. weigh: out = α V"; do
+  grep -qE "$step" "$tmp/out" || fail "qkv demo --explain: missing \"$step\""
+done
+check_alpha "qkv demo --explain" 6
+
+# Colour only when asked for (stdout here is a file, never a terminal).
+"$QKV_BIN" demo >"$tmp/out" 2>&1
+if grep -q $'\x1b' "$tmp/out"; then fail "qkv demo: escape codes when stdout is not a terminal"; fi
+"$QKV_BIN" demo --color always >"$tmp/out" 2>&1
+grep -q $'\x1b\[48;' "$tmp/out" || fail "qkv demo --color always: no background colours"
+
+run demo --color sometimes
+[[ $rc -eq 2 ]] || fail "qkv demo --color sometimes exited $rc, expected 2"
+
+if [[ $failures -gt 0 ]]; then
+  echo "test_demo: $failures check(s) failed" >&2
+  exit 1
+fi
+echo "test_demo: all checks passed"
