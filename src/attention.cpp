@@ -8,77 +8,20 @@
 
 #include "qkv/error.hpp"
 #include "qkv/memory.hpp"
+#include "attention_problem.hpp"
 
 namespace qkv {
 namespace {
 
+using detail::AttentionProblem;
+using detail::make_attention_problem;
+
 constexpr double kNegInf = -std::numeric_limits<double>::infinity();
-
-// The operands of one call, validated and seen as [B, H, T, D]; masks broadcast to [B, H, Tq, Tk].
-template <class T>
-struct Problem {
-  TensorView<const T> q;  // [B, H, Tq, Dk]
-  TensorView<const T> k;  // [B, H, Tk, Dk]
-  TensorView<const T> v;  // [B, H, Tk, Dv]
-  std::optional<TensorView<const uint8_t>> allowed;  // [B, H, Tq, Tk]
-  std::optional<TensorView<const T>> bias;           // [B, H, Tq, Tk]
-  bool causal = false;
-  double scale = 1.0;
-  Shape leading;  // the leading dims of q as given (rank 0 to 2), for output shapes
-
-  int64_t batch() const { return q.shape[0]; }
-  int64_t heads() const { return q.shape[1]; }
-  int64_t tq() const { return q.shape[2]; }
-  int64_t tk() const { return k.shape[2]; }
-  int64_t dk() const { return q.shape[3]; }
-  int64_t dv() const { return v.shape[3]; }
-
-  // The shape `leading` + tail, e.g. with_leading({Tq, Dv}) for the output.
-  Shape with_leading(std::initializer_list<int64_t> tail) const {
-    std::vector<int64_t> dims(leading.dims().begin(), leading.dims().end());
-    dims.insert(dims.end(), tail.begin(), tail.end());
-    return Shape(std::span<const int64_t>(dims));
-  }
-
-  // Whether query i of head (b, h) may see key j, before any additive bias.
-  bool visible(int64_t b, int64_t h, int64_t i, int64_t j) const {
-    if (causal && j > i + tk() - tq()) return false;
-    return !allowed || (*allowed)(b, h, i, j) != 0;
-  }
-};
-
-template <class T>
-Problem<T> make_problem(const AttentionParams<T>& params) {
-  Problem<T> p;
-  p.q = as_bhtd(params.q, "q");
-  const int leading_rank = params.q.rank() - 2;
-  p.leading = Shape(std::span<const int64_t>(params.q.shape.dims().data(), static_cast<size_t>(leading_rank)));
-  const int64_t dk = params.q.shape.from_back(1);
-  if (dk == 0) throw ShapeError(fmt::format("q: d_k must be at least 1, got shape {}", params.q.shape.str()));
-  // k and v carry q's leading dims; their token count Tk is theirs to choose.
-  const int64_t tk = params.k.rank() >= 2 ? params.k.shape.from_back(2) : 0;
-  check_shape("k", params.k.shape, p.with_leading({tk, dk}));
-  const int64_t dv = params.v.rank() >= 1 ? params.v.shape.from_back(1) : 0;
-  check_shape("v", params.v.shape, p.with_leading({tk, dv}));
-  check_last_dim_contiguous(params.q, "q");
-  check_last_dim_contiguous(params.k, "k");
-  check_last_dim_contiguous(params.v, "v");
-  p.k = as_bhtd(params.k, "k");
-  p.v = as_bhtd(params.v, "v");
-
-  const Shape scores{p.batch(), p.heads(), p.tq(), tk};
-  if (params.mask.allowed) p.allowed = broadcast_to(*params.mask.allowed, scores, "mask");
-  if (params.mask.bias) p.bias = broadcast_to(*params.mask.bias, scores, "bias");
-  p.causal = params.mask.causal;
-  p.scale = params.scale.value_or(default_scale(dk));
-  if (!std::isfinite(p.scale)) throw ValueError(fmt::format("scale: expected a finite number, got {}", p.scale));
-  return p;
-}
 
 // Starting a parallel region costs microseconds, and far more while the cores are busy; a
 // problem of a few thousand multiply-adds, or of one head, runs faster on the calling thread.
 template <class T>
-bool worth_threads(const Problem<T>& p) {
+bool worth_threads(const AttentionProblem<T>& p) {
   constexpr double kMinWork = 1 << 16;
   const double work = static_cast<double>(p.tq()) * static_cast<double>(p.tk()) * static_cast<double>(p.dk() + p.dv()) *
                       static_cast<double>(p.batch() * p.heads());
@@ -86,7 +29,7 @@ bool worth_threads(const Problem<T>& p) {
 }
 
 template <class T>
-void check_fits_reference(const Problem<T>& p, int matrices, std::string_view what) {
+void check_fits_reference(const AttentionProblem<T>& p, int matrices, std::string_view what) {
   const double bytes = static_cast<double>(matrices) * static_cast<double>(p.tq()) * static_cast<double>(p.tk()) *
                        sizeof(double);
   check_allocation_fits(bytes, fmt::format("{} (the reference materialises {} float64 {}×{} matrices per head)", what,
@@ -96,7 +39,7 @@ void check_fits_reference(const Problem<T>& p, int matrices, std::string_view wh
 // Fills probs [Tq, Tk] with α of head (b, h) and lse [Tq] with each row's log-sum-exp, in float64.
 // Masked keys score −inf; a row with no visible key keeps lse = −inf and α = 0.
 template <class T>
-void head_probabilities(const Problem<T>& p, int64_t b, int64_t h, std::vector<double>& probs,
+void head_probabilities(const AttentionProblem<T>& p, int64_t b, int64_t h, std::vector<double>& probs,
                         std::vector<double>& lse) {
   const int64_t tk = p.tk();
   for (int64_t i = 0; i < p.tq(); ++i) {
@@ -131,7 +74,7 @@ double default_scale(int64_t dk) { return 1.0 / std::sqrt(static_cast<double>(dk
 
 template <class T>
 void attention_forward_reference(const AttentionParams<T>& params, const AttentionOutputs<T>& outputs) {
-  const Problem<T> p = make_problem(params);
+  const AttentionProblem<T> p = make_attention_problem(params);
   check_shape("out", outputs.out.shape, p.with_leading({p.tq(), p.dv()}));
   if (outputs.weights) check_shape("weights", outputs.weights->shape, p.with_leading({p.tq(), p.tk()}));
   if (outputs.lse) check_shape("lse", outputs.lse->shape, p.with_leading({p.tq()}));
@@ -179,7 +122,7 @@ void attention_forward_reference(const AttentionParams<T>& params, const Attenti
 template <class T>
 void attention_backward_reference(const AttentionParams<T>& params, TensorView<const T> dout,
                                   const AttentionGradients<T>& grads) {
-  const Problem<T> p = make_problem(params);
+  const AttentionProblem<T> p = make_attention_problem(params);
   check_shape("dout", dout.shape, p.with_leading({p.tq(), p.dv()}));
   check_shape("dq", grads.dq.shape, params.q.shape);
   check_shape("dk", grads.dk.shape, params.k.shape);

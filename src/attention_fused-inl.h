@@ -185,6 +185,7 @@ struct BackwardParams {
 #include <vector>
 
 #include "hwy/aligned_allocator.h"
+#include "hwy/cache_control.h"
 #include "hwy/contrib/math/math-inl.h"
 #include "hwy/highway.h"
 #include "qkv/parallel.hpp"
@@ -362,6 +363,17 @@ void PackTransposed(const fused::RowsView<const T>& x, int64_t b, int64_t h, int
   for (size_t c = 0; c < cols; ++c) std::fill(out + c * ld + n, out + (c + 1) * ld, T{0});
 }
 
+// Asks for rows [t0, t0 + n) of a [T, D] operand to be brought into the caches, so that reading
+// them later overlaps the work in between: one prefetch per cache line.
+template <class T>
+void PrefetchRows(const fused::RowsView<const T>& x, int64_t b, int64_t h, int64_t t0, int64_t n, size_t cols) {
+  constexpr size_t kLine = 64 / sizeof(T);
+  for (int64_t t = t0; t < t0 + n; ++t) {
+    const T* row = x.row(b, h, t);
+    for (size_t c = 0; c < cols; c += kLine) hwy::Prefetch(row + c);
+  }
+}
+
 // ---- Scores: scale, bias, masks ----------------------------------------------------------------
 
 // The (query, key) pairs of one vector's lanes: lane ℓ < count is (i + ℓ·di, j + ℓ·dj), with
@@ -505,6 +517,14 @@ void AttendQueryBlock(D d, const Inputs<T>& in, int64_t b, int64_t h, int64_t q0
   if (in.causal) key_end = std::min(key_end, q0 + static_cast<int64_t>(nq) + in.tk - in.tq);
   for (int64_t j0 = key_begin; j0 < key_end; j0 += static_cast<int64_t>(kKeyBlock)) {
     const size_t nk = ToSize(std::min<int64_t>(static_cast<int64_t>(kKeyBlock), key_end - j0));
+    if (nq <= static_cast<size_t>(kDecodeQueries)) {
+      // With few queries every key is used by few rows: memory, not arithmetic, is the limit, so
+      // the next block's K and V stream in while this block is computed.
+      const int64_t next = j0 + static_cast<int64_t>(kKeyBlock);
+      const int64_t next_n = std::min<int64_t>(static_cast<int64_t>(kKeyBlock), key_end - next);
+      PrefetchRows(in.k, b, h, next, next_n, ToSize(in.dk));
+      PrefetchRows(in.v, b, h, next, next_n, dv);
+    }
     // Sᵀ [nk][ld] = K · Qᵀ
     MatMul<false>(d,
                   Gemm<T>{.a = in.k.row(b, h, j0),

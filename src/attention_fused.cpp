@@ -15,13 +15,14 @@
 #include "qkv/attention.hpp"
 #include "qkv/error.hpp"
 #include "qkv/parallel.hpp"
+#include "attention_problem.hpp"
 
 // SSSE3-only CPUs are rare enough not to be worth the compile time; they run the portable build.
 #define HWY_DISABLED_TARGETS HWY_SSSE3
-// foreach_target.h includes this path itself, once per target; it resolves against qkv's include/
-// directory. Then the translation unit's own target (the baseline) follows. The order matters.
+// foreach_target.h includes this path itself, once per target; src/ is a private include
+// directory of libqkv. Then the translation unit's own target (the baseline) follows. The order matters.
 #undef HWY_TARGET_INCLUDE
-#define HWY_TARGET_INCLUDE "../src/attention_fused-inl.h"
+#define HWY_TARGET_INCLUDE "attention_fused-inl.h"
 // clang-format off
 #include "hwy/foreach_target.h"  // IWYU pragma: keep
 #include "hwy/highway.h"
@@ -57,7 +58,8 @@ fused::ScoresView<T> scores_of(TensorView<T> view4) {
           .col_stride = view4.strides[3]};
 }
 
-// The inputs of one call, checked as the reference checks them (same messages), seen as [B, H, T, D].
+// The inputs of one call, checked by make_attention_problem (as the reference checks them), seen as
+// [B, H, T, D].
 template <class T>
 struct Call {
   fused::Inputs<T> in;
@@ -73,38 +75,24 @@ struct Call {
 
 template <class T>
 Call<T> make_call(const AttentionParams<T>& params) {
+  const detail::AttentionProblem<T> problem = detail::make_attention_problem(params);
   Call<T> call;
-  const TensorView<const T> q = as_bhtd(params.q, "q");
-  call.leading =
-      Shape(std::span<const int64_t>(params.q.shape.dims().data(), static_cast<size_t>(params.q.rank() - 2)));
-  const int64_t dk = q.shape[3];
-  if (dk == 0) throw ShapeError(fmt::format("q: d_k must be at least 1, got shape {}", params.q.shape.str()));
-  const int64_t tk = params.k.rank() >= 2 ? params.k.shape.from_back(2) : 0;
-  check_shape("k", params.k.shape, call.with_leading({tk, dk}));
-  const int64_t dv = params.v.rank() >= 1 ? params.v.shape.from_back(1) : 0;
-  check_shape("v", params.v.shape, call.with_leading({tk, dv}));
-  check_last_dim_contiguous(params.q, "q");
-  check_last_dim_contiguous(params.k, "k");
-  check_last_dim_contiguous(params.v, "v");
-  const double scale = params.scale.value_or(default_scale(dk));
-  if (!std::isfinite(scale)) throw ValueError(fmt::format("scale: expected a finite number, got {}", scale));
-
-  fused::Inputs<T>& in = call.in;
-  in = {.batch = q.shape[0],
-        .heads = q.shape[1],
-        .tq = q.shape[2],
-        .tk = tk,
-        .dk = dk,
-        .dv = dv,
-        .q = rows_of(q),
-        .k = rows_of(as_bhtd(params.k, "k")),
-        .v = rows_of(as_bhtd(params.v, "v")),
-        .allowed = {},
-        .bias = {},
-        .causal = params.mask.causal,
-        .scale = static_cast<T>(scale)};
-  if (params.mask.allowed) in.allowed = scores_of(broadcast_to(*params.mask.allowed, call.scores(), "mask"));
-  if (params.mask.bias) in.bias = scores_of(broadcast_to(*params.mask.bias, call.scores(), "bias"));
+  call.leading = problem.leading;
+  call.in = {.batch = problem.batch(),
+             .heads = problem.heads(),
+             .tq = problem.tq(),
+             .tk = problem.tk(),
+             .dk = problem.dk(),
+             .dv = problem.dv(),
+             .q = rows_of(problem.q),
+             .k = rows_of(problem.k),
+             .v = rows_of(problem.v),
+             .allowed = {},
+             .bias = {},
+             .causal = problem.causal,
+             .scale = static_cast<T>(problem.scale)};
+  if (problem.allowed) call.in.allowed = scores_of(*problem.allowed);
+  if (problem.bias) call.in.bias = scores_of(*problem.bias);
   return call;
 }
 

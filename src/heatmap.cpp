@@ -157,7 +157,7 @@ void compute_scale(Figure& f, const HeatmapOptions& options) {
 // ---- Layout --------------------------------------------------------------------------------------
 
 void compute_layout(Figure& f) {
-  HeatmapLayout& L = f.layout;
+  HeatmapLayout& layout = f.layout;
   const auto count = static_cast<int64_t>(f.panels.size());
   const int64_t columns = count == 1 ? 1 : ceil_px(std::sqrt(static_cast<double>(count)));
   const int64_t rows = ceil_div(count, columns);
@@ -173,7 +173,7 @@ void compute_layout(Figure& f) {
   if (f.annotate) {
     double text_w = 0.0;
     double text_h = 0.0;
-    for (const double v : {L.vmin, L.vmax, 0.0}) {
+    for (const double v : {layout.vmin, layout.vmax, 0.0}) {
       const TextSize size = measure_text(annotation(v), kAnnotationSize);
       text_w = std::max(text_w, size.width);
       text_h = std::max(text_h, size.height);
@@ -217,8 +217,9 @@ void compute_layout(Figure& f) {
 
   int64_t y = kMargin;
   if (!f.title.empty()) {
-    L.title = {.x = kMargin, .y = y, .width = 0, .height = ceil_px(measure_text(f.title, kTitleSize, true).height)};
-    y += L.title.height + kTitleGap;
+    layout.title = {
+        .x = kMargin, .y = y, .width = 0, .height = ceil_px(measure_text(f.title, kTitleSize, true).height)};
+    y += layout.title.height + kTitleGap;
   }
   const auto has_panel = [&](int64_t r, int64_t c) { return c < columns && r * columns + c < count; };
   int64_t grid_bottom = y;
@@ -243,21 +244,21 @@ void compute_layout(Figure& f) {
                         .height = col_band_h};
         row_has_labels = true;
       }
-      L.panels.push_back(p);
+      layout.panels.push_back(p);
     }
     grid_bottom = matrix_y + matrix_h + (row_has_labels ? kTickLength + kLabelGap + col_band_h : 0);
     y = grid_bottom + kPanelGap;
   }
   const int64_t keys_title_bottom = grid_bottom + kAxisTitleGap + axis_title_h;
-  const HeatmapPanelLayout& first = L.panels.front();
-  const int64_t last_matrix_bottom = L.panels.back().matrix.y + matrix_h;
-  L.row_axis_title = {
+  const HeatmapPanelLayout& first = layout.panels.front();
+  const int64_t last_matrix_bottom = layout.panels.back().matrix.y + matrix_h;
+  layout.row_axis_title = {
       .x = kMargin, .y = first.matrix.y, .width = axis_title_h, .height = last_matrix_bottom - first.matrix.y};
-  L.col_axis_title = {.x = grid_x, .y = grid_bottom + kAxisTitleGap, .width = grid_w, .height = axis_title_h};
-  L.colorbar = {.x = grid_x + grid_w + kColorbarGap,
-                .y = first.matrix.y,
-                .width = kColorbarWidth,
-                .height = std::max(kMinColorbarHeight, last_matrix_bottom - first.matrix.y)};
+  layout.col_axis_title = {.x = grid_x, .y = grid_bottom + kAxisTitleGap, .width = grid_w, .height = axis_title_h};
+  layout.colorbar = {.x = grid_x + grid_w + kColorbarGap,
+                     .y = first.matrix.y,
+                     .width = kColorbarWidth,
+                     .height = std::max(kMinColorbarHeight, last_matrix_bottom - first.matrix.y)};
   double tick_w = 0.0;
   double tick_h = 0.0;
   for (const std::string& text : f.tick_text) {
@@ -265,22 +266,22 @@ void compute_layout(Figure& f) {
     tick_w = std::max(tick_w, size.width);
     tick_h = std::max(tick_h, size.height);
   }
-  L.colorbar_labels = {.x = L.colorbar.x + kColorbarWidth + kTickLength + kLabelGap,
-                       .y = L.colorbar.y - ceil_px(tick_h / 2),
-                       .width = ceil_px(tick_w),
-                       .height = L.colorbar.height + ceil_px(tick_h)};
+  layout.colorbar_labels = {.x = layout.colorbar.x + kColorbarWidth + kTickLength + kLabelGap,
+                            .y = layout.colorbar.y - ceil_px(tick_h / 2),
+                            .width = ceil_px(tick_w),
+                            .height = layout.colorbar.height + ceil_px(tick_h)};
 
-  int64_t width = L.colorbar_labels.x + L.colorbar_labels.width + kMargin;
+  int64_t width = layout.colorbar_labels.x + layout.colorbar_labels.width + kMargin;
   if (!f.title.empty()) width = std::max(width, ceil_px(measure_text(f.title, kTitleSize, true).width) + 2 * kMargin);
-  L.width = width;
-  L.height = std::max(keys_title_bottom, L.colorbar_labels.y + L.colorbar_labels.height) + kMargin;
-  if (!f.title.empty()) L.title.width = width - 2 * kMargin;
+  layout.width = width;
+  layout.height = std::max(keys_title_bottom, layout.colorbar_labels.y + layout.colorbar_labels.height) + kMargin;
+  if (!f.title.empty()) layout.title.width = width - 2 * kMargin;
 
-  if (L.width > kMaxSide || L.height > kMaxSide || L.width * L.height > kMaxPixels) {
+  if (layout.width > kMaxSide || layout.height > kMaxSide || layout.width * layout.height > kMaxPixels) {
     throw ValueError(fmt::format(
         "alpha: the image would be {} × {} pixels ({} panel{} of {} × {} cells of {} × {} px{}), beyond what one "
         "image holds ({} px a side, {} pixels in all); draw one head, fewer tokens, or no annotations",
-        L.width, L.height, count, count == 1 ? "" : "s", f.tq, f.tk, cell_w, cell_h,
+        layout.width, layout.height, count, count == 1 ? "" : "s", f.tq, f.tk, cell_w, cell_h,
         f.annotate ? ", enlarged to hold their values" : "", kMaxSide, kMaxPixels));
   }
 }

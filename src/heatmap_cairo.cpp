@@ -189,11 +189,11 @@ void draw_panel(cairo_t* cr, TextPainter& text, const Figure& f, const Panel& pa
 }
 
 void draw_colorbar(cairo_t* cr, TextPainter& text, const Figure& f) {
-  const HeatmapLayout& L = f.layout;
-  const auto x = static_cast<double>(L.colorbar.x);
-  const auto y = static_cast<double>(L.colorbar.y);
-  const auto w = static_cast<double>(L.colorbar.width);
-  const auto h = static_cast<double>(L.colorbar.height);
+  const HeatmapLayout& layout = f.layout;
+  const auto x = static_cast<double>(layout.colorbar.x);
+  const auto y = static_cast<double>(layout.colorbar.y);
+  const auto w = static_cast<double>(layout.colorbar.width);
+  const auto h = static_cast<double>(layout.colorbar.height);
   cairo_pattern_t* gradient = cairo_pattern_create_linear(0, y + h, 0, y);
   const auto samples = colormap_samples(f.colormap);
   for (size_t k = 0; k < samples.size(); ++k) {
@@ -210,28 +210,29 @@ void draw_colorbar(cairo_t* cr, TextPainter& text, const Figure& f) {
   cairo_set_line_width(cr, 1.0);
   cairo_rectangle(cr, x - 0.5, y - 0.5, w + 1, h + 1);
   cairo_stroke(cr);
-  for (size_t k = 0; k < L.ticks.size(); ++k) {
-    const double ty = y + (1.0 - f.position(L.ticks[k])) * h;
+  for (size_t k = 0; k < layout.ticks.size(); ++k) {
+    const double ty = y + (1.0 - f.position(layout.ticks[k])) * h;
     fill_rect(cr, x + w, std::min(std::floor(ty), y + h - 1), kTickLength, 1, kMutedInk);
-    text.draw(f.tick_text[k], kTickSize, false, kInk, static_cast<double>(L.colorbar_labels.x), ty, Anchor::start);
+    text.draw(f.tick_text[k], kTickSize, false, kInk, static_cast<double>(layout.colorbar_labels.x), ty, Anchor::start);
   }
 }
 
 void draw_figure(cairo_t* cr, const Figure& f, bool vector_seams) {
-  const HeatmapLayout& L = f.layout;
+  const HeatmapLayout& layout = f.layout;
   set_color(cr, {255, 255, 255});
   cairo_paint(cr);
   TextPainter text(cr);
-  if (L.title.height > 0) {
-    text.draw(f.title, kTitleSize, true, kInk, static_cast<double>(L.title.x) + static_cast<double>(L.title.width) / 2,
-              static_cast<double>(L.title.y) + static_cast<double>(L.title.height) / 2, Anchor::centre);
+  if (layout.title.height > 0) {
+    text.draw(f.title, kTitleSize, true, kInk,
+              static_cast<double>(layout.title.x) + static_cast<double>(layout.title.width) / 2,
+              static_cast<double>(layout.title.y) + static_cast<double>(layout.title.height) / 2, Anchor::centre);
   }
-  for (size_t k = 0; k < f.panels.size(); ++k) draw_panel(cr, text, f, f.panels[k], L.panels[k], vector_seams);
-  const PixelRect& rows = L.row_axis_title;
+  for (size_t k = 0; k < f.panels.size(); ++k) draw_panel(cr, text, f, f.panels[k], layout.panels[k], vector_seams);
+  const PixelRect& rows = layout.row_axis_title;
   text.draw_rotated("queries", kAxisTitleSize, kMutedInk,
                     static_cast<double>(rows.x) + static_cast<double>(rows.width) / 2,
                     static_cast<double>(rows.y) + static_cast<double>(rows.height) / 2, Anchor::centre);
-  const PixelRect& cols = L.col_axis_title;
+  const PixelRect& cols = layout.col_axis_title;
   text.draw("keys", kAxisTitleSize, false, kMutedInk, static_cast<double>(cols.x) + static_cast<double>(cols.width) / 2,
             static_cast<double>(cols.y) + static_cast<double>(cols.height) / 2, Anchor::centre);
   draw_colorbar(cr, text, f);
@@ -247,12 +248,12 @@ std::string matrix_png(const Figure& f, const Panel& panel) {
 }
 
 std::string render_cairo(const Figure& f, HeatmapFormat format) {
-  const HeatmapLayout& L = f.layout;
+  const HeatmapLayout& layout = f.layout;
   std::string bytes;
   if (format == HeatmapFormat::png) {
-    Surface surface(
-        cairo_image_surface_create(CAIRO_FORMAT_RGB24, static_cast<int>(L.width), static_cast<int>(L.height)));
-    check(cairo_surface_status(surface.get()), fmt::format("allocating a {} × {} image", L.width, L.height));
+    Surface surface(cairo_image_surface_create(CAIRO_FORMAT_RGB24, static_cast<int>(layout.width),
+                                               static_cast<int>(layout.height)));
+    check(cairo_surface_status(surface.get()), fmt::format("allocating a {} × {} image", layout.width, layout.height));
     {
       Context cr(cairo_create(surface.get()));
       draw_figure(cr.get(), f, false);
@@ -262,8 +263,8 @@ std::string render_cairo(const Figure& f, HeatmapFormat format) {
     return bytes;
   }
   Surface surface(cairo_pdf_surface_create_for_stream(append_to_string, &bytes,
-                                                      static_cast<double>(L.width) * kPdfPointsPerPixel,
-                                                      static_cast<double>(L.height) * kPdfPointsPerPixel));
+                                                      static_cast<double>(layout.width) * kPdfPointsPerPixel,
+                                                      static_cast<double>(layout.height) * kPdfPointsPerPixel));
   check(cairo_surface_status(surface.get()), "starting the PDF");
   cairo_pdf_surface_set_metadata(surface.get(), CAIRO_PDF_METADATA_TITLE,
                                  f.title.empty() ? "attention weights" : f.title.c_str());

@@ -46,7 +46,10 @@ std::string json_string(std::string_view text) {
 
 std::string json_strings(const std::vector<std::string>& items) {
   std::string out = "[";
-  for (size_t k = 0; k < items.size(); ++k) out += (k == 0 ? "" : ",") + json_string(items[k]);
+  for (size_t k = 0; k < items.size(); ++k) {
+    if (k > 0) out += ',';
+    out += json_string(items[k]);
+  }
   return out + "]";
 }
 
@@ -154,13 +157,17 @@ constexpr std::string_view kBody = R"QKV(</head>
 <h2>Matrix</h2>
 <p class="hint">Rows are queries, columns are keys: row i is how query i spreads its attention.</p>
 <div class="figure">
-<div id="matrix-wrap"><canvas id="matrix"></canvas><div id="cursor"></div></div>
+<div id="matrix-wrap">
+<canvas id="matrix" role="img" aria-label="attention weights: rows are queries, columns are keys"></canvas>
+<div id="cursor"></div>
+</div>
 <div class="colorbar"><div id="bar"></div><div id="bar-ticks"></div></div>
 </div>
 </section>
 <section>
 <h2>Tokens</h2>
-<p class="hint">Hover a query (left) to colour the keys it looks at by α; hover a key (right) to see who looks at it.</p>
+<p class="hint">Hover a query (left) to colour the keys it looks at by α;
+hover a key (right) to see who looks at it.</p>
 <div id="token-scroll"><div id="pair">
 <div id="queries"><div class="column-title">queries</div></div>
 <div></div>
@@ -209,7 +216,7 @@ constexpr std::string_view kScript = R"QKV(<script>
     select.addEventListener("change", () => {
       head = Number(select.value);
       drawMatrix();
-      refresh();
+      refresh();  // the same selection, in the new head
     });
     $("controls").hidden = false;
   }
@@ -391,19 +398,27 @@ constexpr std::string_view kScript = R"QKV(<script>
     el.querySelector(".w").textContent = a.toFixed(3);
   }
 
-  function link(from, to, a) {
+  // A line from each query to each key of `pairs` ([from, to, α]), opaque as α. Every position is
+  // read after every token was painted, so the browser lays the page out once, not once a line.
+  function drawLinks(pairs) {
     const base = pair.getBoundingClientRect();
-    const f = from.getBoundingClientRect();
-    const t = to.getBoundingClientRect();
-    const line = document.createElementNS(svgNS, "line");
-    line.setAttribute("x1", f.right - base.left);
-    line.setAttribute("y1", f.top + f.height / 2 - base.top);
-    line.setAttribute("x2", t.left - base.left);
-    line.setAttribute("y2", t.top + t.height / 2 - base.top);
-    line.setAttribute("stroke", "#1f5fbf");
-    line.setAttribute("stroke-width", "2");
-    line.setAttribute("stroke-opacity", position(a).toFixed(3));
-    links.appendChild(line);
+    links.setAttribute("width", base.width);
+    links.setAttribute("height", base.height);
+    const lines = document.createDocumentFragment();
+    for (const [from, to, a] of pairs) {
+      const f = from.getBoundingClientRect();
+      const t = to.getBoundingClientRect();
+      const line = document.createElementNS(svgNS, "line");
+      line.setAttribute("x1", f.right - base.left);
+      line.setAttribute("y1", f.top + f.height / 2 - base.top);
+      line.setAttribute("x2", t.left - base.left);
+      line.setAttribute("y2", t.top + t.height / 2 - base.top);
+      line.setAttribute("stroke", "#1f5fbf");
+      line.setAttribute("stroke-width", "2");
+      line.setAttribute("stroke-opacity", position(a).toFixed(3));
+      lines.appendChild(line);
+    }
+    links.replaceChildren(lines);
   }
 
   function top3(values, labels) {
@@ -412,6 +427,16 @@ constexpr std::string_view kScript = R"QKV(<script>
   }
 
   function select(next) {
+    const same = (a, b) => a === b || (a && b && a.kind === b.kind && a.index === b.index && a.mark === b.mark);
+    if (same(selection, next)) return;
+    const sameQuery = selection && next && selection.kind === next.kind && selection.index === next.index;
+    if (sameQuery && next.mark !== undefined) {
+      // Along a row of the matrix only the marked key moves: no need to repaint every token.
+      if (selection.mark !== undefined) keyEls[selection.mark].classList.remove("marked");
+      if (next.mark !== undefined) keyEls[next.mark].classList.add("marked");
+      selection = next;
+      return;
+    }
     selection = next;
     refresh();
   }
@@ -419,10 +444,8 @@ constexpr std::string_view kScript = R"QKV(<script>
   function refresh() {
     clearTokens();
     if (!selection) return;
-    const box = pair.getBoundingClientRect();
-    links.setAttribute("width", box.width);
-    links.setAttribute("height", box.height);
     const { kind, index, mark } = selection;
+    const pairs = [];
     const suffix = heads.length > 1 ? " (" + heads[head].name + ")" : "";
     if (kind === "query") {
       queryEls[index].classList.add("source");
@@ -431,7 +454,7 @@ constexpr std::string_view kScript = R"QKV(<script>
         const a = alpha(index, j);
         values.push(a);
         paint(keyEls[j], a, index, j);
-        if (a > 0) link(queryEls[index], keyEls[j], a);
+        if (a > 0) pairs.push([queryEls[index], keyEls[j], a]);
       }
       if (mark !== undefined) keyEls[mark].classList.add("marked");
       else $("readout").textContent = "query " + index + " " + quote(rows[index]) + " looks most at " +
@@ -443,11 +466,12 @@ constexpr std::string_view kScript = R"QKV(<script>
         const a = alpha(i, index);
         values.push(a);
         paint(queryEls[i], a, i, index);
-        if (a > 0) link(queryEls[i], keyEls[index], a);
+        if (a > 0) pairs.push([queryEls[i], keyEls[index], a]);
       }
       $("readout").textContent = "key " + index + " " + quote(cols[index]) + " is looked at most by " +
         top3(values, rows) + suffix;
     }
+    drawLinks(pairs);
   }
 
   const bind = (els, kind) => els.forEach((el, k) => {

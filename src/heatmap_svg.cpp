@@ -82,10 +82,10 @@ void text(std::string& out, std::string_view content, double size, Rgb color, do
 // The same, turned a quarter left (reading upwards), anchored at (x, y).
 void rotated_text(std::string& out, std::string_view content, double size, Rgb color, double x, double y,
                   Anchor anchor) {
-  fmt::format_to(
-      std::back_inserter(out),
-      R"svg(<text transform="translate({} {}) rotate(-90)" font-size="{}" fill="{}" text-anchor="{}" dominant-baseline="central">{}</text>)svg",
-      x, y, size, hex(color), anchor_name(anchor), xml_escape(content));
+  fmt::format_to(std::back_inserter(out),
+                 R"svg(<text transform="translate({} {}) rotate(-90)" font-size="{}" fill="{}" text-anchor="{}" )svg"
+                 R"svg(dominant-baseline="central">{}</text>)svg",
+                 x, y, size, hex(color), anchor_name(anchor), xml_escape(content));
   out += '\n';
 }
 
@@ -161,13 +161,13 @@ void panel_svg(std::string& out, const Figure& f, const Panel& panel, const Heat
 }  // namespace
 
 std::string render_svg(const Figure& f) {
-  const HeatmapLayout& L = f.layout;
+  const HeatmapLayout& layout = f.layout;
   std::string out;
   out += "<?xml version=\"1.0\" encoding=\"UTF-8\"?>\n";
   fmt::format_to(std::back_inserter(out),
                  R"svg(<svg xmlns="http://www.w3.org/2000/svg" width="{0}" height="{1}" viewBox="0 0 {0} {1}" )svg"
                  R"svg(font-family="{2}">)svg",
-                 L.width, L.height, xml_escape(kFontFamily));
+                 layout.width, layout.height, xml_escape(kFontFamily));
   out += '\n';
   fmt::format_to(std::back_inserter(out), "<title>{}</title>\n",
                  xml_escape(f.title.empty() ? "attention weights (rows = queries, columns = keys)" : f.title));
@@ -178,32 +178,33 @@ std::string render_svg(const Figure& f) {
                    static_cast<double>(k) / static_cast<double>(samples.size() - 1), hex(samples[k]));
   }
   out += "</linearGradient></defs>\n";
-  box(out, 0, 0, static_cast<double>(L.width), static_cast<double>(L.height), "#ffffff");
+  box(out, 0, 0, static_cast<double>(layout.width), static_cast<double>(layout.height), "#ffffff");
 
-  if (L.title.height > 0) {
-    text(out, f.title, kTitleSize, kInk, static_cast<double>(L.title.x) + static_cast<double>(L.title.width) / 2,
-         static_cast<double>(L.title.y) + static_cast<double>(L.title.height) / 2, Anchor::middle,
+  if (layout.title.height > 0) {
+    text(out, f.title, kTitleSize, kInk,
+         static_cast<double>(layout.title.x) + static_cast<double>(layout.title.width) / 2,
+         static_cast<double>(layout.title.y) + static_cast<double>(layout.title.height) / 2, Anchor::middle,
          " font-weight=\"bold\"");
   }
-  for (size_t k = 0; k < f.panels.size(); ++k) panel_svg(out, f, f.panels[k], L.panels[k]);
-  const PixelRect& rows = L.row_axis_title;
+  for (size_t k = 0; k < f.panels.size(); ++k) panel_svg(out, f, f.panels[k], layout.panels[k]);
+  const PixelRect& rows = layout.row_axis_title;
   rotated_text(out, "queries", kAxisTitleSize, kMutedInk,
                static_cast<double>(rows.x) + static_cast<double>(rows.width) / 2,
                static_cast<double>(rows.y) + static_cast<double>(rows.height) / 2, Anchor::middle);
-  const PixelRect& cols = L.col_axis_title;
+  const PixelRect& cols = layout.col_axis_title;
   text(out, "keys", kAxisTitleSize, kMutedInk, static_cast<double>(cols.x) + static_cast<double>(cols.width) / 2,
        static_cast<double>(cols.y) + static_cast<double>(cols.height) / 2, Anchor::middle);
 
-  const auto bx = static_cast<double>(L.colorbar.x);
-  const auto by = static_cast<double>(L.colorbar.y);
-  const auto bw = static_cast<double>(L.colorbar.width);
-  const auto bh = static_cast<double>(L.colorbar.height);
+  const auto bx = static_cast<double>(layout.colorbar.x);
+  const auto by = static_cast<double>(layout.colorbar.y);
+  const auto bw = static_cast<double>(layout.colorbar.width);
+  const auto bh = static_cast<double>(layout.colorbar.height);
   box(out, bx - 1, by - 1, bw + 2, bh + 2, hex(kMutedInk));
   box(out, bx, by, bw, bh, "url(#qkv-colormap)");
-  for (size_t k = 0; k < L.ticks.size(); ++k) {
-    const double ty = by + (1.0 - f.position(L.ticks[k])) * bh;
+  for (size_t k = 0; k < layout.ticks.size(); ++k) {
+    const double ty = by + (1.0 - f.position(layout.ticks[k])) * bh;
     box(out, bx + bw, std::min(std::floor(ty), by + bh - 1), kTickLength, 1, hex(kMutedInk));
-    text(out, f.tick_text[k], kTickSize, kInk, static_cast<double>(L.colorbar_labels.x), ty, Anchor::start);
+    text(out, f.tick_text[k], kTickSize, kInk, static_cast<double>(layout.colorbar_labels.x), ty, Anchor::start);
   }
   out += "</svg>\n";
   return out;

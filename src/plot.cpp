@@ -103,13 +103,14 @@ Limits axis_limits(const PlotPanel& panel, bool is_x) {
   if (given && std::isfinite(to_axis(given->max, scale))) hi = to_axis(given->max, scale);
   if (!std::isfinite(lo) || !std::isfinite(hi)) return {0.0, 1.0};
   if (scale == AxisScale::log10) {
-    // A little room around the data; whole decades only when no power of ten would be labelled.
+    // A little room around the data; whole decades when fewer than two powers of ten would be labelled.
     const double pad = std::max(0.05 * (hi - lo), 0.1);
     lo -= pad;
     hi += pad;
-    if (std::floor(hi) < lo) {
-      lo = std::floor(lo);
-      hi = std::ceil(hi);
+    if (std::floor(hi) - std::ceil(lo) < 1.0) {
+      // A hair beyond the decades, so that PLplot does not drop the labels at the very edges.
+      lo = std::floor(lo) - 0.02;
+      hi = std::ceil(hi) + 0.02;
     }
     return {lo, hi};
   }
@@ -197,23 +198,54 @@ void draw_legend(const PlotPanel& panel, PLFLT text_scale) {
   plwidth(1.0);
   pllegend(&width, &height, PL_LEGEND_BACKGROUND | PL_LEGEND_BOUNDING_BOX, legend_position(panel.legend), 0.02, 0.02,
            0.08, kBackground, kForeground, kSolid, 0, 0, static_cast<PLINT>(texts.size()), options.data(), 0.8,
-           0.9 * text_scale, 1.8, 0.0, text_colours.data(), texts.data(), nullptr, nullptr, nullptr, nullptr, colours.data(),
-           styles.data(), widths.data(), colours.data(), marker_scales.data(), marker_counts.data(), markers.data());
+           0.9 * text_scale, 1.8, 0.0, text_colours.data(), texts.data(), nullptr, nullptr, nullptr, nullptr,
+           colours.data(), styles.data(), widths.data(), colours.data(), marker_scales.data(), marker_counts.data(),
+           markers.data());
+}
+
+// Labelled ticks of one axis. PLplot labels a log axis ("l") at every decade, which stacks 60
+// labels on an axis spanning 60 decades; such an axis is drawn as a linear one in log10 units
+// instead, ticked every few decades and labelled 10^k by label_power_of_ten.
+struct Ticks {
+  std::string options;  // plbox's options for the axis line, ticks and labels
+  std::string grid;     // plbox's options for the grid
+  PLFLT spacing = 0.0;  // between labelled ticks, in axis units; 0 lets PLplot choose
+  PLINT minor = 0;      // minor intervals per labelled one; 0 lets PLplot choose
+};
+
+Ticks axis_ticks(const Limits& limits, AxisScale scale, const std::string& base) {
+  constexpr double kMaxLabels = 8.0;
+  if (scale != AxisScale::log10) return {base, "g", 0.0, 0};
+  const double span = limits.max - limits.min;
+  if (span <= kMaxLabels) return {base + "l", "gl", 0.0, 0};
+  double decades = 2.0;
+  for (const double step : {2.0, 5.0, 10.0, 20.0, 50.0, 100.0}) {
+    decades = step;
+    if (span / step <= kMaxLabels) break;
+  }
+  return {base + "o", "g", decades, static_cast<PLINT>(decades)};
+}
+
+// "10^k" for a tick at k on an axis drawn in log10 units (#u and #d raise and lower the text).
+void label_power_of_ten(PLINT /*axis*/, PLFLT value, PLCHAR_NC_VECTOR label, PLINT length, PLPointer /*data*/) {
+  std::snprintf(label, static_cast<size_t>(length), "10#u%d#d", static_cast<int>(std::lround(value)));
 }
 
 void draw_panel(const PlotPanel& panel, PLFLT text_scale) {
   const Limits x = axis_limits(panel, true);
   const Limits y = axis_limits(panel, false);
-  const std::string log_x = panel.x_scale == AxisScale::log10 ? "l" : "";
-  const std::string log_y = panel.y_scale == AxisScale::log10 ? "l" : "";
+  const Ticks x_ticks = axis_ticks(x, panel.x_scale, "bcnst");
+  const Ticks y_ticks = axis_ticks(y, panel.y_scale, "bcnstv");
   pladv(0);
   plvsta();
   plwind(x.min, x.max, y.min, y.max);
   plwidth(1.0);
+  plslabelfunc(label_power_of_ten, nullptr);
   plcol0(kGrid);
-  plbox(("g" + log_x).c_str(), 0.0, 0, ("g" + log_y).c_str(), 0.0, 0);
+  plbox(x_ticks.grid.c_str(), x_ticks.spacing, x_ticks.minor, y_ticks.grid.c_str(), y_ticks.spacing, y_ticks.minor);
   plcol0(kForeground);
-  plbox(("bcnst" + log_x).c_str(), 0.0, 0, ("bcnstv" + log_y).c_str(), 0.0, 0);
+  plbox(x_ticks.options.c_str(), x_ticks.spacing, x_ticks.minor, y_ticks.options.c_str(), y_ticks.spacing,
+        y_ticks.minor);
   pllab(panel.x_label.c_str(), panel.y_label.c_str(), panel.title.c_str());
   for (size_t i = 0; i < panel.series.size(); ++i) draw_series(panel, panel.series[i], i, text_scale);
   draw_legend(panel, text_scale);
@@ -242,7 +274,8 @@ void render_png(const Figure& figure, const std::filesystem::path& path) {
   check_figure(figure);
   const std::lock_guard lock(plplot_mutex);
   if (!has_pngcairo()) {
-    throw IoError(fmt::format("{}: PLplot has no pngcairo device (Debian: install plplot-driver-cairo)", path.string()));
+    throw IoError(
+        fmt::format("{}: PLplot has no pngcairo device (Debian: install plplot-driver-cairo)", path.string()));
   }
   // PLplot's own fopen failure would end the process, so the file is created here first.
   if (std::FILE* probe = std::fopen(path.c_str(), "wb"); probe != nullptr) {

@@ -45,7 +45,8 @@ void Progress::done(std::string_view note) { print(total_, note, true); }
 void Progress::print(int64_t done, std::string_view note, bool final) {
   const double elapsed = elapsed_seconds();
   std::string line = fmt::format("{}: {}/{} {}", label_, done, total_, unit_);
-  if (!final && total_ > 0) line += fmt::format(" ({:.0f}%)", 100.0 * static_cast<double>(done) / static_cast<double>(total_));
+  if (!final && total_ > 0)
+    line += fmt::format(" ({:.0f}%)", 100.0 * static_cast<double>(done) / static_cast<double>(total_));
   line += fmt::format(", {:.1f} s", elapsed);
   if (!final && done > 0 && done < total_) {
     line += fmt::format(", ~{:.0f} s left", elapsed * static_cast<double>(total_ - done) / static_cast<double>(done));

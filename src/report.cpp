@@ -58,7 +58,8 @@ std::string markdown_rows(const std::vector<std::string>& header, const std::vec
   std::string out;
   const auto line = [&](const std::vector<std::string>& cells) {
     out += '|';
-    for (size_t c = 0; c < cells.size(); ++c) fmt::format_to(std::back_inserter(out), " {} |", pad(cells[c], widths[c], numeric[c]));
+    for (size_t c = 0; c < cells.size(); ++c)
+      fmt::format_to(std::back_inserter(out), " {} |", pad(cells[c], widths[c], numeric[c]));
     out += '\n';
   };
   line(header);
@@ -100,8 +101,8 @@ std::string Table::markdown() const {
     header.push_back(markdown_cell(Cell{columns_[c].name}, columns_[c]));
     // A column is right-aligned when every cell in it is a number.
     numeric.push_back(!rows_.empty() && std::all_of(rows_.begin(), rows_.end(), [&](const std::vector<Cell>& row) {
-                        return !std::holds_alternative<std::string>(row[c]);
-                      }));
+      return !std::holds_alternative<std::string>(row[c]);
+    }));
   }
   std::vector<std::vector<std::string>> rows;
   for (const auto& row : rows_) {
@@ -130,7 +131,9 @@ std::string Table::csv() const {
 
 Report::Report(std::string title) : title_(std::move(title)) {}
 
-void Report::add_setting(std::string name, std::string value) { settings_.emplace_back(std::move(name), std::move(value)); }
+void Report::add_setting(std::string name, std::string value) {
+  settings_.emplace_back(std::move(name), std::move(value));
+}
 
 void Report::add_paragraph(std::string markdown) { blocks_.emplace_back(std::move(markdown)); }
 
@@ -197,7 +200,8 @@ void Report::write(const std::filesystem::path& directory) const {
   }
   StagedFiles files;
   for (const Block& block : blocks_) {
-    if (const auto* table = std::get_if<TableBlock>(&block)) files.stage(directory / table->csv_name, table->table.csv());
+    if (const auto* table = std::get_if<TableBlock>(&block))
+      files.stage(directory / table->csv_name, table->table.csv());
     if (const auto* figure = std::get_if<FigureBlock>(&block)) {
       render_png(figure->figure, files.stage_path(directory / figure->png_name));
     }

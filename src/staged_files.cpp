@@ -48,12 +48,14 @@ int create_temporary(const std::filesystem::path& target, std::filesystem::path&
   int fd = -1;
   for (int attempt = 0; attempt < 16 && fd < 0; ++attempt) {
     // The name is cut so that the temporary's stays within NAME_MAX (255) when the target's does.
-    temp = directory / fmt::format(".{}.tmp.{}.{:08x}", target.filename().string().substr(0, 200), ::getpid(), entropy());
+    temp =
+        directory / fmt::format(".{}.tmp.{}.{:08x}", target.filename().string().substr(0, 200), ::getpid(), entropy());
     fd = ::open(temp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0666);
     if (fd < 0 && errno != EEXIST) break;
   }
   if (fd < 0) {
-    fail(target, fmt::format("cannot write: {} (creating a temporary file in {})", os_reason(errno), directory.string()));
+    fail(target,
+         fmt::format("cannot write: {} (creating a temporary file in {})", os_reason(errno), directory.string()));
   }
   return fd;
 }
@@ -61,7 +63,8 @@ int create_temporary(const std::filesystem::path& target, std::filesystem::path&
 // Without the fsync a crash soon after the rename could leave the new name on an empty file.
 void flush_to_disk(const std::filesystem::path& target, const std::filesystem::path& temp) {
   Fd fd(::open(temp.c_str(), O_RDONLY | O_CLOEXEC));
-  if (fd.get() < 0) fail(target, fmt::format("cannot write: the temporary {} is gone: {}", temp.string(), os_reason(errno)));
+  if (fd.get() < 0)
+    fail(target, fmt::format("cannot write: the temporary {} is gone: {}", temp.string(), os_reason(errno)));
   if (::fsync(fd.get()) != 0) fail(target, fmt::format("cannot write: fsync failed: {}", os_reason(errno)));
 }
 

@@ -68,9 +68,9 @@ struct ReaderCase {
   int64_t batch, length, dim, classes;
 };
 
-class AttentionReaderGradient : public ::testing::TestWithParam<ReaderCase> {};
+class ExperimentAttentionReader : public ::testing::TestWithParam<ReaderCase> {};
 
-TEST_P(AttentionReaderGradient, MatchesFiniteDifferences) {
+TEST_P(ExperimentAttentionReader, GradientsMatchFiniteDifferences) {
   const ReaderCase c = GetParam();
   Rng rng(11);
   // A scale other than 1/√D: the unscaled variant of `scaling` relies on the scale reaching both passes.
@@ -82,23 +82,23 @@ TEST_P(AttentionReaderGradient, MatchesFiniteDifferences) {
 }
 
 // T = 1 (the query attends to itself only), D = 1, odd sizes.
-INSTANTIATE_TEST_SUITE_P(Shapes, AttentionReaderGradient,
+INSTANTIATE_TEST_SUITE_P(Shapes, ExperimentAttentionReader,
                          ::testing::Values(ReaderCase{2, 5, 4, 3}, ReaderCase{1, 1, 3, 2}, ReaderCase{3, 7, 1, 4},
                                            ReaderCase{2, 13, 5, 3}));
 
-class GruReaderGradient : public ::testing::TestWithParam<ReaderCase> {};
+class ExperimentGruReader : public ::testing::TestWithParam<ReaderCase> {};
 
-TEST_P(GruReaderGradient, MatchesFiniteDifferences) {
+TEST_P(ExperimentGruReader, GradientsMatchFiniteDifferences) {
   const ReaderCase c = GetParam();
   Rng rng(12);
   GruReader<double> reader({.dim = c.dim, .hidden = c.dim + 1, .classes = c.classes}, rng);
   check_reader_gradients(reader, random_tensor<double>(Shape{c.batch, c.length, c.dim}, rng), c.classes, rng);
 }
 
-INSTANTIATE_TEST_SUITE_P(Shapes, GruReaderGradient,
+INSTANTIATE_TEST_SUITE_P(Shapes, ExperimentGruReader,
                          ::testing::Values(ReaderCase{2, 5, 4, 3}, ReaderCase{1, 1, 3, 2}, ReaderCase{3, 7, 1, 4}));
 
-TEST(PairEmbedding, SumsTwoRowsAndSendsTheGradientToBoth) {
+TEST(ExperimentPairEmbedding, SumsTwoRowsAndSendsTheGradientToBoth) {
   Rng rng(13);
   PairEmbedding<double> embedding(5, 3, rng);
   Tensor<int64_t> ids(Shape{1, 2, 2}, {1, 4, 2, 2});
@@ -130,11 +130,12 @@ template <class Scalar>
 std::unique_ptr<Classifier<Scalar>> attention_classifier(uint64_t seed) {
   Rng rng(seed);
   PairEmbedding<Scalar> embedding(7, 4, rng);
-  auto reader = std::make_unique<AttentionReader<Scalar>>(AttentionReaderConfig{.dim = 4, .classes = 3, .scale = 0.5}, rng);
+  auto reader =
+      std::make_unique<AttentionReader<Scalar>>(AttentionReaderConfig{.dim = 4, .classes = 3, .scale = 0.5}, rng);
   return std::make_unique<Classifier<Scalar>>(std::move(embedding), std::move(reader), AdamConfig{.lr = 1e-2});
 }
 
-TEST(Classifier, TrainingIsDeterministicAndLowersTheLoss) {
+TEST(ExperimentClassifier, TrainingIsDeterministicAndLowersTheLoss) {
   Rng data(14);
   const Batch batch = small_batch(data);
   auto a = attention_classifier<float>(3);
@@ -149,7 +150,7 @@ TEST(Classifier, TrainingIsDeterministicAndLowersTheLoss) {
   EXPECT_LT(last, first);
 }
 
-TEST(Classifier, Float32AndFloat64TwinsAgree) {
+TEST(ExperimentClassifier, Float32AndFloat64TwinsAgree) {
   // The float64 twin measures gradients in `long-range`: it must be the same model as the float32 one.
   Rng data(15);
   const Batch batch = small_batch(data);
@@ -162,7 +163,7 @@ TEST(Classifier, Float32AndFloat64TwinsAgree) {
   EXPECT_TRUE(all_close("dx", qkv::testing::cast<double>(g32), g64, tolerance));
 }
 
-TEST(Classifier, InputGradientLeavesTheParametersAlone) {
+TEST(ExperimentClassifier, InputGradientLeavesTheParametersAlone) {
   Rng data(16);
   const Batch batch = small_batch(data);
   auto model = attention_classifier<double>(5);

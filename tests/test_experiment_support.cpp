@@ -5,8 +5,8 @@
 #include <gtest/gtest.h>
 #include <unistd.h>
 
-#include <csignal>
 #include <cmath>
+#include <csignal>
 #include <cstdint>
 #include <filesystem>
 #include <fstream>
@@ -62,7 +62,8 @@ std::vector<std::string> names_in(const std::filesystem::path& dir) {
 
 // Width and height from a PNG's IHDR, after checking its signature; {0, 0} when it is not a PNG.
 std::pair<uint32_t, uint32_t> png_size(const std::string& bytes) {
-  if (bytes.size() < 24 || bytes.compare(0, 8, "\x89PNG\r\n\x1a\n") != 0 || bytes.compare(12, 4, "IHDR") != 0) return {};
+  if (bytes.size() < 24 || bytes.compare(0, 8, "\x89PNG\r\n\x1a\n") != 0 || bytes.compare(12, 4, "IHDR") != 0)
+    return {};
   const auto be32 = [&](size_t at) {
     uint32_t v = 0;
     for (size_t i = 0; i < 4; ++i) v = v << 8 | static_cast<unsigned char>(bytes[at + i]);
@@ -83,7 +84,10 @@ Figure two_panel_figure() {
   log.y_scale = AxisScale::log10;
   // Zero, negative and NaN points cannot be shown on log axes: they break the line, not the plot.
   const double nan = std::numeric_limits<double>::quiet_NaN();
-  log.series = {{.label = "gaps", .x = {1, 10, 100, 1000, 1e4}, .y = {1e-3, 0.0, nan, -1.0, 1e2}, .markers = true,
+  log.series = {{.label = "gaps",
+                 .x = {1, 10, 100, 1000, 1e4},
+                 .y = {1e-3, 0.0, nan, -1.0, 1e2},
+                 .markers = true,
                  .dashed = false}};
   Figure figure;
   figure.panels = {linear, log};
@@ -145,7 +149,7 @@ TEST(Table, MarkdownAlignsColumnsAndCsvRoundTrips) {
   table.add_row({std::string("a|b"), int64_t{12}, 0.125});
   table.add_row({std::string("√d"), int64_t{3}, 1.0 / 3.0});
   EXPECT_EQ(table.markdown(),
-            "| name | n   | x    |\n"
+            "| name |   n |    x |\n"
             "| ---- | --: | ---: |\n"
             "| a\\|b |  12 | 0.12 |\n"
             "| √d   |   3 | 0.33 |\n");
@@ -153,7 +157,7 @@ TEST(Table, MarkdownAlignsColumnsAndCsvRoundTrips) {
 }
 
 TEST(Table, CsvQuotesFieldsThatNeedIt) {
-  Table table({{"text", "{}"}});
+  Table table(std::vector<TableColumn>{{"text", "{}"}});
   table.add_row({std::string("a,b")});
   table.add_row({std::string("say \"hi\"")});
   table.add_row({std::numeric_limits<double>::quiet_NaN()});
@@ -163,8 +167,12 @@ TEST(Table, CsvQuotesFieldsThatNeedIt) {
 TEST(Table, RefusesRowsOfTheWrongWidthAndBadFormats) {
   Table table({{"a", "{}"}, {"b", "{}"}});
   EXPECT_TRUE(throws_naming<ValueError>([&] { table.add_row({int64_t{1}}); }, {"row", "expected 2 cells", "got 1"}));
-  EXPECT_TRUE(throws_naming<ValueError>([] { Table bad({{"a", "{:d}"}}); }, {"column \"a\"", "{:d}"}));
-  EXPECT_TRUE(throws_naming<ValueError>([] { Table none({}); }, {"columns"}));
+  EXPECT_TRUE(throws_naming<ValueError>(
+      [] {
+        Table bad(std::vector<TableColumn>{{"a", "{:d}"}});
+      },
+      {"column \"a\"", "{:d}"}));
+  EXPECT_TRUE(throws_naming<ValueError>([] { Table none(std::vector<TableColumn>{}); }, {"columns"}));
 }
 
 Report small_report() {
@@ -187,7 +195,7 @@ TEST(Report, WritesEveryFileAndAMarkdownThatNamesThem) {
   report.write(dir.path());
   EXPECT_EQ(names_in(dir.path()), (std::vector<std::string>{"figure.png", "results.csv", "results.md", "steps.csv"}));
   const std::string md = read_file(dir.path() / "results.md");
-  for (const char* part : {"# Title", "## Settings", "| seed    | 0     |", "Some words.", "## Main", "| 4 | 4.012 |",
+  for (const char* part : {"# Title", "## Settings", "| seed    | 0     |", "Some words.", "## Main", "|   4 | 4.012 |",
                            "(CSV: `results.csv`)", "Every step: `steps.csv` (1 rows).", "![A figure](figure.png)"}) {
     EXPECT_NE(md.find(part), std::string::npos) << "results.md lacks " << part << ":\n" << md;
   }
@@ -199,7 +207,7 @@ TEST(Report, WritesEveryFileAndAMarkdownThatNamesThem) {
 TEST(Report, RefusesTwoOutputsOfOneName) {
   TempDir dir;
   Report report = small_report();
-  report.add_table("Again", Table({{"a", "{}"}}), "results.csv");
+  report.add_table("Again", Table(std::vector<TableColumn>{{"a", "{}"}}), "results.csv");
   EXPECT_TRUE(throws_naming<ValueError>([&] { report.write(dir.path()); }, {"results.csv"}));
   EXPECT_TRUE(names_in(dir.path()).empty());
 }
@@ -245,7 +253,8 @@ TEST(StagedFiles, CommitRenamesEveryFileAndAbandonRemovesTheTemporaries) {
 TEST(StagedFiles, RefusesADirectoryThatDoesNotExist) {
   TempDir dir;
   StagedFiles files;
-  EXPECT_TRUE(throws_naming<IoError>([&] { files.stage(dir.path() / "no" / "a.txt", "x"); }, {"no/a.txt", "cannot write"}));
+  EXPECT_TRUE(
+      throws_naming<IoError>([&] { files.stage(dir.path() / "no" / "a.txt", "x"); }, {"no/a.txt", "cannot write"}));
 }
 
 TEST(Interrupt, ASignalInsideTheScopeIsTakenAtThePollPoint) {

@@ -107,8 +107,9 @@ void add_input_options(CLI::App& cmd, InputOptions& o) {
   cmd.add_option("--mask", o.mask, "M.npy, broadcast to [B, H, Tq, Tk]: bool = may attend, float = additive bias")
       ->type_name("FILE");
   cmd.add_option("--impl", o.impl,
-                 "auto (the fastest implementation that supports the request) or reference (plain loops, float64 sums)")
-      ->check(CLI::IsMember({"auto", "reference"}))
+                 "auto (the fastest implementation that supports the request), fused (tiled online softmax, O(T) "
+                 "memory) or reference (plain loops, float64 sums)")
+      ->check(CLI::IsMember({"auto", "fused", "reference"}))
       ->capture_default_str();
   cmd.add_option("--score", o.score, "dot (scaled dot product) or additive (w . tanh(Wq q + Wk k))")
       ->check(CLI::IsMember({"dot", "additive"}))

@@ -33,7 +33,7 @@ struct CommandOptions {
 };
 
 std::vector<Experiment> all_experiments() {
-  return {scaling_experiment(), long_range_experiment(), parallel_experiment()};
+  return {scaling_experiment(), long_range_experiment(), parallel_experiment(), alignment_experiment(), coref_experiment()};
 }
 
 std::string known_names() {
@@ -53,8 +53,8 @@ void check_options(const Experiment& experiment, const ExperimentOptions& option
   for (const int64_t size : options.sizes) {
     if (size < experiment.min_size || size > experiment.max_size) {
       throw ValueError(fmt::format("--sizes: expected {} from {} to {} for experiment {}, got {}",
-                                   experiment.sizes_meaning, experiment.min_size, experiment.max_size,
-                                   experiment.name, size));
+                                   experiment.sizes_meaning, experiment.min_size, experiment.max_size, experiment.name,
+                                   size));
     }
   }
   if (options.steps) {
@@ -94,7 +94,9 @@ void run_experiment(const CommandOptions& command) {
 
   InterruptScope interrupt_scope;
   try {
-    const Report report = experiment.run(command.experiment);
+    ExperimentOptions options = command.experiment;
+    options.directory = directory;
+    const Report report = experiment.run(options);
     // Signals only raise a flag from here on, so the files are written whole even after a Ctrl-C.
     report.write(directory);
     fmt::print("{}", report.tables_markdown());
@@ -123,8 +125,8 @@ std::string footer() {
 
 void register_experiment(CLI::App& app) {
   auto options = std::make_shared<CommandOptions>();
-  CLI::App* cmd = app.add_subcommand("experiment", "run an experiment that tests a claim about attention: " +
-                                                       known_names());
+  CLI::App* cmd =
+      app.add_subcommand("experiment", "run an experiment that tests a claim about attention: " + known_names());
   cmd->footer(footer());
   cmd->add_option("NAME", options->name, "the experiment: " + known_names())->required();
   cmd->add_flag("--quick", options->experiment.quick, "a small run that finishes in well under a minute");

@@ -26,6 +26,8 @@ int main(int argc, char** argv) {
   qkv::cli::register_attend_backward(app);
   qkv::cli::register_heatmap(app);
   qkv::cli::register_experiment(app);
+  qkv::cli::register_translate(app);
+  qkv::cli::register_bench(app);
 
   try {
     app.parse(argc, argv);
@@ -36,7 +38,7 @@ int main(int argc, char** argv) {
   } catch (const CLI::CallForVersion& e) {
     return app.exit(e);
   } catch (const CLI::ParseError& e) {
-    fmt::print(stderr, "qkv: error: {}\nRun with --help for usage.\n", e.what());
+    fmt::print(stderr, "qkv: error: {} (see --help)\n", e.what());
     return kExitBadInput;
   } catch (const qkv::Error& e) {
     fmt::print(stderr, "qkv: error: {}\n", e.what());

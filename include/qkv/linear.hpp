@@ -4,10 +4,22 @@
 // Shapes: x [..., In] (rank 2 to 4; every leading index selects one row), w [Out, In], b [Out],
 // y [..., Out] with x's leading dims.
 //   y_n = W x_n + b                    (y = x Wᵀ + b, one row at a time)
-// Every dot product is accumulated in float64, so a row's result does not depend on the thread
-// that computed it. Views may be strided; none needs to be contiguous.
+//
+// Two implementations, the same semantics; linear_forward and linear_backward choose:
+//  - reference: plain loops, every dot product accumulated in float64; views may have any strides.
+//  - blocked (src/linear-inl.h): packed panels and a register-blocked SIMD micro-kernel (Highway,
+//    the best instruction set of the CPU chosen at run time), accumulating in T (float32 for float)
+//    in a fixed blocked order. Needs x, y, dy, dx to be rows at one stride with a contiguous last
+//    dim (any contiguous tensor, or a slice of rows or leading indices of one) and w, dw to have
+//    contiguous rows. Its float error is within that of a naive float32 loop.
+// linear_forward and linear_backward run the blocked one when the views allow it and the product
+// has at least 2^12 multiply-adds (below that the plain loop costs as little as packing panels);
+// otherwise the reference. Both give results that are bit-identical for any thread count.
 
 #include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
 
 #include "qkv/rng.hpp"
 #include "qkv/tensor.hpp"
@@ -36,6 +48,31 @@ void linear_forward(const LinearParams<T>& params, TensorView<T> y);
 // Gradients of L = <dy, y> (dy [..., Out]): dx += dy W, dW += dyᵀ x, db += Σ_rows dy.
 template <class T>
 void linear_backward(const LinearParams<T>& params, TensorView<const T> dy, const LinearGradients<T>& grads);
+
+// The reference: the shapes and semantics of linear_forward / linear_backward, any strides.
+template <class T>
+void linear_forward_reference(const LinearParams<T>& params, TensorView<T> y);
+template <class T>
+void linear_backward_reference(const LinearParams<T>& params, TensorView<const T> dy, const LinearGradients<T>& grads);
+
+// The blocked implementation at any size. Throws ShapeError naming the view whose layout it cannot
+// read (a strided last dim, rows that are not at one stride, output rows that overlap).
+template <class T>
+void linear_forward_blocked(const LinearParams<T>& params, TensorView<T> y);
+template <class T>
+void linear_backward_blocked(const LinearParams<T>& params, TensorView<const T> dy, const LinearGradients<T>& grads);
+
+// The instruction sets the blocked kernels were compiled for that this CPU can run, best first.
+std::vector<std::string> linear_targets();
+
+// The instruction set the next blocked call will run.
+std::string linear_target();
+
+// Makes the blocked kernels run `target` (a name from linear_targets()) until called again; an
+// empty name goes back to the best. Process-wide (Highway's target choice is shared by every
+// dispatched kernel) and not thread-safe: for tests and benchmarks. Throws ValueError naming the
+// available targets when `target` is not one of them.
+void linear_use_target(std::string_view target);
 
 // PyTorch's default for nn.Linear: w [Out, In] and b [Out] (when given) drawn from U(−1/√In, 1/√In),
 // w first, row by row. (kaiming_uniform_ with a = √5 yields exactly that bound for w.) With

@@ -6,8 +6,8 @@
 // Series are data, not drawing commands: a point whose x or y is not finite, or is <= 0 on a log
 // axis, is left out and breaks the line there, so a curve that vanishes (a gradient norm of 0)
 // shows as a gap rather than a crash. Axis ranges come from the data unless given, with a little
-// room around it; a log axis that would hold no power of ten (PLplot labels only those) is widened
-// to whole decades.
+// room around it; a log axis that would hold fewer than two powers of ten (PLplot labels only
+// those) is widened to whole decades, and one spanning many decades is labelled every few.
 //
 // PLplot keeps global state, so rendering is serialised by a lock; callers need not care.
 

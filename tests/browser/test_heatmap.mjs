@@ -216,7 +216,8 @@ try {
   check(data.lut.length === 256 && data.lut[0] === "#440154" && data.lut[255] === "#fde725",
     "the page's colour table is viridis: " + data.lut[0] + " … " + data.lut[255]);
   const options = await page.$$eval("#head option", (els) => els.map((el) => el.textContent));
-  check(JSON.stringify(options) === JSON.stringify(["head 0", "head 1"]), "a head selector with both heads: " + options);
+  check(JSON.stringify(options) === JSON.stringify(["head 0", "head 1"]),
+    "a head selector with both heads: " + options);
   check(await page.isVisible("#head"), "the head selector is visible");
 
   // Hovering a query colours every key by α_ij of the shown head.
@@ -230,16 +231,19 @@ try {
         const want = at(head, i, j);
         check(Math.fround(Number(keys[j].alpha)) === want,
           `head ${head}, query ${i} → key ${j}: data-alpha ${keys[j].alpha}, expected ${want}`);
-        check(keys[j].background === expectedColour(data, want),
-          `head ${head}, query ${i} → key ${j}: background ${keys[j].background}, expected ${expectedColour(data, want)}`);
+        check(keys[j].background === expectedColour(data, want), `head ${head}, query ${i} → key ${j}: ` +
+          `background ${keys[j].background}, expected ${expectedColour(data, want)}`);
       }
-      const lines = await page.$$eval("#links line", (els) => els.map((el) => Number(el.getAttribute("stroke-opacity"))));
+      const lines = await page.$$eval("#links line",
+        (els) => els.map((el) => Number(el.getAttribute("stroke-opacity"))));
       check(lines.length === TK, `head ${head}, query ${i}: a line to each key (${lines.length})`);
       // The strongest key gets the most opaque line and the lightest viridis colour.
       const strongest = [...Array(TK).keys()].reduce((a, b) => (at(head, i, b) > at(head, i, a) ? b : a));
-      check(lines.indexOf(Math.max(...lines)) === strongest, `head ${head}, query ${i}: the strongest line goes to key ${strongest}`);
+      check(lines.indexOf(Math.max(...lines)) === strongest,
+        `head ${head}, query ${i}: the strongest line goes to key ${strongest}`);
       const readout = await page.textContent("#readout");
-      check(readout.includes(rows[i]) && readout.includes(cols[strongest]), `head ${head}, query ${i}: readout "${readout}"`);
+      check(readout.includes(rows[i]) && readout.includes(cols[strongest]),
+        `head ${head}, query ${i}: readout "${readout}"`);
     }
   }
   await checkQueries(0);
@@ -249,7 +253,8 @@ try {
     await page.hover(`#keys .tok[data-j="${j}"]`);
     const queries = await tokenState(page, "#queries .tok");
     for (let i = 0; i < TQ; i++) {
-      check(Math.fround(Number(queries[i].alpha)) === at(0, i, j), `key ${j} ← query ${i}: data-alpha ${queries[i].alpha}`);
+      check(Math.fround(Number(queries[i].alpha)) === at(0, i, j),
+        `key ${j} ← query ${i}: data-alpha ${queries[i].alpha}`);
       check(queries[i].background === expectedColour(data, at(0, i, j)), `key ${j} ← query ${i}: background`);
     }
   }
@@ -271,7 +276,7 @@ try {
     return { left: box.left, top: box.top, x0: Number(el.dataset.x0), y0: Number(el.dataset.y0),
       cell: Number(el.dataset.cellWidth) };
   });
-  for (const [i, j] of [[0, 0], [2, 3], [3, 4]]) {
+  for (const [i, j] of [[0, 0], [2, 3], [3, 4], [3, 1]]) {  // the last moves along a row: only the mark moves
     const x = geometry.x0 + (j + 0.5) * geometry.cell;
     const y = geometry.y0 + (i + 0.5) * geometry.cell;
     await page.mouse.move(geometry.left + x, geometry.top + y);
@@ -288,9 +293,13 @@ try {
       const d = canvas.getContext("2d").getImageData(Math.floor(px * ratio), Math.floor(py * ratio), 1, 1).data;
       return `rgb(${d[0]}, ${d[1]}, ${d[2]})`;
     }, [x, y]);
-    check(pixel === expectedColour(data, value), `cell [${i}, ${j}]: drawn ${pixel}, expected ${expectedColour(data, value)}`);
+    check(pixel === expectedColour(data, value),
+      `cell [${i}, ${j}]: drawn ${pixel}, expected ${expectedColour(data, value)}`);
     const marked = await page.$$eval("#keys .tok.marked", (els) => els.map((el) => el.dataset.j));
     check(marked.length === 1 && marked[0] === String(j), `cell [${i}, ${j}]: the token view marks key ${j}`);
+    const keys = await tokenState(page, "#keys .tok");
+    check(keys.every((k, jj) => Math.fround(Number(k.alpha)) === at(1, i, jj)),
+      `cell [${i}, ${j}]: the token view shows row ${i} of head 1`);
   }
 
   await page.hover(`#queries .tok[data-i="1"]`);
@@ -298,7 +307,8 @@ try {
   await page.screenshot({ path: shot, fullPage: true });
   const stats = screenshotStats(shot);
   check(stats.colours > 50 && stats.inkedFraction > 0.05,
-    `screenshot is not blank: ${stats.width}×${stats.height}, ${stats.colours} colours, ${(100 * stats.inkedFraction).toFixed(1)}% inked`);
+    `screenshot is not blank: ${stats.width}×${stats.height}, ${stats.colours} colours, ` +
+    `${(100 * stats.inkedFraction).toFixed(1)}% inked`);
   check(problems.length === 0, "no console errors or network requests: " + problems.join("; "));
   await page.close();
 
@@ -310,7 +320,8 @@ try {
     check(tokens.join(" ") === "the student is reading a book", "the demo's page shows its tokens: " + tokens);
     check(!(await demo.isVisible("#head")), "the demo's page (one head) has no head selector");
     await demo.hover('#queries .tok[data-i="1"]');
-    check(await demo.$$eval("#keys .tok[data-alpha]", (els) => els.length) === 6, "the demo's page highlights 6 keys");
+    check(await demo.$$eval("#keys .tok[data-alpha]", (els) => els.length) === 6,
+      "the demo's page highlights 6 keys");
     await demo.screenshot({ path: path.join(screenshotDir, "demo-page.png"), fullPage: true });
     check(demoProblems.length === 0, "demo page: no console errors: " + demoProblems.join("; "));
     await demo.close();
@@ -325,7 +336,8 @@ try {
     const { page: big, problems: bigProblems } = await open(path.join(tmp, "big.html"));
     check(Date.now() - started < 20000, `a ${T} × ${T} page renders and loads in ${Date.now() - started} ms`);
     await big.hover(`#queries .tok[data-i="${T - 1}"]`);
-    check(await big.$$eval("#keys .tok[data-alpha]", (els) => els.length) === T, `the ${T} × ${T} page highlights ${T} keys`);
+    check(await big.$$eval("#keys .tok[data-alpha]", (els) => els.length) === T,
+      `the ${T} × ${T} page highlights ${T} keys`);
     check(bigProblems.length === 0, "big page: no console errors: " + bigProblems.join("; "));
     await big.close();
   }

@@ -67,8 +67,7 @@ class Suite:
             return self.fail(name, f"exit code {result.returncode}, expected {EXIT_BAD_INPUT}", result)
         if not first.startswith("qkv: error: "):
             return self.fail(name, "the first stderr line is not 'qkv: error: ...'", result)
-        # CLI11's own parse errors add a second line pointing at --help; ours are one line.
-        if len(lines) > 2 or (len(lines) == 2 and not lines[1].startswith("Run with --help")):
+        if len(lines) != 1:
             return self.fail(name, f"expected a one-line error, got {len(lines)} lines", result)
         missing = [text for text in must_mention if text not in first]
         if missing:

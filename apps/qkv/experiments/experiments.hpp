@@ -4,10 +4,13 @@
 //   scaling.cpp     why scores are divided by √d (statistics at initialisation, then training)
 //   long_range.cpp  an O(1) path between any two tokens versus an RNN's O(T) chain
 //   parallel.cpp    attention's steps run in parallel, an RNN's one after the other
+//   alignment.cpp   Bahdanau attention learns the word alignment of a translation
+//   coref.cpp       a pronoun's attention row and its referent; value ablation against the weights
 // An experiment checks its options before any work (ValueError naming the option, exit 2), shows
 // progress on long phases and polls for Ctrl-C through qkv::Progress.
 
 #include <cstdint>
+#include <filesystem>
 #include <optional>
 #include <string>
 #include <string_view>
@@ -23,6 +26,9 @@ struct ExperimentOptions {
   uint64_t seed = 0;             // --seed: every random draw of the run comes from it
   std::vector<int64_t> sizes;    // --sizes: the swept sizes; empty for the experiment's defaults
   std::optional<int64_t> steps;  // --steps: training steps, for the experiments that train
+  // DIR/NAME, set by the command: where an experiment stages files that a Report does not carry
+  // (trained models), committed before the Report's own files are written.
+  std::filesystem::path directory;
 };
 
 struct Experiment {
@@ -40,6 +46,8 @@ struct Experiment {
 Experiment scaling_experiment();
 Experiment long_range_experiment();
 Experiment parallel_experiment();
+Experiment alignment_experiment();
+Experiment coref_experiment();
 
 // The most training steps --steps accepts.
 inline constexpr int64_t kMaxSteps = 100000;
@@ -58,8 +66,8 @@ double median(std::vector<double> values);
 uint64_t derive_seed(uint64_t seed, uint64_t stream, uint64_t substream = 0);
 
 // A panel with its titles and scales, to which the caller adds series.
-PlotPanel make_panel(std::string title, std::string x_label, std::string y_label,
-                     AxisScale x_scale = AxisScale::linear, AxisScale y_scale = AxisScale::linear);
+PlotPanel make_panel(std::string title, std::string x_label, std::string y_label, AxisScale x_scale = AxisScale::linear,
+                     AxisScale y_scale = AxisScale::linear);
 // A measured curve (line and markers), and a dashed reference (theory, a target, a bound).
 PlotSeries measured(std::string label, std::vector<double> x, std::vector<double> y);
 PlotSeries reference(std::string label, std::vector<double> x, std::vector<double> y);

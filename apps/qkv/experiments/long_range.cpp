@@ -66,15 +66,16 @@ struct Settings {
 
 Settings settings_for(const ExperimentOptions& options) {
   Settings s;
-  s.lengths = options.sizes.empty() ? (options.quick ? std::vector<int64_t>{8, 32} : std::vector<int64_t>{8, 32, 128, 512})
-                                    : options.sizes;
+  s.lengths = options.sizes.empty()
+                  ? (options.quick ? std::vector<int64_t>{8, 32} : std::vector<int64_t>{8, 32, 128, 512})
+                  : options.sizes;
   std::sort(s.lengths.begin(), s.lengths.end());
   s.lengths.erase(std::unique(s.lengths.begin(), s.lengths.end()), s.lengths.end());
   s.vocabulary = 16;
   s.dim = 32;
   s.hidden = 32;
   s.batch = 32;
-  s.steps = options.steps.value_or(options.quick ? 60 : 500);
+  s.steps = options.steps.value_or(options.quick ? 60 : 1000);
   s.held_out = options.quick ? 256 : 1024;
   s.lr = 3e-3;
   s.max_grad_norm = 1.0;
@@ -85,8 +86,7 @@ Settings settings_for(const ExperimentOptions& options) {
 // Token ids are [0, V); V marks a position and V + 1 leaves it unmarked.
 // ids [B, T, 2] = (token, flag); the target is the marked token. `mark` < 0 draws the mark's
 // position by `placement`; otherwise the mark sits at position `mark`.
-Batch marked_batch(const Settings& s, int64_t batch, int64_t length, Placement placement, Rng& rng,
-                   int64_t mark = -1) {
+Batch marked_batch(const Settings& s, int64_t batch, int64_t length, Placement placement, Rng& rng, int64_t mark = -1) {
   Batch out{Tensor<int64_t>(Shape{batch, length, 2}), Tensor<int64_t>(Shape{batch})};
   const auto draw = [&](int64_t n) { return static_cast<int64_t>(rng.next_u64() % static_cast<uint64_t>(n)); };
   for (int64_t b = 0; b < batch; ++b) {
@@ -112,7 +112,8 @@ std::unique_ptr<Classifier<Scalar>> make_model(const Settings& s, Model model, u
         GruReaderConfig{.dim = s.dim, .hidden = s.hidden, .classes = s.vocabulary}, init);
   } else {
     reader = std::make_unique<AttentionReader<Scalar>>(
-        AttentionReaderConfig{.dim = s.dim, .classes = s.vocabulary, .scale = 1.0 / std::sqrt(static_cast<double>(s.dim))},
+        AttentionReaderConfig{
+            .dim = s.dim, .classes = s.vocabulary, .scale = 1.0 / std::sqrt(static_cast<double>(s.dim))},
         init);
   }
   return std::make_unique<Classifier<Scalar>>(std::move(embedding), std::move(reader),
@@ -134,9 +135,9 @@ TrainingResult train(const Settings& s, Model model, int64_t length, Placement p
   // Both models see the same batches for a given (T, placement).
   const uint64_t data_stream = static_cast<uint64_t>(length) << 8 | static_cast<uint64_t>(placement);
   Rng data(derive_seed(seed, kDataStream, data_stream));
-  Progress progress(fmt::format("[long-range] {}, T = {}, mark at {}", model_name(model), length,
-                                placement_name(placement)),
-                    s.steps);
+  Progress progress(
+      fmt::format("[long-range] {}, T = {}, mark at {}", model_name(model), length, placement_name(placement)),
+      s.steps);
   std::vector<double> losses;
   for (int64_t step = 0; step < s.steps; ++step) {
     losses.push_back(classifier->train_step(marked_batch(s, s.batch, length, placement, data)));
@@ -167,8 +168,9 @@ std::vector<int64_t> gradient_distances(int64_t length) {
 // Mean over a batch of ‖∂loss_b/∂x_p‖ for the mark at position p = length − 1 − distance, in float64
 // at initialisation. input_gradient differentiates the batch's mean loss, so each sequence's own
 // gradient is B times its row.
-std::vector<double> gradient_norms(const Settings& s, Model model, int64_t length, const std::vector<int64_t>& distances,
-                                   uint64_t seed, Progress& progress, int64_t& done) {
+std::vector<double> gradient_norms(const Settings& s, Model model, int64_t length,
+                                   const std::vector<int64_t>& distances, uint64_t seed, Progress& progress,
+                                   int64_t& done) {
   auto classifier = make_model<double>(s, model, seed);
   std::vector<double> norms;
   for (const int64_t distance : distances) {
@@ -191,7 +193,9 @@ std::vector<double> gradient_norms(const Settings& s, Model model, int64_t lengt
   return norms;
 }
 
-int64_t reader_parameters(const Settings& s, Model model) { return make_model<float>(s, model, 0)->reader_parameter_count(); }
+int64_t reader_parameters(const Settings& s, Model model) {
+  return make_model<float>(s, model, 0)->reader_parameter_count();
+}
 
 Report run_long_range(const ExperimentOptions& options) {
   const Settings s = settings_for(options);
@@ -222,8 +226,9 @@ Report run_long_range(const ExperimentOptions& options) {
   const int64_t embedding_params = (s.vocabulary + 2) * s.dim;
 
   Report report("Experiment: long-range (marked-token retrieval, GRU against one attention layer)");
-  report.add_setting("command", fmt::format("qkv experiment long-range{} --seed {}{}", options.quick ? " --quick" : "",
-                                            options.seed, options.sizes.empty() ? "" : " --sizes " + join_sizes(s.lengths)));
+  report.add_setting(
+      "command", fmt::format("qkv experiment long-range{} --seed {}{}", options.quick ? " --quick" : "", options.seed,
+                             options.sizes.empty() ? "" : " --sizes " + join_sizes(s.lengths)));
   report.add_setting("seed", fmt::format("{}", options.seed));
   report.add_setting("sequence lengths T", join_sizes(s.lengths));
   report.add_setting("task", fmt::format("T tokens from a vocabulary of {}, one marked by an input flag; answer the "
@@ -237,14 +242,16 @@ Report run_long_range(const ExperimentOptions& options) {
                                  "information) read at the last position → residual → LayerNorm → linear; {} "
                                  "parameters besides the embedding's {}",
                                  s.dim, attention_params, embedding_params));
-  report.add_setting("parameter ratio", fmt::format("GRU / attention = {:.2f}", static_cast<double>(gru_params) /
-                                                                                 static_cast<double>(attention_params)));
+  report.add_setting(
+      "parameter ratio",
+      fmt::format("GRU / attention = {:.2f}", static_cast<double>(gru_params) / static_cast<double>(attention_params)));
   report.add_setting("training", fmt::format("{} steps, batch {}, Adam lr {}, gradient norm clipped to {}; the same "
                                              "batches for both models",
                                              s.steps, s.batch, s.lr, s.max_grad_norm));
   report.add_setting("held-out batch", fmt::format("{} sequences per (T, placement)", s.held_out));
-  report.add_setting("gradient measurement", fmt::format("T = {}, {} sequences per distance, float64, at initialisation",
-                                                         gradient_length, s.gradient_batch));
+  report.add_setting(
+      "gradient measurement",
+      fmt::format("T = {}, {} sequences per distance, float64, at initialisation", gradient_length, s.gradient_batch));
   report.add_setting("threads", fmt::format("{}", max_workers()));
 
   Table table({{"T", "{}"},
@@ -268,8 +275,8 @@ Report run_long_range(const ExperimentOptions& options) {
       "uniform draws its position uniformly.");
   report.add_table("Accuracy after training", std::move(table), "results.csv");
 
-  PlotPanel accuracy = make_panel("Marked-token retrieval after training", "sequence length T", "held-out accuracy",
-                                  AxisScale::log10);
+  PlotPanel accuracy =
+      make_panel("Marked-token retrieval after training", "sequence length T", "held-out accuracy", AxisScale::log10);
   accuracy.y_range = AxisRange{0.0, 1.05};
   accuracy.legend = LegendPosition::bottom_left;
   std::vector<double> lengths(s.lengths.begin(), s.lengths.end());
@@ -297,9 +304,9 @@ Report run_long_range(const ExperimentOptions& options) {
       gradient_length, s.gradient_batch));
   report.add_table("Gradient reaching the marked input at initialisation", std::move(gradients), "gradients.csv");
 
-  PlotPanel gradient = make_panel(fmt::format("Gradient at the marked input, at initialisation (T = {})", gradient_length),
-                                  "distance from the output (steps)", "mean ‖∂loss/∂x_p‖", AxisScale::log10,
-                                  AxisScale::log10);
+  PlotPanel gradient =
+      make_panel(fmt::format("Gradient at the marked input, at initialisation (T = {})", gradient_length),
+                 "distance from the output (steps)", "mean ‖∂loss/∂x_p‖", AxisScale::log10, AxisScale::log10);
   gradient.legend = LegendPosition::bottom_left;
   const std::vector<double> distance_axis(distances.begin(), distances.end());
   gradient.series = {measured("GRU", distance_axis, gru_norms), measured("attention", distance_axis, attention_norms)};

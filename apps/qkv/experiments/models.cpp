@@ -32,17 +32,18 @@ Tensor<Scalar> project(TensorView<const Scalar> x, const Parameter<Scalar>& w, c
 
 // dW += dyᵀ x, db += Σ dy, and dx += dy W when dx is given.
 template <class Scalar>
-void project_backward(TensorView<const Scalar> x, Parameter<Scalar>& w, Parameter<Scalar>& b, TensorView<const Scalar> dy,
-                      std::optional<TensorView<Scalar>> dx) {
+void project_backward(TensorView<const Scalar> x, Parameter<Scalar>& w, Parameter<Scalar>& b,
+                      TensorView<const Scalar> dy, std::optional<TensorView<Scalar>> dx) {
   linear_backward<Scalar>({.x = x, .w = w.value.cview(), .b = b.value.cview()}, dy,
-                         {.dx = dx, .dw = w.grad.view(), .db = b.grad.view()});
+                          {.dx = dx, .dw = w.grad.view(), .db = b.grad.view()});
 }
 
 // Position T − 1 of x [B, T, D], as [B, 1, D].
 template <class U>
 TensorView<U> last_position(TensorView<U> x) {
   const int64_t t = x.shape[1];
-  return {x.data + (t - 1) * x.strides[1], Shape{x.shape[0], 1, x.shape[2]}, {x.strides[0], x.strides[1], x.strides[2], 0}};
+  return {
+      x.data + (t - 1) * x.strides[1], Shape{x.shape[0], 1, x.shape[2]}, {x.strides[0], x.strides[1], x.strides[2], 0}};
 }
 
 // A [B, 1, N] tensor read as [B, N] (the same elements).
@@ -119,7 +120,7 @@ Tensor<Scalar> AttentionReader<Scalar>::forward(TensorView<const Scalar> x) {
   a_ = Tensor<Scalar>(Shape{b, 1, d});
   lse_ = Tensor<Scalar>(Shape{b, 1});
   attention_forward<Scalar>({.q = q_.cview(), .k = k_.cview(), .v = v_.cview(), .scale = config_.scale, .mask = {}},
-                           {.out = a_.view(), .weights = std::nullopt, .lse = lse_.view()});
+                            {.out = a_.view(), .weights = std::nullopt, .lse = lse_.view()});
   h_ = project(a_.cview(), w_o_, b_o_);
   for (int64_t i = 0; i < b; ++i) {
     for (int64_t j = 0; j < d; ++j) h_[i * d + j] += last(i, 0, j);
@@ -139,8 +140,8 @@ void AttentionReader<Scalar>::backward(TensorView<const Scalar> dlogits, TensorV
   project_backward<Scalar>(a_.cview(), w_o_, b_o_, dh.cview(), da.view());
   Tensor<Scalar> dq(Shape{b, 1, d}), dk(Shape{b, t, d}), dv(Shape{b, t, d});
   attention_backward<Scalar>({.q = q_.cview(), .k = k_.cview(), .v = v_.cview(), .scale = config_.scale, .mask = {}},
-                            da.cview(), {.dq = dq.view(), .dk = dk.view(), .dv = dv.view(), .dbias = std::nullopt},
-                            AttentionSaved<Scalar>{.out = a_.cview(), .lse = lse_.cview()});
+                             da.cview(), {.dq = dq.view(), .dk = dk.view(), .dv = dv.view(), .dbias = std::nullopt},
+                             AttentionSaved<Scalar>{.out = a_.cview(), .lse = lse_.cview()});
   project_backward<Scalar>(x_.cview(), w_k_, b_k_, dk.cview(), dx);
   project_backward<Scalar>(x_.cview(), w_v_, b_v_, dv.cview(), dx);
   const TensorView<Scalar> dlast = last_position(dx);
@@ -154,7 +155,7 @@ void AttentionReader<Scalar>::backward(TensorView<const Scalar> dlogits, TensorV
 template <class Scalar>
 std::vector<ParameterRef<Scalar>> AttentionReader<Scalar>::parameters() {
   std::vector<ParameterRef<Scalar>> params = {w_q_.ref("w_q"), b_q_.ref("b_q"), w_k_.ref("w_k"), b_k_.ref("b_k"),
-                                             w_v_.ref("w_v"), b_v_.ref("b_v"), w_o_.ref("w_o"), b_o_.ref("b_o")};
+                                              w_v_.ref("w_v"), b_v_.ref("b_v"), w_o_.ref("w_o"), b_o_.ref("b_o")};
   for (ParameterRef<Scalar>& p : norm_.parameters()) params.push_back(p);
   params.push_back(w_c_.ref("w_c"));
   params.push_back(b_c_.ref("b_c"));
@@ -202,7 +203,8 @@ std::vector<ParameterRef<Scalar>> GruReader<Scalar>::parameters() {
 namespace {
 
 template <class Scalar>
-std::vector<ParameterRef<Scalar>> concat(std::vector<ParameterRef<Scalar>> a, const std::vector<ParameterRef<Scalar>>& b) {
+std::vector<ParameterRef<Scalar>> concat(std::vector<ParameterRef<Scalar>> a,
+                                         const std::vector<ParameterRef<Scalar>>& b) {
   a.insert(a.end(), b.begin(), b.end());
   return a;
 }
@@ -210,7 +212,8 @@ std::vector<ParameterRef<Scalar>> concat(std::vector<ParameterRef<Scalar>> a, co
 }  // namespace
 
 template <class Scalar>
-Classifier<Scalar>::Classifier(PairEmbedding<Scalar> embedding, std::unique_ptr<SequenceReader<Scalar>> reader, const AdamConfig& adam)
+Classifier<Scalar>::Classifier(PairEmbedding<Scalar> embedding, std::unique_ptr<SequenceReader<Scalar>> reader,
+                               const AdamConfig& adam)
     : embedding_(std::move(embedding)),
       reader_(std::move(reader)),
       adam_(concat(embedding_.parameters(), reader_->parameters()), adam) {}
@@ -220,7 +223,8 @@ double Classifier<Scalar>::forward_backward(const Batch& batch, Tensor<Scalar>& 
   const Tensor<Scalar> x = embedding_.forward(batch.ids.cview());
   const Tensor<Scalar> logits = reader_->forward(x.cview());
   CrossEntropyCache<Scalar> cache;
-  const double loss = cross_entropy_forward<Scalar>({.logits = logits.cview(), .targets = batch.targets.cview()}, cache);
+  const double loss =
+      cross_entropy_forward<Scalar>({.logits = logits.cview(), .targets = batch.targets.cview()}, cache);
   Tensor<Scalar> dlogits(logits.shape());
   cross_entropy_backward<Scalar>(cache, 1.0, dlogits.view());
   dx = Tensor<Scalar>(x.shape());
@@ -243,7 +247,8 @@ typename Classifier<Scalar>::Evaluation Classifier<Scalar>::evaluate(const Batch
   const Tensor<Scalar> x = embedding_.forward(batch.ids.cview());
   const Tensor<Scalar> logits = reader_->forward(x.cview());
   CrossEntropyCache<Scalar> cache;
-  const double loss = cross_entropy_forward<Scalar>({.logits = logits.cview(), .targets = batch.targets.cview()}, cache);
+  const double loss =
+      cross_entropy_forward<Scalar>({.logits = logits.cview(), .targets = batch.targets.cview()}, cache);
   const int64_t rows = logits.shape()[0], classes = logits.shape()[1];
   int64_t right = 0;
   for (int64_t r = 0; r < rows; ++r) {
@@ -269,16 +274,20 @@ int64_t count_parameters(const std::vector<ParameterRef<Scalar>>& params) {
 }
 
 template <class Scalar>
-int64_t Classifier<Scalar>::parameter_count() { return count_parameters(concat(embedding_.parameters(), reader_->parameters())); }
+int64_t Classifier<Scalar>::parameter_count() {
+  return count_parameters(concat(embedding_.parameters(), reader_->parameters()));
+}
 
 template <class Scalar>
-int64_t Classifier<Scalar>::reader_parameter_count() { return count_parameters(reader_->parameters()); }
+int64_t Classifier<Scalar>::reader_parameter_count() {
+  return count_parameters(reader_->parameters());
+}
 
-#define QKV_INSTANTIATE_MODELS(Scalar)                                                      \
-  template class PairEmbedding<Scalar>;                                                     \
-  template class AttentionReader<Scalar>;                                                   \
-  template class GruReader<Scalar>;                                                         \
-  template class Classifier<Scalar>;                                                        \
+#define QKV_INSTANTIATE_MODELS(Scalar)    \
+  template class PairEmbedding<Scalar>;   \
+  template class AttentionReader<Scalar>; \
+  template class GruReader<Scalar>;       \
+  template class Classifier<Scalar>;      \
   template int64_t count_parameters<Scalar>(const std::vector<ParameterRef<Scalar>>& params);
 QKV_INSTANTIATE_MODELS(float)
 QKV_INSTANTIATE_MODELS(double)

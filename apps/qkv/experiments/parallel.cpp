@@ -90,7 +90,8 @@ struct Timing {
 std::function<void()> rnn_pass(Rnn<float>& rnn, const Tensor<float>& x, const Tensor<float>& dy) {
   return [&rnn, &x, &dy] {
     RnnCache<float> cache;
-    const RecurrentOutputs<float> out = rnn.forward({.x = x.cview(), .h0 = std::nullopt, .lengths = std::nullopt}, cache);
+    const RecurrentOutputs<float> out =
+        rnn.forward({.x = x.cview(), .h0 = std::nullopt, .lengths = std::nullopt}, cache);
     Tensor<float> dx(x.shape());
     rnn.backward(cache, {.dy = dy.cview(), .dh_n = std::nullopt}, {.dx = dx.view(), .dh0 = std::nullopt});
     rnn.zero_grad();
@@ -121,8 +122,8 @@ Report run_parallel(const ExperimentOptions& options) {
 
   Rng init(derive_seed(options.seed, kInitStream));
   Rnn<float> rnn({.input_size = s.dim, .hidden_size = s.dim, .bias = true, .reverse = false}, init);
-  SelfAttention<float> attention({.d_model = s.dim, .n_heads = 1, .bias = true, .output_projection = true, .causal = true},
-                                 init);
+  SelfAttention<float> attention(
+      {.d_model = s.dim, .n_heads = 1, .bias = true, .output_projection = true, .causal = true}, init);
 
   std::vector<Timing> timings;
   Table raw({{"layer", "{}"}, {"T", "{}"}, {"threads", "{}"}, {"run", "{}"}, {"ms", "{:.4f}"}});
@@ -170,12 +171,14 @@ Report run_parallel(const ExperimentOptions& options) {
   progress.done();
 
   Report report("Experiment: parallel (RNN against self-attention, forward + backward time)");
-  report.add_setting("command", fmt::format("qkv experiment parallel{} --seed {}{}", options.quick ? " --quick" : "",
-                                            options.seed, options.sizes.empty() ? "" : " --sizes " + join_sizes(s.lengths)));
+  report.add_setting("command",
+                     fmt::format("qkv experiment parallel{} --seed {}{}", options.quick ? " --quick" : "", options.seed,
+                                 options.sizes.empty() ? "" : " --sizes " + join_sizes(s.lengths)));
   report.add_setting("seed", fmt::format("{}", options.seed));
   report.add_setting("sequence lengths T", join_sizes(s.lengths));
   report.add_setting("width D", fmt::format("{}", s.dim));
-  report.add_setting("RNN", fmt::format("qkv::Rnn, tanh, D → D with biases; {} parameters", 2 * s.dim * s.dim + 2 * s.dim));
+  report.add_setting("RNN",
+                     fmt::format("qkv::Rnn, tanh, D → D with biases; {} parameters", 2 * s.dim * s.dim + 2 * s.dim));
   report.add_setting("self-attention",
                      fmt::format("qkv::SelfAttention, 1 head, causal, W_Q, W_K, W_V, W_O with biases; {} parameters",
                                  4 * (s.dim * s.dim + s.dim)));
@@ -233,11 +236,9 @@ Report run_parallel(const ExperimentOptions& options) {
                                     AxisScale::log10, AxisScale::log10);
   time_panel.legend = LegendPosition::top_left;
   time_panel.series = {measured("RNN, 1 thread", lengths, rnn1), measured("RNN, 2 threads", lengths, rnn2),
-                       measured("attention, 1 thread", lengths, att1),
-                       measured("attention, 2 threads", lengths, att2)};
-  PlotPanel speedup_panel =
-      make_panel("Speed-up from the second thread", "sequence length T", "time(1 thread) / time(2 threads)",
-                 AxisScale::log10);
+                       measured("attention, 1 thread", lengths, att1), measured("attention, 2 threads", lengths, att2)};
+  PlotPanel speedup_panel = make_panel("Speed-up from the second thread", "sequence length T",
+                                       "time(1 thread) / time(2 threads)", AxisScale::log10);
   speedup_panel.y_range = AxisRange{0.0, 2.5};
   speedup_panel.legend = LegendPosition::top_left;
   speedup_panel.series = {measured("RNN", lengths, rnn_speedup), measured("attention", lengths, att_speedup),

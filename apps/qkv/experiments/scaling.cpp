@@ -82,7 +82,7 @@ Settings settings_for(const ExperimentOptions& options) {
   s.key_count = 64;
   s.value_count = 64;
   s.batch = 32;
-  s.steps = options.steps.value_or(options.quick ? 200 : 1000);
+  s.steps = options.steps.value_or(options.quick ? 200 : 3000);
   s.held_out = options.quick ? 256 : 2048;
   s.lr = 1e-3;
   s.max_grad_norm = 1.0;
@@ -290,8 +290,8 @@ Figure variance_figure(const std::vector<DimStats>& stats) {
     var.push_back(s.var_qk);
     var_scaled.push_back(s.var_qk / static_cast<double>(s.d));
   }
-  PlotPanel panel = make_panel("Variance of the scores, q, k ~ N(0, I)", "d", "variance", AxisScale::log10,
-                               AxisScale::log10);
+  PlotPanel panel =
+      make_panel("Variance of the scores, q, k ~ N(0, I)", "d", "variance", AxisScale::log10, AxisScale::log10);
   panel.legend = LegendPosition::top_left;
   panel.series = {measured("Var(q·k)", d, var), reference("d (theory)", d, d), measured("Var(q·k/√d)", d, var_scaled),
                   reference("1 (theory)", d, std::vector<double>(d.size(), 1.0))};
@@ -315,8 +315,8 @@ Figure softmax_figure(const std::vector<DimStats>& stats) {
   const double log_tk = std::log(static_cast<double>(kKeys));
   const double uniform_norm = std::sqrt(1.0 / kKeys - 1.0 / (kKeys * kKeys));
 
-  PlotPanel max_panel = make_panel(fmt::format("Largest weight of a row (Tk = {})", kKeys), "d", "mean max α",
-                                   AxisScale::log10);
+  PlotPanel max_panel =
+      make_panel(fmt::format("Largest weight of a row (Tk = {})", kKeys), "d", "mean max α", AxisScale::log10);
   max_panel.y_range = AxisRange{0.0, 1.5};
   max_panel.legend = LegendPosition::top_left;
   max_panel.series = {measured("softmax(q·k)", d, max_u), measured("softmax(q·k/√d)", d, max_s),
@@ -339,8 +339,9 @@ Figure softmax_figure(const std::vector<DimStats>& stats) {
 
 Figure training_figure(const std::vector<TrainingRun>& runs, const Settings& s) {
   PlotPanel panel = make_panel(fmt::format("Content retrieval, one attention layer, d = {}", s.train_dim), "step",
-                               fmt::format("training loss (running mean of {} steps)", s.smoothing),
-                               AxisScale::linear, AxisScale::log10);
+                               fmt::format("training loss (running mean of {} steps)", s.smoothing), AxisScale::linear,
+                               AxisScale::log10);
+  panel.legend = LegendPosition::bottom_left;
   std::vector<double> steps;
   for (int64_t i = 1; i <= s.steps; ++i) steps.push_back(static_cast<double>(i));
   for (const TrainingRun& run : runs) {
@@ -379,8 +380,9 @@ Report run_scaling(const ExperimentOptions& options) {
   runs.push_back(train(s, "unscaled", unscaled, options.seed));
 
   Report report("Experiment: scaling (why divide the scores by √d)");
-  report.add_setting("command", fmt::format("qkv experiment scaling{} --seed {}{}", options.quick ? " --quick" : "",
-                                            options.seed, options.sizes.empty() ? "" : " --sizes " + join_sizes(s.dims)));
+  report.add_setting("command",
+                     fmt::format("qkv experiment scaling{} --seed {}{}", options.quick ? " --quick" : "", options.seed,
+                                 options.sizes.empty() ? "" : " --sizes " + join_sizes(s.dims)));
   report.add_setting("seed", fmt::format("{}", options.seed));
   report.add_setting("d (part 1)", join_sizes(s.dims));
   report.add_setting("q·k pairs per d", fmt::format("{}", s.variance_samples));
@@ -393,9 +395,9 @@ Report run_scaling(const ExperimentOptions& options) {
                                                   s.pairs, s.key_count, s.value_count));
   report.add_setting("training", fmt::format("{} steps, batch {}, Adam lr {}, gradient norm clipped to {}", s.steps,
                                              s.batch, s.lr, s.max_grad_norm));
-  report.add_setting("target loss", fmt::format("{} nats (running mean over {} steps); chance is log {} = {:.2f}",
-                                                s.target_loss, s.smoothing, s.value_count,
-                                                std::log(static_cast<double>(s.value_count))));
+  report.add_setting("target loss",
+                     fmt::format("{} nats (running mean over {} steps); chance is log {} = {:.2f}", s.target_loss,
+                                 s.smoothing, s.value_count, std::log(static_cast<double>(s.value_count))));
   report.add_setting("held-out batch", fmt::format("{} sequences", s.held_out));
   report.add_setting("threads", fmt::format("{}", max_workers()));
 
@@ -432,10 +434,10 @@ Report run_scaling(const ExperimentOptions& options) {
                   {"held_out_loss", "{:.4f}"},
                   {"seconds", "{:.1f}"}});
   for (const TrainingRun& run : runs) {
-    const Cell reached = run.steps_to_target ? Cell{*run.steps_to_target}
-                                             : Cell{fmt::format("not reached in {}", s.steps)};
-    training.add_row({run.variant, run.scale, reached, run.final_loss, run.held_out_accuracy, run.held_out_loss,
-                      run.seconds});
+    const Cell reached =
+        run.steps_to_target ? Cell{*run.steps_to_target} : Cell{fmt::format("not reached in {}", s.steps)};
+    training.add_row(
+        {run.variant, run.scale, reached, run.final_loss, run.held_out_accuracy, run.held_out_loss, run.seconds});
   }
   report.add_paragraph(
       "Part 2 trains the same model from the same initialisation on the same batches, with the scores "

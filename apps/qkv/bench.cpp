@@ -1,0 +1,471 @@
+// qkv bench: throughput and memory of attention on this machine, with the baselines that give the
+// numbers a meaning measured in the same run (issue 3's targets are ratios, not absolute figures).
+//
+//   qkv bench                                   # forward, T = 256, 1024, 4096, 8192, B=1 H=8 d=64
+//   qkv bench --T 4096 --backward --json        # forward + backward, machine-readable
+//   qkv bench --decode                          # Tq = 1, Tk = 32768, H = 32, d = 128 against a triad
+//
+// Per shape it prints the median time of one call, GFLOP/s and the peak extra memory, and ratios
+// against the baselines: the reference (T <= 1024, where it takes seconds, not minutes), one thread
+// (when --threads > 1) and the non-causal run (with --causal). FLOPs are counted as issue 3 fixes
+// them: the forward 4·B·H·Tq·Tk·d (the same for causal, so skipped blocks show as speed), the
+// backward 2.5× that, so forward + backward 3.5×. Decode reports the GB/s of K and V read against a
+// streaming triad run just before it.
+//
+// Memory: Linux lets a process reset its own peak resident set (writing 5 to /proc/self/clear_refs),
+// so each measurement reads VmHWM after the run minus VmRSS before it, the inputs, outputs and
+// gradients already allocated and touched: "peak extra" is what the kernel itself needed. Where the
+// reset is refused, getrusage's ru_maxrss is used instead and "peak extra" only counts what the run
+// added above every earlier peak of the process; the output says which method was used.
+
+#include <fmt/format.h>
+#include <sys/resource.h>
+
+#include <CLI/CLI.hpp>
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <fstream>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "commands.hpp"
+#include "qkv/attention.hpp"
+#include "qkv/attention_fused.hpp"
+#include "qkv/error.hpp"
+#include "qkv/memory.hpp"
+#include "qkv/parallel.hpp"
+#include "qkv/progress.hpp"
+#include "qkv/rng.hpp"
+#include "qkv/tensor.hpp"
+
+namespace qkv::cli {
+namespace {
+
+// The reference materialises Tq×Tk in float64 per head: above this it takes minutes per shape.
+constexpr int64_t kReferenceMaxT = 1024;
+// Calls shorter than this are repeated within one sample, so that clock resolution and scheduler
+// noise stay small against the sample.
+constexpr double kMinSampleMs = 20.0;
+// A call at least this long is its own warm-up: caches and thread start-up no longer matter.
+constexpr double kLongCallMs = 1000.0;
+// STREAM's triad over arrays of this many floats (128 MiB each): far larger than any cache.
+constexpr int64_t kTriadFloats = int64_t{1} << 25;
+constexpr double kForwardFlopsPerMac = 4.0;
+constexpr double kBackwardOverForward = 2.5;
+
+constexpr const char* kFooter =
+    R"(FLOPs: forward 4·B·H·Tq·Tk·d (counted the same for causal), backward 2.5× forward.
+Memory: peak resident set during the measurement (VmHWM, reset through /proc/self/clear_refs) minus
+the resident set before it, with inputs, outputs and gradients already allocated ("peak extra").
+Baselines, measured in the same run: the reference (T <= 1024), 1 thread (when --threads > 1) and
+the non-causal run (with --causal); --baselines picks them, "none" skips them.
+Progress goes to stderr; stdout holds only the results.
+Examples:
+  qkv bench --T 1024,4096 --backward
+  qkv bench --T 65536 --heads 1 --backward --repeats 1 --baselines none
+  qkv bench --decode --json)";
+
+struct BenchOptions {
+  std::vector<int64_t> t;
+  int64_t d = 64;
+  int64_t heads = 8;
+  int64_t batch = 1;
+  bool causal = false;
+  bool backward = false;
+  bool decode = false;
+  int threads = 0;
+  std::string impl = "fused";
+  int repeats = 5;
+  std::vector<std::string> baselines;
+  bool json = false;
+  CLI::Option* t_option = nullptr;
+  CLI::Option* d_option = nullptr;
+  CLI::Option* heads_option = nullptr;
+  CLI::Option* threads_option = nullptr;
+};
+
+// Decode's shape when --T, --d and --heads are not given (issue 3).
+constexpr int64_t kDecodeTk = 32768;
+constexpr int64_t kDecodeHeads = 32;
+constexpr int64_t kDecodeDim = 128;
+
+AttentionImpl parse_impl(const std::string& name) {
+  if (name == "reference") return AttentionImpl::reference;
+  if (name == "auto") return AttentionImpl::automatic;
+  return AttentionImpl::fused;
+}
+
+// One measurement's memory, read from /proc/self/status (kB) or getrusage.
+class PeakMemory {
+ public:
+  PeakMemory() {
+    std::ofstream clear("/proc/self/clear_refs");
+    clear << "5";
+    clear.flush();
+    reset_ = clear.good();
+    before_ = reset_ ? status_kib("VmRSS:") : rusage_peak_kib();
+  }
+  // Bytes above the resident set at construction (or above the earlier peak, without the reset).
+  double extra_bytes() const { return std::max(0.0, static_cast<double>(peak_kib() - before_) * 1024.0); }
+  // The process's peak resident set during the measurement (since the process began, without the reset).
+  double peak_bytes() const { return static_cast<double>(peak_kib()) * 1024.0; }
+  bool reset() const { return reset_; }
+
+ private:
+  int64_t peak_kib() const { return reset_ ? status_kib("VmHWM:") : rusage_peak_kib(); }
+  static int64_t rusage_peak_kib() {
+    rusage usage{};
+    getrusage(RUSAGE_SELF, &usage);
+    return usage.ru_maxrss;
+  }
+  static int64_t status_kib(const std::string& key) {
+    std::ifstream status("/proc/self/status");
+    std::string word;
+    while (status >> word) {
+      if (word == key) {
+        int64_t kib = 0;
+        status >> kib;
+        return kib;
+      }
+    }
+    return rusage_peak_kib();
+  }
+
+  bool reset_ = false;
+  int64_t before_ = 0;
+};
+
+std::string memory_method(bool reset) {
+  return reset ? "VmHWM after the run minus VmRSS before it (peak reset through /proc/self/clear_refs)"
+               : "getrusage ru_maxrss growth (the peak could not be reset: earlier peaks hide smaller ones)";
+}
+
+struct Timing {
+  double median_ms = 0.0;
+  double extra_bytes = 0.0;
+  double peak_bytes = 0.0;
+  bool memory_reset = false;
+};
+
+// The median over `repeats` samples of one call's time; the first call warms up.
+Timing time_call(const std::function<void()>& call, int repeats) {
+  using Clock = std::chrono::steady_clock;
+  const auto since = [](Clock::time_point start) {
+    return std::chrono::duration<double, std::milli>(Clock::now() - start).count();
+  };
+  const PeakMemory memory;
+  Clock::time_point start = Clock::now();
+  call();
+  const double first_ms = since(start);
+  std::vector<double> samples;
+  if (first_ms >= kLongCallMs) samples.push_back(first_ms);
+  const int inner =
+      first_ms >= kMinSampleMs ? 1 : static_cast<int>(std::min(1000.0, std::ceil(kMinSampleMs / std::max(first_ms, 1e-3))));
+  while (std::ssize(samples) < repeats) {
+    start = Clock::now();
+    for (int i = 0; i < inner; ++i) call();
+    samples.push_back(since(start) / inner);
+  }
+  std::sort(samples.begin(), samples.end());
+  const size_t n = samples.size();
+  const double median = n % 2 == 1 ? samples[n / 2] : 0.5 * (samples[n / 2 - 1] + samples[n / 2]);
+  return {.median_ms = median,
+          .extra_bytes = memory.extra_bytes(),
+          .peak_bytes = memory.peak_bytes(),
+          .memory_reset = memory.reset()};
+}
+
+// Inputs, outputs and gradients of one problem, allocated and written before any timing so that the
+// memory measurement sees only what the kernel adds.
+struct Problem {
+  Tensor<float> q, k, v, out, lse, dout, dq, dk, dv;
+
+  Problem(int64_t batch, int64_t heads, int64_t tq, int64_t tk, int64_t d, bool backward)
+      : q({batch, heads, tq, d}),
+        k({batch, heads, tk, d}),
+        v({batch, heads, tk, d}),
+        out({batch, heads, tq, d}),
+        lse({batch, heads, tq}) {
+    if (backward) {
+      dout = Tensor<float>({batch, heads, tq, d});
+      dq = Tensor<float>({batch, heads, tq, d});
+      dk = Tensor<float>({batch, heads, tk, d});
+      dv = Tensor<float>({batch, heads, tk, d});
+    }
+    Rng rng(1);
+    for (Tensor<float>* t : {&q, &k, &v}) rng.fill_normal(t->view());
+    if (backward) rng.fill_normal(dout.view());
+  }
+
+  static double bytes(int64_t batch, int64_t heads, int64_t tq, int64_t tk, int64_t d, bool backward) {
+    const auto f = static_cast<double>(sizeof(float));
+    const double b = static_cast<double>(batch) * static_cast<double>(heads) * static_cast<double>(d) * f;
+    const double forward = b * (2.0 * static_cast<double>(tq) + 2.0 * static_cast<double>(tk)) +
+                           static_cast<double>(batch * heads * tq) * f;
+    return backward ? forward + b * (2.0 * static_cast<double>(tq) + 2.0 * static_cast<double>(tk)) : forward;
+  }
+
+  // One forward, or one forward and one backward (the gradients accumulate; only time matters).
+  void run(bool causal, bool backward, AttentionImpl impl) {
+    AttentionParams<float> params{.q = q.cview(), .k = k.cview(), .v = v.cview(), .scale = {}, .mask = {}};
+    params.mask.causal = causal;
+    attention_forward(params, {.out = out.view(), .weights = {}, .lse = lse.view()}, impl);
+    if (backward) {
+      attention_backward<float>(params, dout.cview(), {.dq = dq.view(), .dk = dk.view(), .dv = dv.view(), .dbias = {}},
+                                AttentionSaved<float>{.out = out.cview(), .lse = lse.cview()}, impl);
+    }
+  }
+};
+
+struct Baseline {
+  std::string name;  // reference, one_thread, non_causal
+  Timing timing;
+};
+
+struct Result {
+  int64_t tq = 0, tk = 0;
+  double flops = 0.0;
+  double tensor_bytes = 0.0;
+  Timing timing;
+  std::vector<Baseline> baselines;
+};
+
+bool wants(const BenchOptions& o, const std::string& baseline) {
+  return std::find(o.baselines.begin(), o.baselines.end(), "none") == o.baselines.end() &&
+         (o.baselines.empty() || std::find(o.baselines.begin(), o.baselines.end(), baseline) != o.baselines.end());
+}
+
+void check_options(const BenchOptions& o) {
+  for (const int64_t t : o.t) {
+    if (t < 1) throw ValueError(fmt::format("--T: expected sizes >= 1, got {}", t));
+  }
+  if (o.d < 1) throw ValueError(fmt::format("--d: expected >= 1, got {}", o.d));
+  if (o.heads < 1) throw ValueError(fmt::format("--heads: expected >= 1, got {}", o.heads));
+  if (o.batch < 1) throw ValueError(fmt::format("--batch: expected >= 1, got {}", o.batch));
+  if (o.threads < 1) throw ValueError(fmt::format("--threads: expected >= 1, got {}", o.threads));
+  if (o.repeats < 1) throw ValueError(fmt::format("--repeats: expected >= 1, got {}", o.repeats));
+  if (o.decode && o.backward) throw ValueError("--backward: decode (--decode) times the forward only, got both");
+  if (o.decode && o.causal) {
+    throw ValueError("--causal: decode (--decode) has Tq = 1, whose one query sees every key anyway, got both");
+  }
+}
+
+double ratio(double baseline_ms, double ms) { return ms > 0.0 ? baseline_ms / ms : 0.0; }
+
+std::string json_timing(const Timing& t, double flops) {
+  return fmt::format(R"("median_ms": {:.6g}, "gflops": {:.6g}, "peak_extra_bytes": {:.0f}, "peak_rss_bytes": {:.0f})",
+                     t.median_ms, flops * 1e-9 / (t.median_ms * 1e-3), t.extra_bytes, t.peak_bytes);
+}
+
+void run_attention_bench(const BenchOptions& o) {
+  const AttentionImpl impl = parse_impl(o.impl);
+  const std::vector<int64_t> sizes = o.t.empty() ? std::vector<int64_t>{256, 1024, 4096, 8192} : o.t;
+  const double mac_factor = kForwardFlopsPerMac * (o.backward ? 1.0 + kBackwardOverForward : 1.0);
+  Progress progress("[bench] attention", std::ssize(sizes), "shapes");
+  std::vector<Result> results;
+  for (const int64_t t : sizes) {
+    const double bytes = Problem::bytes(o.batch, o.heads, t, t, o.d, o.backward);
+    check_allocation_fits(bytes, fmt::format("qkv bench at T = {}", t));
+    progress.update(std::ssize(results), fmt::format("T={} {}", t, o.impl));
+    Problem p(o.batch, o.heads, t, t, o.d, o.backward);
+    set_max_workers(o.threads);
+    Result r{.tq = t,
+             .tk = t,
+             .flops = mac_factor * static_cast<double>(o.batch * o.heads) * static_cast<double>(t) *
+                      static_cast<double>(t) * static_cast<double>(o.d),
+             .tensor_bytes = bytes,
+             .timing = time_call([&] { p.run(o.causal, o.backward, impl); }, o.repeats),
+             .baselines = {}};
+    if (impl != AttentionImpl::reference && t <= kReferenceMaxT && wants(o, "reference")) {
+      progress.update(std::ssize(results), fmt::format("T={} reference baseline", t));
+      r.baselines.push_back(
+          {"reference", time_call([&] { p.run(o.causal, o.backward, AttentionImpl::reference); }, o.repeats)});
+    }
+    if (o.threads > 1 && wants(o, "threads")) {
+      progress.update(std::ssize(results), fmt::format("T={} 1-thread baseline", t));
+      set_max_workers(1);
+      r.baselines.push_back({"one_thread", time_call([&] { p.run(o.causal, o.backward, impl); }, o.repeats)});
+      set_max_workers(o.threads);
+    }
+    if (o.causal && wants(o, "causal")) {
+      progress.update(std::ssize(results), fmt::format("T={} non-causal baseline", t));
+      r.baselines.push_back({"non_causal", time_call([&] { p.run(false, o.backward, impl); }, o.repeats)});
+    }
+    results.push_back(std::move(r));
+  }
+  progress.done();
+
+  const std::string mode = o.backward ? "forward+backward" : "forward";
+  const bool reset = results.empty() || results.front().timing.memory_reset;
+  if (o.json) {
+    std::vector<std::string> rows;
+    for (const Result& r : results) {
+      std::vector<std::string> baselines;
+      for (const Baseline& b : r.baselines) {
+        baselines.push_back(fmt::format(R"("{}": {{{}, "speedup": {:.6g}}})", b.name, json_timing(b.timing, r.flops),
+                                        ratio(b.timing.median_ms, r.timing.median_ms)));
+      }
+      rows.push_back(fmt::format(R"(    {{"Tq": {}, "Tk": {}, "flops": {:.6g}, "tensor_bytes": {:.0f}, {}, "baselines": {{{}}}}})",
+                                 r.tq, r.tk, r.flops, r.tensor_bytes, json_timing(r.timing, r.flops),
+                                 fmt::join(baselines, ", ")));
+    }
+    fmt::print(
+        "{{\n  \"mode\": \"{}\", \"impl\": \"{}\", \"simd\": \"{}\", \"dtype\": \"float32\", \"batch\": {}, "
+        "\"heads\": {}, \"d\": {}, \"causal\": {}, \"threads\": {}, \"repeats\": {},\n  \"memory_method\": \"{}\",\n"
+        "  \"results\": [\n{}\n  ]\n}}\n",
+        mode, o.impl, attention_fused_target(), o.batch, o.heads, o.d, o.causal, o.threads, o.repeats,
+        memory_method(reset), fmt::join(rows, ",\n"));
+    std::fflush(stdout);
+    return;
+  }
+  fmt::print("qkv bench: {}{}, fp32, B={} H={} d={}, {} thread{}, impl {} (SIMD {}), median of {}\n", mode,
+             o.causal ? " causal" : "", o.batch, o.heads, o.d, o.threads, o.threads == 1 ? "" : "s", o.impl,
+             attention_fused_target(), o.repeats);
+  fmt::print("memory: {}\n\n", memory_method(reset));
+  fmt::print("{:>7}  {:>11}  {:>9}  {:>11}  {:>11}  {:>11}  {}\n", "T", "median ms", "GFLOP/s", "peak extra", "peak RSS",
+             "tensors", "speedup against baselines (their ms)");
+  for (const Result& r : results) {
+    std::vector<std::string> against;
+    for (const Baseline& b : r.baselines) {
+      against.push_back(
+          fmt::format("{:.2f}× {} ({:.3g})", ratio(b.timing.median_ms, r.timing.median_ms), b.name, b.timing.median_ms));
+    }
+    fmt::print("{:>7}  {:>11.3f}  {:>9.1f}  {:>11}  {:>11}  {:>11}  {}\n", r.tq, r.timing.median_ms,
+               r.flops * 1e-9 / (r.timing.median_ms * 1e-3), format_bytes(r.timing.extra_bytes),
+               format_bytes(r.timing.peak_bytes), format_bytes(r.tensor_bytes), fmt::join(against, ", "));
+  }
+  std::fflush(stdout);
+}
+
+// a = b + s·c on every thread; GB/s counts three arrays of traffic, as STREAM does.
+double triad_gbs(int repeats) {
+  check_allocation_fits(3.0 * static_cast<double>(kTriadFloats) * sizeof(float), "qkv bench --decode's triad");
+  std::vector<float> a(static_cast<size_t>(kTriadFloats)), b(static_cast<size_t>(kTriadFloats), 1.0f),
+      c(static_cast<size_t>(kTriadFloats), 2.0f);
+  // Enough chunks that both threads stream from start to end without waiting for each other.
+  const int64_t chunks = 256;
+  const Timing t = time_call(
+      [&] {
+        parallel_for(chunks, [&](int64_t chunk, int /*worker*/) {
+          const auto begin = static_cast<size_t>(chunk * kTriadFloats / chunks);
+          const auto end = static_cast<size_t>((chunk + 1) * kTriadFloats / chunks);
+          for (size_t i = begin; i < end; ++i) a[i] = b[i] + 3.0f * c[i];
+        });
+      },
+      repeats);
+  return 3.0 * static_cast<double>(kTriadFloats) * sizeof(float) * 1e-9 / (t.median_ms * 1e-3);
+}
+
+void run_decode_bench(const BenchOptions& o) {
+  const AttentionImpl impl = parse_impl(o.impl);
+  const std::vector<int64_t> sizes = o.t_option->count() > 0 ? o.t : std::vector<int64_t>{kDecodeTk};
+  const int64_t heads = o.heads_option->count() > 0 ? o.heads : kDecodeHeads;
+  const int64_t d = o.d_option->count() > 0 ? o.d : kDecodeDim;
+  set_max_workers(o.threads);
+  Progress progress("[bench] decode", std::ssize(sizes) + 1, "runs");
+  progress.update(0, "streaming triad");
+  const double triad = triad_gbs(o.repeats);
+  std::vector<Result> results;
+  for (const int64_t tk : sizes) {
+    const double bytes = Problem::bytes(o.batch, heads, 1, tk, d, false);
+    check_allocation_fits(bytes, fmt::format("qkv bench --decode at Tk = {}", tk));
+    progress.update(std::ssize(results) + 1, fmt::format("Tk={} {}", tk, o.impl));
+    Problem p(o.batch, heads, 1, tk, d, false);
+    Result r{.tq = 1,
+             .tk = tk,
+             .flops = kForwardFlopsPerMac * static_cast<double>(o.batch * heads) * static_cast<double>(tk) *
+                      static_cast<double>(d),
+             .tensor_bytes = bytes,
+             .timing = time_call([&] { p.run(false, false, impl); }, o.repeats),
+             .baselines = {}};
+    results.push_back(std::move(r));
+  }
+  progress.done();
+
+  // The bytes decode must stream: K and V once.
+  const auto kv_gbs = [&](const Result& r) {
+    const double kv = 2.0 * static_cast<double>(o.batch * heads * r.tk * d) * sizeof(float);
+    return kv * 1e-9 / (r.timing.median_ms * 1e-3);
+  };
+  const bool reset = results.empty() || results.front().timing.memory_reset;
+  if (o.json) {
+    std::vector<std::string> rows;
+    for (const Result& r : results) {
+      rows.push_back(fmt::format(R"(    {{"Tq": 1, "Tk": {}, "flops": {:.6g}, "tensor_bytes": {:.0f}, {}, "gbs": {:.6g}, "triad_fraction": {:.6g}}})",
+                                 r.tk, r.flops, r.tensor_bytes, json_timing(r.timing, r.flops), kv_gbs(r),
+                                 kv_gbs(r) / triad));
+    }
+    fmt::print(
+        "{{\n  \"mode\": \"decode\", \"impl\": \"{}\", \"simd\": \"{}\", \"dtype\": \"float32\", \"batch\": {}, "
+        "\"heads\": {}, \"d\": {}, \"threads\": {}, \"repeats\": {}, \"triad_gbs\": {:.6g},\n  \"memory_method\": \"{}\",\n"
+        "  \"results\": [\n{}\n  ]\n}}\n",
+        o.impl, attention_fused_target(), o.batch, heads, d, o.threads, o.repeats, triad, memory_method(reset),
+        fmt::join(rows, ",\n"));
+    std::fflush(stdout);
+    return;
+  }
+  fmt::print("qkv bench: decode (Tq = 1), fp32, B={} H={} d={}, {} thread{}, impl {} (SIMD {}), median of {}\n",
+             o.batch, heads, d, o.threads, o.threads == 1 ? "" : "s", o.impl, attention_fused_target(), o.repeats);
+  fmt::print("roof: streaming triad a = b + s·c over 3 × {} arrays: {:.1f} GB/s\n", format_bytes(kTriadFloats * 4.0),
+             triad);
+  fmt::print("memory: {}\n\n", memory_method(reset));
+  fmt::print("{:>7}  {:>11}  {:>9}  {:>9}  {:>9}  {:>11}\n", "Tk", "median ms", "GB/s K+V", "of triad", "GFLOP/s",
+             "peak extra");
+  for (const Result& r : results) {
+    fmt::print("{:>7}  {:>11.3f}  {:>9.1f}  {:>8.0f}%  {:>9.1f}  {:>11}\n", r.tk, r.timing.median_ms, kv_gbs(r),
+               100.0 * kv_gbs(r) / triad, r.flops * 1e-9 / (r.timing.median_ms * 1e-3),
+               format_bytes(r.timing.extra_bytes));
+  }
+  std::fflush(stdout);
+}
+
+void run_bench(BenchOptions& o) {
+  if (o.threads_option->count() == 0) o.threads = max_workers();
+  check_options(o);
+  const int saved_workers = max_workers();
+  if (o.decode) {
+    run_decode_bench(o);
+  } else {
+    run_attention_bench(o);
+  }
+  set_max_workers(saved_workers);
+}
+
+}  // namespace
+
+void register_bench(CLI::App& app) {
+  auto o = std::make_shared<BenchOptions>();
+  CLI::App* cmd = app.add_subcommand("bench", "time attention on this machine: GFLOP/s, memory, ratios to baselines");
+  cmd->footer(kFooter);
+  o->t_option = cmd->add_option("--T", o->t, "sequence lengths Tq = Tk, comma-separated (default 256,1024,4096,8192; "
+                                             "with --decode: Tk, default 32768)")
+                    ->delimiter(',')
+                    ->type_name("T,...");
+  o->d_option = cmd->add_option("--d", o->d, "head dimension Dk = Dv (default 64; with --decode 128)");
+  o->heads_option = cmd->add_option("--heads", o->heads, "heads H (default 8; with --decode 32)");
+  cmd->add_option("--batch", o->batch, "batch B")->capture_default_str();
+  cmd->add_flag("--causal", o->causal, "causal mask (blocks above the diagonal are skipped)");
+  cmd->add_flag("--backward", o->backward, "time forward + backward (the gradients of all of Q, K and V)");
+  cmd->add_flag("--decode", o->decode, "decode: one query against many keys, in GB/s against a streaming triad");
+  o->threads_option = cmd->add_option("--threads", o->threads, "threads (default: OpenMP's, here the cores)");
+  cmd->add_option("--impl", o->impl, "fused, reference or auto")
+      ->check(CLI::IsMember({"fused", "reference", "auto"}))
+      ->capture_default_str();
+  cmd->add_option("--repeats", o->repeats, "timed samples per measurement; the median is reported")
+      ->capture_default_str();
+  cmd->add_option("--baselines", o->baselines,
+                  "baselines to measure, comma-separated: reference, threads, causal, or none (default: all that apply)")
+      ->delimiter(',')
+      ->check(CLI::IsMember({"reference", "threads", "causal", "none"}))
+      ->type_name("LIST");
+  cmd->add_flag("--json", o->json, "print the results as JSON");
+  cmd->callback([o] { run_bench(*o); });
+}
+
+}  // namespace qkv::cli

@@ -1,0 +1,124 @@
+#!/usr/bin/env python3
+"""`qkv bench` on tiny shapes, its refusals, and bench/compare_torch.py --quick.
+
+Benchmarks are not tests: nothing here asserts a time. It checks that --json is valid JSON with the
+fields compare_torch.py reads, that each baseline appears when it applies, that the text table has
+a row per size, that bad input exits 2 with one line naming the option and nothing on stdout, and
+that compare_torch.py --quick runs qkv and PyTorch end to end and grades every target of issue 3.
+
+Run: QKV_BIN=build/bench/apps/qkv /usr/bin/python3 tests/cli/test_bench.py
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+QKV = os.path.abspath(os.environ["QKV_BIN"]) if os.environ.get("QKV_BIN") else None
+COMPARE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "bench", "compare_torch.py")
+EXIT_BAD_INPUT = 2
+TINY = ["--d", "8", "--heads", "2", "--repeats", "1"]
+
+failures = []
+
+
+def check(condition, what):
+    if not condition:
+        failures.append(what)
+        print(f"FAIL: {what}", file=sys.stderr)
+
+
+def bench(*args):
+    return subprocess.run([QKV, "bench", *args], capture_output=True, text=True, check=False)
+
+
+def check_json_run():
+    done = bench("--T", "16,33", "--threads", "2", "--causal", "--backward", *TINY, "--json")
+    check(done.returncode == 0, f"bench --json exits 0, got {done.returncode}: {done.stderr}")
+    try:
+        report = json.loads(done.stdout)
+    except json.JSONDecodeError as e:
+        check(False, f"bench --json prints JSON: {e}: {done.stdout[:200]}")
+        return
+    check(report["mode"] == "forward+backward" and report["causal"] is True, f"mode and causal: {report}")
+    results = report["results"]
+    check([r["Tq"] for r in results] == [16, 33], f"one result per --T, got {[r['Tq'] for r in results]}")
+    for r in results:
+        check(r["median_ms"] > 0 and r["gflops"] > 0, f"positive time and rate: {r}")
+        # forward 4·B·H·T²·d, forward + backward 3.5× that
+        check(abs(r["flops"] - 3.5 * 4 * 2 * r["Tq"] * r["Tk"] * 8) < 1e-6 * r["flops"], f"flop count: {r}")
+        check(r["peak_rss_bytes"] > 0 and r["peak_extra_bytes"] >= 0, f"memory figures: {r}")
+        check(set(r["baselines"]) == {"reference", "one_thread", "non_causal"}, f"baselines: {r['baselines']}")
+        for b in r["baselines"].values():
+            check(b["speedup"] > 0, f"baseline speedup: {b}")
+
+
+def check_text_and_baselines():
+    done = bench("--T", "8,24", "--threads", "1", *TINY)
+    check(done.returncode == 0, f"bench exits 0, got {done.returncode}: {done.stderr}")
+    rows = [line.split() for line in done.stdout.splitlines() if line.strip()[:1].isdigit()]
+    check([row[0] for row in rows] == ["8", "24"], f"a table row per size: {done.stdout}")
+    check("reference" in done.stdout and "one_thread" not in done.stdout, f"1 thread has no thread baseline: "
+          f"{done.stdout}")
+    done = bench("--T", "8", "--threads", "2", "--baselines", "none", *TINY, "--json")
+    check(done.returncode == 0 and json.loads(done.stdout)["results"][0]["baselines"] == {},
+          f"--baselines none measures none: {done.stdout}")
+
+
+def check_decode():
+    done = bench("--decode", "--T", "256", *TINY, "--json")
+    check(done.returncode == 0, f"bench --decode exits 0, got {done.returncode}: {done.stderr}")
+    report = json.loads(done.stdout)
+    r = report["results"][0]
+    check(report["mode"] == "decode" and report["triad_gbs"] > 0, f"decode report: {report}")
+    check(r["Tq"] == 1 and r["Tk"] == 256 and r["gbs"] > 0 and r["triad_fraction"] > 0, f"decode result: {r}")
+
+
+def check_refusals():
+    cases = [
+        (["--T", "0"], "--T"),
+        (["--T", "16,-3"], "--T"),
+        (["--T", "abc"], "--T"),
+        (["--d", "0"], "--d"),
+        (["--heads", "-1"], "--heads"),
+        (["--batch", "0"], "--batch"),
+        (["--threads", "0"], "--threads"),
+        (["--repeats", "0"], "--repeats"),
+        (["--impl", "bogus"], "--impl"),
+        (["--baselines", "bogus"], "--baselines"),
+        (["--decode", "--backward"], "--backward"),
+        (["--decode", "--causal"], "--causal"),
+    ]
+    for args, option in cases:
+        done = bench(*args)
+        lines = done.stderr.strip().splitlines()
+        check(done.returncode == EXIT_BAD_INPUT, f"bench {' '.join(args)} exits 2, got {done.returncode}")
+        check(len(lines) == 1 and option in lines[0], f"bench {' '.join(args)}: one line naming {option}, got "
+              f"{done.stderr!r}")
+        check(done.stdout == "", f"bench {' '.join(args)}: nothing on stdout, got {done.stdout!r}")
+
+
+def check_compare_torch():
+    done = subprocess.run([sys.executable, COMPARE, "--qkv", QKV, "--quick"], capture_output=True, text=True,
+                          check=False)
+    check(done.returncode == 0, f"compare_torch.py --quick exits 0, got {done.returncode}: {done.stderr[-2000:]}")
+    graded = [line for line in done.stdout.splitlines() if line.endswith((" met", " MISSED"))]
+    check(len(graded) == 8, f"compare_torch.py grades the 8 targets, got {len(graded)}: {done.stdout}")
+    check("OPENBLAS_CORETYPE=SkylakeX" in done.stdout, f"compare_torch.py says how PyTorch ran: {done.stdout}")
+
+
+def main():
+    if QKV is None:
+        sys.exit("QKV_BIN must name the qkv binary")
+    check_json_run()
+    check_text_and_baselines()
+    check_decode()
+    check_refusals()
+    check_compare_torch()
+    if failures:
+        sys.exit(f"{len(failures)} failure(s)")
+    print("ok")
+
+
+if __name__ == "__main__":
+    main()
