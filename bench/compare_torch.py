@@ -154,6 +154,7 @@ def main():
     parser.add_argument("--qkv", help="the qkv binary (default: $QKV_BIN, then build/bench/apps/qkv)")
     parser.add_argument("--threads", type=int, default=2, help="threads for qkv and PyTorch (default 2)")
     parser.add_argument("--quick", action="store_true", help="tiny shapes: a smoke test of a few seconds")
+    parser.add_argument("--repeats", type=int, help="timed samples per measurement (default 5; 2 with --quick)")
     parser.add_argument("--torch-worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.torch_worker:
@@ -164,6 +165,10 @@ def main():
 
     qkv = find_qkv(args.qkv)
     s = shapes(args.quick)
+    if args.repeats is not None:
+        if args.repeats < 1:
+            parser.error(f"--repeats: expected >= 1, got {args.repeats}")
+        s["repeats"] = args.repeats
     common = ["--T", str(s["T"]), "--heads", str(s["heads"]), "--d", str(s["d"]), "--threads", str(args.threads),
               "--repeats", str(s["repeats"])]
     fwd = run_qkv(qkv, [*common, "--baselines", "threads"], "forward")["results"][0]
@@ -197,7 +202,7 @@ def main():
           f"torch.set_num_threads({torch_result['threads']}); qkv SIMD target {decode_run['simd']}")
     print(f"shapes: B=1 H={s['heads']} d={s['d']} Tq=Tk={s['T']}; decode Tq=1 Tk={decode['Tk']} "
           f"H={decode_run['heads']} d={decode_run['d']}; memory T={s['memory_T']} H=1 d=64\n")
-    print(f"{'measurement':<44} {'median ms':>10} {'GFLOP/s':>9}")
+    print(f"{'measurement':<58} {'median ms':>10} {'GFLOP/s':>9}")
     rows = [
         (f"SGEMM roof: torch.matmul {torch_result['sgemm_n']}^3", None, roof),
         ("qkv forward", fwd["median_ms"], fwd["gflops"]),
@@ -212,12 +217,12 @@ def main():
     for label, ms, gflops in rows:
         ms_text = f"{ms:10.2f}" if ms is not None else f"{'':>10}"
         gflops_text = f"{gflops:9.1f}" if gflops is not None else f"{'':>9}"
-        print(f"{label:<44} {ms_text} {gflops_text}")
+        print(f"{label:<58} {ms_text} {gflops_text}")
     for name, ms in sorted(torch_result["variants"].items()):
         print(f"  PyTorch {name}: {ms:.2f} ms")
     fwdbwd_one = fwdbwd["baselines"].get("one_thread")
     if fwdbwd_one:
-        print(f"  qkv forward+backward 2 threads vs 1: {fwdbwd_one['speedup']:.2f}x")
+        print(f"  qkv forward+backward {args.threads} threads vs 1: {fwdbwd_one['speedup']:.2f}x")
     print(f"decode: {decode['median_ms']:.2f} ms, {decode['gbs']:.1f} GB/s of K and V; "
           f"triad {decode_run['triad_gbs']:.1f} GB/s")
     print(f"memory: peak RSS {memory['peak_rss_bytes'] / gib:.3f} GiB, peak extra {memory['peak_extra_bytes'] / gib:.3f}"

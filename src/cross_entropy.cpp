@@ -4,13 +4,12 @@
 
 #include <algorithm>
 #include <cmath>
-#include <functional>
 #include <limits>
 #include <span>
 #include <vector>
 
 #include "qkv/error.hpp"
-#include "qkv/parallel.hpp"
+#include "rows.hpp"
 
 namespace qkv {
 namespace {
@@ -20,30 +19,8 @@ constexpr double kNegInf = -std::numeric_limits<double>::infinity();
 // exp() calls per parallel task: enough that handing out a task costs little next to it.
 constexpr int64_t kTaskWork = int64_t{1} << 13;
 
-void for_each_block(int64_t count, int64_t work_per_item, const std::function<void(int64_t, int64_t)>& fn) {
-  const int64_t per_task = std::max<int64_t>(1, kTaskWork / std::max<int64_t>(work_per_item, 1));
-  const int64_t tasks = (count + per_task - 1) / per_task;
-  parallel_for(tasks,
-               [&](int64_t task, int /*worker*/) { fn(task * per_task, std::min(count, (task + 1) * per_task)); });
-}
-
-// A [..., C] view read as rows of C elements: row r is the r-th leading index in row-major order.
-template <class T>
-class Rows {
- public:
-  explicit Rows(TensorView<T> view) : view_(as_rank4(view)) {}
-  int64_t count() const { return view_.shape[0] * view_.shape[1] * view_.shape[2]; }
-  int64_t step() const { return view_.strides[3]; }
-  T* row(int64_t r) const {
-    const int64_t c = r % view_.shape[2];
-    const int64_t b = (r / view_.shape[2]) % view_.shape[1];
-    const int64_t a = r / (view_.shape[2] * view_.shape[1]);
-    return view_.data + a * view_.strides[0] + b * view_.strides[1] + c * view_.strides[2];
-  }
-
- private:
-  TensorView<T> view_;
-};
+using rows::for_each_block;
+using rows::Rows;
 
 Shape leading_shape(const Shape& shape) {
   return Shape(std::span<const int64_t>(shape.dims().data(), static_cast<size_t>(shape.rank() - 1)));
@@ -83,7 +60,7 @@ double cross_entropy_forward(const CrossEntropyParams<T>& params, CrossEntropyCa
 
   if (!(cache.probs.shape() == Shape{rows, classes})) cache.probs = Tensor<T>(Shape{rows, classes});
   std::vector<double> losses(static_cast<size_t>(rows), 0.0);
-  for_each_block(rows, classes, [&](int64_t begin, int64_t end) {
+  for_each_block(rows, classes, kTaskWork, [&](int64_t begin, int64_t end) {
     for (int64_t n = begin; n < end; ++n) {
       T* probs = cache.probs.data() + n * classes;
       const int64_t target = cache.targets[n];
@@ -139,7 +116,7 @@ void cross_entropy_backward(const CrossEntropyCache<T>& cache, double dloss, Ten
   if (cache.counted == 0) return;
   const double scale = dloss / static_cast<double>(cache.counted);
   const Rows<T> dxs(dlogits);
-  for_each_block(rows, classes, [&](int64_t begin, int64_t end) {
+  for_each_block(rows, classes, kTaskWork, [&](int64_t begin, int64_t end) {
     for (int64_t n = begin; n < end; ++n) {
       const int64_t target = cache.targets[n];
       if (target < 0) continue;

@@ -6,7 +6,6 @@
 #include <span>
 
 #include "qkv/error.hpp"
-#include "qkv/linear.hpp"
 #include "recurrent.hpp"
 
 namespace qkv {
@@ -44,23 +43,7 @@ std::optional<TensorView<U>> as_one_step(std::optional<TensorView<U>> view) {
 
 template <class T>
 Gru<T>::Gru(const GruConfig& config, Rng& rng) : config_(config) {
-  if (config.input_size < 0)
-    throw ValueError(fmt::format("input_size: expected at least 0, got {}", config.input_size));
-  if (config.hidden_size < 1) {
-    throw ValueError(fmt::format("hidden_size: expected at least 1, got {}", config.hidden_size));
-  }
-  const int64_t h = config.hidden_size;
-  w_ih_ = Parameter<T>(Shape{3 * h, config.input_size});
-  w_hh_ = Parameter<T>(Shape{3 * h, h});
-  const double bound = 1.0 / std::sqrt(static_cast<double>(h));
-  rng.fill_uniform(w_ih_.value.view(), -bound, bound);
-  rng.fill_uniform(w_hh_.value.view(), -bound, bound);
-  if (config.bias) {
-    b_ih_ = Parameter<T>(Shape{3 * h});
-    b_hh_ = Parameter<T>(Shape{3 * h});
-    rng.fill_uniform(b_ih_.value.view(), -bound, bound);
-    rng.fill_uniform(b_hh_.value.view(), -bound, bound);
-  }
+  recurrent::init_parameters(config, 3, rng, w_ih_, w_hh_, b_ih_, b_hh_);
 }
 
 // Step s of every sequence at once: the batched product W_hh h_prev [3H] for every sequence that
@@ -75,26 +58,13 @@ RecurrentOutputs<T> Gru<T>::forward(const RecurrentInputs<T>& inputs, GruCache<T
   cache.h0 = inputs.h0 ? to_tensor<T, T>(*inputs.h0) : Tensor<T>(Shape{n.batch, hidden});
   for (Tensor<T>* t : {&cache.h, &cache.r, &cache.z, &cache.n, &cache.hn}) *t = Tensor<T>(states);
 
-  Tensor<T> xp(Shape{n.batch, n.steps, 3 * hidden});
-  linear_forward<T>({.x = cache.x.view(),
-                     .w = w_ih_.value.view(),
-                     .b = config_.bias ? std::optional(b_ih_.value.cview()) : std::nullopt},
-                    xp.view());
+  const Tensor<T> xp = recurrent::project(cache.x, w_ih_, b_ih_, config_.bias);
 
   const auto offset = [&](int64_t b, int64_t time) { return (b * n.steps + time) * hidden; };
   std::vector<const T*> prev(static_cast<size_t>(n.batch));
   Tensor<double> wh(Shape{n.batch, 3 * hidden});  // W_hh h_prev of the current step
   for (int64_t s = 0; s < n.steps; ++s) {
-    for (int64_t b = 0; b < n.batch; ++b) {
-      const int64_t length = cache.lengths[static_cast<size_t>(b)];
-      const T*& h_prev = prev[static_cast<size_t>(b)];
-      if (s >= length) {
-        h_prev = nullptr;
-      } else {
-        h_prev =
-            s == 0 ? cache.h0.data() + b * hidden : cache.h.data() + offset(b, time_of(s - 1, length, config_.reverse));
-      }
-    }
+    recurrent::previous_states(s, cache.lengths, config_.reverse, cache.h0, cache.h, prev);
     recurrent::matvec(w_hh_.value, std::span<const T* const>(prev), wh);
     recurrent::for_each_block(n.batch, 3 * hidden * kNonlinearityWork, [&](int64_t begin, int64_t end) {
       for (int64_t b = begin; b < end; ++b) {
@@ -122,14 +92,7 @@ RecurrentOutputs<T> Gru<T>::forward(const RecurrentInputs<T>& inputs, GruCache<T
     });
   }
 
-  RecurrentOutputs<T> outputs{.y = cache.h, .h_n = Tensor<T>(Shape{n.batch, hidden})};
-  for (int64_t b = 0; b < n.batch; ++b) {
-    const int64_t length = cache.lengths[static_cast<size_t>(b)];
-    const T* last = length > 0 ? cache.h.data() + offset(b, time_of(length - 1, length, config_.reverse))
-                               : cache.h0.data() + b * hidden;
-    std::copy_n(last, hidden, outputs.h_n.data() + b * hidden);
-  }
-  return outputs;
+  return {.y = cache.h, .h_n = recurrent::final_states(cache.lengths, config_.reverse, cache.h0, cache.h)};
 }
 
 // Going back from the last step, with dh = ∂L/∂h_t = dy_t + (what step t + 1 hands back) and the
@@ -154,22 +117,10 @@ void Gru<T>::backward(const GruCache<T>& cache, const RecurrentOutputGradients<T
   recurrent::check_gradients(output_grads, input_grads, cache.x.shape(), cache.h.shape(), Shape{batch, hidden});
   const auto offset = [&](int64_t b, int64_t time) { return (b * steps + time) * hidden; };
 
-  Tensor<T> h_prev(Shape{batch, steps, hidden});  // h_{t−1} of every step, 0 past a sequence's length
-  for (int64_t b = 0; b < batch; ++b) {
-    const int64_t length = cache.lengths[static_cast<size_t>(b)];
-    for (int64_t s = 0; s < length; ++s) {
-      const T* source =
-          s == 0 ? cache.h0.data() + b * hidden : cache.h.data() + offset(b, time_of(s - 1, length, config_.reverse));
-      std::copy_n(source, hidden, h_prev.data() + offset(b, time_of(s, length, config_.reverse)));
-    }
-  }
+  const Tensor<T> h_prev = recurrent::shifted_states(cache.lengths, config_.reverse, cache.h0, cache.h);
 
-  Tensor<double> carry(Shape{batch, hidden});  // ∂L/∂h_t from later steps (and dh_n)
-  if (output_grads.dh_n) {
-    for (int64_t b = 0; b < batch; ++b)
-      for (int64_t j = 0; j < hidden; ++j) carry[b * hidden + j] = static_cast<double>((*output_grads.dh_n)(b, j));
-  }
-  Tensor<T> dxp(Shape{batch, steps, 3 * hidden});  // 0 past a sequence's length
+  Tensor<double> carry = recurrent::initial_carry(output_grads.dh_n, batch, hidden);  // ∂L/∂h_t from later steps
+  Tensor<T> dxp(Shape{batch, steps, 3 * hidden});                                     // 0 past a sequence's length
   Tensor<T> dhp(Shape{batch, steps, 3 * hidden});
   const Tensor<T> w_hh_t = recurrent::transposed(w_hh_.value);
   Tensor<double> back(Shape{batch, hidden});  // W_hhᵀ dhp of the current step
@@ -216,19 +167,10 @@ void Gru<T>::backward(const GruCache<T>& cache, const RecurrentOutputGradients<T
       for (int64_t j = 0; j < hidden; ++j) carry[b * hidden + j] += back[b * hidden + j];
     }
   }
-  if (input_grads.dh0) {
-    for (int64_t b = 0; b < batch; ++b)
-      for (int64_t j = 0; j < hidden; ++j) (*input_grads.dh0)(b, j) += static_cast<T>(carry[b * hidden + j]);
-  }
+  recurrent::add_carry(carry, input_grads.dh0);
 
-  const auto bias_of = [&](const Parameter<T>& p) {
-    return config_.bias ? std::optional(p.value.cview()) : std::nullopt;
-  };
-  const auto dbias_of = [&](Parameter<T>& p) { return config_.bias ? std::optional(p.grad.view()) : std::nullopt; };
-  linear_backward<T>({.x = h_prev.cview(), .w = w_hh_.value.cview(), .b = bias_of(b_hh_)}, dhp.cview(),
-                     {.dx = std::nullopt, .dw = w_hh_.grad.view(), .db = dbias_of(b_hh_)});
-  linear_backward<T>({.x = cache.x.cview(), .w = w_ih_.value.cview(), .b = bias_of(b_ih_)}, dxp.cview(),
-                     {.dx = input_grads.dx, .dw = w_ih_.grad.view(), .db = dbias_of(b_ih_)});
+  recurrent::project_backward(h_prev, dhp, w_hh_, b_hh_, config_.bias, std::optional<TensorView<T>>());
+  recurrent::project_backward(cache.x, dxp, w_ih_, b_ih_, config_.bias, input_grads.dx);
 }
 
 template <class T>

@@ -4,10 +4,9 @@
 
 #include <algorithm>
 #include <cmath>
-#include <functional>
 
 #include "qkv/error.hpp"
-#include "qkv/parallel.hpp"
+#include "rows.hpp"
 
 namespace qkv {
 namespace {
@@ -15,31 +14,8 @@ namespace {
 // Element operations per parallel task: enough that handing out a task costs little next to it.
 constexpr int64_t kTaskWork = int64_t{1} << 15;
 
-// Runs fn(begin, end) over [0, count) in blocks of about kTaskWork / work_per_item items.
-void for_each_block(int64_t count, int64_t work_per_item, const std::function<void(int64_t, int64_t)>& fn) {
-  const int64_t per_task = std::max<int64_t>(1, kTaskWork / std::max<int64_t>(work_per_item, 1));
-  const int64_t tasks = (count + per_task - 1) / per_task;
-  parallel_for(tasks,
-               [&](int64_t task, int /*worker*/) { fn(task * per_task, std::min(count, (task + 1) * per_task)); });
-}
-
-// A [..., D] view read as rows of D elements: row r is the r-th leading index in row-major order.
-template <class T>
-class Rows {
- public:
-  explicit Rows(TensorView<T> view) : view_(as_rank4(view)) {}
-  int64_t count() const { return view_.shape[0] * view_.shape[1] * view_.shape[2]; }
-  int64_t step() const { return view_.strides[3]; }
-  T* row(int64_t r) const {
-    const int64_t c = r % view_.shape[2];
-    const int64_t b = (r / view_.shape[2]) % view_.shape[1];
-    const int64_t a = r / (view_.shape[2] * view_.shape[1]);
-    return view_.data + a * view_.strides[0] + b * view_.strides[1] + c * view_.strides[2];
-  }
-
- private:
-  TensorView<T> view_;
-};
+using rows::for_each_block;
+using rows::Rows;
 
 }  // namespace
 
@@ -68,7 +44,7 @@ Tensor<T> LayerNorm<T>::forward(TensorView<const T> x, LayerNormCache<T>& cache)
   if (!(cache.xhat.shape() == x.shape)) cache.xhat = Tensor<T>(x.shape);
   if (!(cache.rstd.shape() == Shape{xs.count()})) cache.rstd = Tensor<T>(Shape{xs.count()});
   Tensor<T> y(x.shape);
-  for_each_block(xs.count(), 4 * dim, [&](int64_t begin, int64_t end) {
+  for_each_block(xs.count(), 4 * dim, kTaskWork, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const T* x_row = xs.row(r);
       double sum = 0.0;
@@ -116,7 +92,7 @@ void LayerNorm<T>::backward(const LayerNormCache<T>& cache, TensorView<const T> 
     const double g = static_cast<double>(dy_row[j * dys.step()]);
     return config_.affine ? g * static_cast<double>(gamma_.value[j]) : g;
   };
-  for_each_block(rows, 4 * dim, [&](int64_t begin, int64_t end) {
+  for_each_block(rows, 4 * dim, kTaskWork, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const T* dy_row = dys.row(r);
       const T* xhat_row = cache.xhat.data() + r * dim;
@@ -138,7 +114,7 @@ void LayerNorm<T>::backward(const LayerNormCache<T>& cache, TensorView<const T> 
     }
   });
   if (!config_.affine) return;
-  for_each_block(dim, 2 * rows, [&](int64_t begin, int64_t end) {
+  for_each_block(dim, 2 * rows, kTaskWork, [&](int64_t begin, int64_t end) {
     for (int64_t j = begin; j < end; ++j) {
       double dgamma = 0.0;
       double dbeta = 0.0;

@@ -8,7 +8,8 @@
 //   forward  y  = x Wᵀ + b   A = x [rows, In] row-major,  B = Wᵀ [In, Out] (W read column-major)
 //   input    dx += dy W      A = dy [rows, Out],          B = W [Out, In]
 //   weight   dW += dyᵀ x     A = dyᵀ [Out, rows] (dy read column-major), B = x [rows, In]
-// db += Σ_rows dy is a column sum of dy (ColumnSums).
+// db += Σ_rows dy is a sum over the depth of dW's A, taken while dW packs it (a_sums), or alone by
+// ColumnSums in the same order.
 //
 // ---- Accuracy and determinism -------------------------------------------------------------------
 // Everything is computed in T: float32 for float. The depth K is cut into chunks of kDepthChunk at
@@ -16,27 +17,36 @@
 // (one rounding per term) and then added to C:
 //   C(i, j) = ((bias_j + s_0) + s_1) + …,   s_c = Σ_{k in chunk c} A(i, k) B(k, j)
 // (C(i, j) + s_0 + s_1 + … when accumulating). That is blocked summation: the rounding error
-// grows with ≈ kDepthChunk + K/kDepthChunk terms instead of K, so even dW, whose depth is the
-// number of rows (thousands), stays well within the error of a naive float32 loop. The chain of
-// operations that produces one element depends only on (i, j, K), never on the tile, the task or
-// the thread that computes it: every tile shape runs the same lane-wise FMAs, and columns past a
-// row's end go through a lane buffer with the same adds. Results are therefore bit-identical for
-// any thread count (on one instruction set: targets without FMA round products separately).
+// grows with ≈ kDepthChunk + K/kDepthChunk terms instead of K, which matters for dW, whose depth is
+// the number of rows (thousands); over In or Out of a few hundred it is the naive loop's order.
+// The chain of operations that produces one element depends only on (i, j, K), never on the tile,
+// the task or the thread that computes it: every tile shape runs the same lane-wise FMAs, and
+// columns past a row's end go through a lane buffer with the same adds. Results are therefore
+// bit-identical for any thread count and for any other rows in the call (on one instruction set:
+// targets without FMA round products separately).
 //
 // ---- Tiling and loop order ----------------------------------------------------------------------
 // The micro-kernel (Tile) holds an R × (C vectors) tile of C in registers: per step of the depth
 // it loads C vectors of a B row, broadcasts R elements of A and issues R·C FMAs (8 × 3 with
 // AVX-512's 32 registers: 24 accumulators, 3 B vectors and a broadcast; 4 × 3 with 16 registers).
-// B is packed once per call into panels of C·N columns, zero-padded to whole vectors, stored
-// depth-major ([k][C·N]): the kernel then streams one contiguous panel, never reads past a row,
-// and a panel chunk (kDepthChunk × C·N, 24 KiB in float) stays in L1 while every row tile of a
-// task reuses it. A is read in place (broadcasts need no contiguity): by rows for x and dy, by
-// columns for dyᵀ, where the R broadcasts of one step are neighbours in a row of dy.
-// Loop order inside a task, for rows [m0, m1) and panels [j0, j1):
+// B is packed into panels of C·N columns, zero-padded to whole vectors, stored depth-major
+// ([k][C·N]): the kernel streams one contiguous panel, never reads past a row, and a panel chunk
+// (kDepthChunk × C·N, 24 KiB in float) stays in L1 while every row tile of a task reuses it.
+// Row-major A (x, dy) is read in place: R rows walked along the depth, each a sequential stream.
+// Column-major A (dyᵀ) is packed into row tiles (see Packed). Loop order inside a task, for rows
+// [m0, m1) and panels [p0, p1):
 //   for each depth chunk:  for each panel:  for each row tile of R rows:  Tile
 // Tasks are blocks of kBlockTiles row tiles × groups of panels; each owns the C elements it
-// writes, so no reduction is ever split across threads. B of dW (x, one row per depth step) is
-// packed kSuperChunks chunks at a time so that the copy stays bounded for long sequences.
+// writes, so no reduction is ever split across threads.
+//
+// ---- Memory traffic -----------------------------------------------------------------------------
+// The operands are packed kSuperChunks chunks of the depth at a time (all of W for the forward and
+// dx; 2048 rows of x and dy for dW), by all threads, reading their sources row after row: the
+// copy stays bounded for long sequences, and packed B (a few hundred KiB) is read by the tasks
+// from L2 once per block of R·kBlockTiles rows. Each of x, dy, W, y, dx is read or written from
+// memory about once per product, against a float64 loop that reread W (or x) for every row.
+// Single thread, float, AVX-512, 2048×256×256: ≈ 95% of oneDNN's sgemm for the forward and dx,
+// ≈ 80% for dW + db (bench/bench_linear.cpp).
 
 // ---- Target-independent part: the parameter structs (normal include guard) -----------------------
 #ifndef QKV_SRC_LINEAR_INL_H_
@@ -65,11 +75,15 @@ struct GemmParams {
   int64_t k = 0;  // the depth summed over
   MatrixRef<T> a;
   MatrixRef<T> b;
-  T* c = nullptr;            // C(i, j) = c[i·c_stride + j]; rows do not overlap
-  int64_t c_stride = 0;      //
-  const T* bias = nullptr;   // [n] at bias_stride, the first term of every row of C; null: none
-  int64_t bias_stride = 0;   //
-  bool accumulate = false;   // C += A·B (bias ignored); otherwise C = bias + A·B
+  T* c = nullptr;           // C(i, j) = c[i·c_stride + j]; rows do not overlap
+  int64_t c_stride = 0;     //
+  const T* bias = nullptr;  // [n] at bias_stride, the first term of every row of C; null: none
+  int64_t bias_stride = 0;  //
+  bool accumulate = false;  // C += A·B (bias ignored); otherwise C = bias + A·B
+  // [m] at a_sums_stride, += Σ_k A(i, k) summed as ColumnSums sums (db += Σ dy alongside dW, from
+  // the same pass over dy); only for column-major A; null: not wanted.
+  T* a_sums = nullptr;
+  int64_t a_sums_stride = 0;
 };
 
 // out [cols] += Σ_i A(i, ·) for A [rows, cols] row-major: the bias gradient db += Σ_rows dy.
@@ -172,37 +186,60 @@ struct Packed {
   size_t n = 0;      // columns of B
   size_t m = 0;      // rows of A (when packed)
   Buffer<T> b;
-  Buffer<T> a;  // empty when A is read in place
+  Buffer<T> a;     // empty when A is read in place
+  Buffer<T> sums;  // [chunk][m]: Σ of A's steps in the chunk, per row; empty when not wanted
 
   size_t panels() const { return DivCeil(n, width); }
   size_t panel_width(size_t p) const { return std::min(width, DivCeil(n - p * width, lanes) * lanes); }
   T* panel(size_t p) const { return b.get() + p * width * depth; }
   // Chunk starting at step kc (of length `len`), row tile starting at row q.
   T* a_tile(size_t kc, size_t len, size_t q) const { return a.get() + kc * m + q * len; }
+  T* chunk_sums(size_t kc) const { return sums.get() + kc / kDepthChunk * m; }
 };
 
-template <size_t R, class T>
-HWY_INLINE void CopyRun(const T* HWY_RESTRICT from, T* HWY_RESTRICT to) {
+template <size_t R, bool kSum, class T>
+HWY_INLINE void CopyRun(const T* HWY_RESTRICT from, T* HWY_RESTRICT to, T* HWY_RESTRICT sums) {
   HWY_UNROLL(8)
-  for (size_t r = 0; r < R; ++r) to[r] = from[r];
+  for (size_t r = 0; r < R; ++r) {
+    to[r] = from[r];
+    if constexpr (kSum) sums[r] += from[r];
+  }
 }
 
-// Steps [kb, ke) of this super-chunk (from step k0 of A) into the tiles of packed.a.
+template <bool kSum, class T>
+HWY_INLINE void CopyRunOf(size_t rows, const T* HWY_RESTRICT from, T* HWY_RESTRICT to, T* HWY_RESTRICT sums) {
+  if (rows == kTileRows) {
+    CopyRun<kTileRows, kSum>(from, to, sums);
+  } else if (rows == 4) {
+    CopyRun<4, kSum>(from, to, sums);
+  } else if (rows == 2) {
+    CopyRun<2, kSum>(from, to, sums);
+  } else {
+    CopyRun<1, kSum>(from, to, sums);
+  }
+}
+
+// Steps [kb, ke) of this super-chunk (from step k0 of A) into the tiles of packed.a, a few steps
+// (rows of dy) at a time: their reads stay in L1 while every tile receives one contiguous run. With
+// packed.sums, also the chunk's sum per row of A, from zero in step order.
 template <class T>
 HWY_NOINLINE void PackAChunk(const MatrixRef<T>& a, size_t k0, size_t kb, size_t ke, const Packed<T>& packed) {
+  constexpr size_t kStepsAtOnce = 16;
   const size_t len = ke - kb;
-  for (size_t k = kb; k < ke; ++k) {
-    const T* HWY_RESTRICT src = a.data + (k0 + k) * ToSize(a.stride);
+  T* sums = packed.sums ? packed.chunk_sums(kb) : nullptr;
+  if (sums) std::fill(sums, sums + packed.m, T{0});
+  for (size_t k1 = kb; k1 < ke; k1 += kStepsAtOnce) {
+    const size_t k2 = std::min(ke, k1 + kStepsAtOnce);
     ForEachRowTile(0, packed.m, [&](size_t q, size_t rows) {
-      T* HWY_RESTRICT to = packed.a_tile(kb, len, q) + (k - kb) * rows;
-      if (rows == kTileRows) {
-        CopyRun<kTileRows>(src + q, to);
-      } else if (rows == 4) {
-        CopyRun<4>(src + q, to);
-      } else if (rows == 2) {
-        CopyRun<2>(src + q, to);
-      } else {
-        CopyRun<1>(src + q, to);
+      T* HWY_RESTRICT tile = packed.a_tile(kb, len, q);
+      for (size_t k = k1; k < k2; ++k) {
+        const T* HWY_RESTRICT src = a.data + (k0 + k) * ToSize(a.stride) + q;
+        T* HWY_RESTRICT to = tile + (k - kb) * rows;
+        if (sums) {
+          CopyRunOf<true>(rows, src, to, sums + q);
+        } else {
+          CopyRunOf<false>(rows, src, to, sums);
+        }
       }
     });
   }
@@ -273,8 +310,8 @@ struct TileArgs {
   size_t depth = 0;      // steps in this chunk
   T* c = nullptr;        // C(m0, col0)
   size_t c_stride = 0;
-  size_t cols = 0;         // columns of C that exist from col0 on (the tile may cover fewer or more)
-  const T* bias = nullptr; // bias(col0) in a contiguous copy padded to whole panels
+  size_t cols = 0;          // columns of C that exist from col0 on (the tile may cover fewer or more)
+  const T* bias = nullptr;  // bias(col0) in a contiguous copy padded to whole panels
   Store store = Store::kAdd;
 };
 
@@ -296,7 +333,8 @@ HWY_INLINE void StoreVector(D d, Store store, V acc, const T* bias, T* HWY_RESTR
   std::copy_n(buffer, lanes, out);
 }
 
-// C [R rows][C vectors] (+)= A·B over one depth chunk: the micro-kernel.
+// C [R rows][C vectors] (+)= A·B over one depth chunk: the micro-kernel. Not inlined: inlined into
+// the loops over panels and tiles, GCC spilled half of the accumulators to the stack.
 template <size_t R, size_t C, Order kOrderA, class D, class T = hn::TFromD<D>>
 HWY_NOINLINE void Tile(D d, const TileArgs<T>& t) {
   const size_t N = hn::Lanes(d);
@@ -337,7 +375,7 @@ HWY_NOINLINE void Tile(D d, const TileArgs<T>& t) {
 }
 
 // Rows [m0, m1) of one panel. Row-major A is read in place (t.a at row m0, t.a_stride between
-// rows); column-major A has been packed by PackA (t.a its start).
+// rows); column-major A has been packed (t.a: the chunk's tile at row m0; tiles follow each other).
 template <size_t C, Order kOrderA, class D, class T = hn::TFromD<D>>
 HWY_INLINE void PanelRows(D d, const TileArgs<T>& t, size_t m0, size_t m1) {
   ForEachRowTile(m0, m1, [&](size_t row, size_t rows) {
@@ -386,11 +424,41 @@ void StoreBiasOnly(const GemmParams<T>& p) {
   }
 }
 
+// The part of the product that one task owns: rows [m0, m1) × panels [p0, p1) of C, over the
+// depth steps [k0, k0 + depth) that `packed` holds, chunk after chunk.
+template <class D, class T = hn::TFromD<D>>
+void MultiplyBlock(D d, const GemmParams<T>& p, const Packed<T>& packed, const T* bias, size_t k0, size_t depth,
+                   size_t m0, size_t m1, size_t p0, size_t p1) {
+  for (size_t kc = 0; kc < depth; kc += kDepthChunk) {
+    const size_t len = std::min(kDepthChunk, depth - kc);
+    const bool first = k0 + kc == 0 && !p.accumulate;
+    for (size_t pi = p0; pi < p1; ++pi) {
+      const size_t col0 = pi * packed.width;
+      const size_t width = packed.panel_width(pi);
+      const TileArgs<T> t{.a = packed.a ? packed.a_tile(kc, len, m0) : p.a.data + m0 * ToSize(p.a.stride) + k0 + kc,
+                          .a_stride = ToSize(p.a.stride),
+                          .b = packed.panel(pi) + kc * width,
+                          .b_width = width,
+                          .depth = len,
+                          .c = p.c + m0 * ToSize(p.c_stride) + col0,
+                          .c_stride = ToSize(p.c_stride),
+                          .cols = ToSize(p.n) - col0,
+                          .bias = bias + col0,
+                          .store = first ? (p.bias ? Store::kBias : Store::kOverwrite) : Store::kAdd};
+      if (packed.a) {
+        PanelRowsAnyWidth<Order::kColMajor>(d, t, width / hn::Lanes(d), m0, m1);
+      } else {
+        PanelRowsAnyWidth<Order::kRowMajor>(d, t, width / hn::Lanes(d), m0, m1);
+      }
+    }
+  }
+}
+
 template <class T>
 void GemmImpl(const GemmParams<T>& p) {
-  if (p.m == 0 || p.n == 0) return;
+  if (p.m == 0 || p.n == 0 || (p.k == 0 && p.accumulate)) return;  // (then A has no element to sum)
   if (p.k == 0) {
-    if (!p.accumulate) StoreBiasOnly(p);
+    StoreBiasOnly(p);
     return;
   }
   const hn::ScalableTag<T> d;
@@ -399,10 +467,23 @@ void GemmImpl(const GemmParams<T>& p) {
   const int max_threads =
       static_cast<double>(p.m) * static_cast<double>(p.n) * static_cast<double>(p.k) < kMinParallelMacs ? 1 : 0;
 
-  Packed<T> packed{.depth = std::min(k, kSuperChunks * kDepthChunk), .width = kTileVectors * N, .lanes = N, .n = n,
-                   .m = m, .b = {}, .a = {}};
+  Packed<T> packed{.depth = std::min(k, kSuperChunks * kDepthChunk),
+                   .width = kTileVectors * N,
+                   .lanes = N,
+                   .n = n,
+                   .m = m,
+                   .b = {},
+                   .a = {},
+                   .sums = {}};
   packed.b = Allocate<T>(packed.panels() * packed.width * packed.depth);
   if (p.a.order == Order::kColMajor) packed.a = Allocate<T>(packed.depth * m);
+  // Row sums of A: chunk sums from the packing, added to `total` in chunk order, then to a_sums.
+  Buffer<T> total;
+  if (p.a_sums) {
+    packed.sums = Allocate<T>(DivCeil(packed.depth, kDepthChunk) * m);
+    total = Allocate<T>(m);
+    std::fill(total.get(), total.get() + m, T{0});
+  }
   Buffer<T> bias = Allocate<T>(packed.panels() * packed.width);
   std::fill(bias.get(), bias.get() + packed.panels() * packed.width, T{0});
   if (p.bias) {
@@ -419,67 +500,52 @@ void GemmImpl(const GemmParams<T>& p) {
   for (size_t k0 = 0; k0 < k; k0 += packed.depth) {
     const size_t depth = std::min(packed.depth, k - k0);
     PackOperands(p, k0, depth, packed, max_threads);
+    if (p.a_sums) {
+      for (size_t kc = 0; kc < depth; kc += kDepthChunk) {
+        const T* HWY_RESTRICT sums = packed.chunk_sums(kc);
+        for (size_t i = 0; i < m; ++i) total[i] += sums[i];
+      }
+    }
     parallel_for(
         static_cast<int64_t>(row_blocks * panel_groups),
         [&](int64_t task, int /*worker*/) {
           const size_t m0 = ToSize(task) / panel_groups * block_rows;
-          const size_t m1 = std::min(m, m0 + block_rows);
           const size_t p0 = ToSize(task) % panel_groups * panels_per_group;
-          const size_t p1 = std::min(packed.panels(), p0 + panels_per_group);
-          for (size_t kc = 0; kc < depth; kc += kDepthChunk) {
-            const size_t len = std::min(kDepthChunk, depth - kc);
-            const bool first = k0 + kc == 0 && !p.accumulate;
-            for (size_t pi = p0; pi < p1; ++pi) {
-              const size_t col0 = pi * packed.width;
-              const size_t width = packed.panel_width(pi);
-              const TileArgs<T> t{
-                  .a = packed.a ? packed.a_tile(kc, len, m0) : p.a.data + m0 * ToSize(p.a.stride) + k0 + kc,
-                  .a_stride = ToSize(p.a.stride),
-                  .b = packed.panel(pi) + kc * width,
-                  .b_width = width,
-                  .depth = len,
-                  .c = p.c + m0 * ToSize(p.c_stride) + col0,
-                  .c_stride = ToSize(p.c_stride),
-                  .cols = n - col0,
-                  .bias = bias.get() + col0,
-                  .store = first ? (p.bias ? Store::kBias : Store::kOverwrite) : Store::kAdd};
-              if (packed.a) {
-                PanelRowsAnyWidth<Order::kColMajor>(d, t, width / N, m0, m1);
-              } else {
-                PanelRowsAnyWidth<Order::kRowMajor>(d, t, width / N, m0, m1);
-              }
-            }
-          }
+          MultiplyBlock(d, p, packed, bias.get(), k0, depth, m0, std::min(m, m0 + block_rows), p0,
+                        std::min(packed.panels(), p0 + panels_per_group));
         },
         max_threads);
+  }
+  if (p.a_sums) {
+    for (size_t i = 0; i < m; ++i) p.a_sums[static_cast<int64_t>(i) * p.a_sums_stride] += total[i];
   }
 }
 
 // Column sums in the same blocked order as Gemm's depth: chunks of kDepthChunk rows summed from
-// zero, added to a running total, which is added to `out` once. One task per group of vectors.
-constexpr size_t kSumGroupVectors = 4;
+// zero, added to a running total, which is added to `out` once. One task per block of
+// kSumBlockVectors vectors of columns, which it reads row after row.
+constexpr size_t kSumBlockVectors = 16;
 
-// Columns [j0, j0 + kSumGroupVectors·N) ∩ [0, cols).
+// Columns [j0, j0 + kSumBlockVectors·N) ∩ [0, cols).
 template <class D, class T = hn::TFromD<D>>
-HWY_NOINLINE void ColumnSumGroup(D d, const ColumnSumParams<T>& p, size_t j0) {
+HWY_NOINLINE void ColumnSumBlock(D d, const ColumnSumParams<T>& p, size_t j0) {
   const size_t N = hn::Lanes(d);
-  const size_t group = kSumGroupVectors * N;
-  const size_t width = std::min(group, ToSize(p.cols) - j0);
+  const size_t width = std::min(kSumBlockVectors * N, ToSize(p.cols) - j0);
+  const size_t whole = width / N * N;
   const size_t rows = ToSize(p.rows);
-  HWY_ALIGN T total[kSumGroupVectors * hn::MaxLanes(d)] = {};
-  HWY_ALIGN T chunk[kSumGroupVectors * hn::MaxLanes(d)];
+  HWY_ALIGN T total[kSumBlockVectors * hn::MaxLanes(d)] = {};
+  HWY_ALIGN T chunk[kSumBlockVectors * hn::MaxLanes(d)];
   for (size_t r0 = 0; r0 < rows; r0 += kDepthChunk) {
-    std::fill(chunk, chunk + group, T{0});
+    std::fill(chunk, chunk + width, T{0});
     const size_t r1 = std::min(rows, r0 + kDepthChunk);
     for (size_t r = r0; r < r1; ++r) {
       const T* HWY_RESTRICT row = p.a + r * ToSize(p.stride) + j0;
-      size_t j = 0;
-      for (; j + N <= width; j += N) hn::Store(hn::Add(hn::Load(d, chunk + j), hn::LoadU(d, row + j)), d, chunk + j);
-      for (; j < width; ++j) chunk[j] += row[j];
+      for (size_t j = 0; j < whole; j += N) {
+        hn::Store(hn::Add(hn::Load(d, chunk + j), hn::LoadU(d, row + j)), d, chunk + j);
+      }
+      for (size_t j = whole; j < width; ++j) chunk[j] += row[j];
     }
-    for (size_t j = 0; j < group; j += N) {
-      hn::Store(hn::Add(hn::Load(d, total + j), hn::Load(d, chunk + j)), d, total + j);
-    }
+    for (size_t j = 0; j < width; ++j) total[j] += chunk[j];
   }
   for (size_t j = 0; j < width; ++j) p.out[static_cast<int64_t>(j0 + j) * p.out_stride] += total[j];
 }
@@ -488,11 +554,11 @@ template <class T>
 void ColumnSumsImpl(const ColumnSumParams<T>& p) {
   if (p.cols == 0) return;
   const hn::ScalableTag<T> d;
-  const size_t group = kSumGroupVectors * hn::Lanes(d);
+  const size_t block = kSumBlockVectors * hn::Lanes(d);
   const int max_threads = static_cast<double>(p.rows) * static_cast<double>(p.cols) < kMinParallelMacs ? 1 : 0;
   parallel_for(
-      static_cast<int64_t>(DivCeil(ToSize(p.cols), group)),
-      [&](int64_t task, int /*worker*/) { ColumnSumGroup(d, p, ToSize(task) * group); }, max_threads);
+      static_cast<int64_t>(DivCeil(ToSize(p.cols), block)),
+      [&](int64_t task, int /*worker*/) { ColumnSumBlock(d, p, ToSize(task) * block); }, max_threads);
 }
 
 void GemmFloat(const GemmParams<float>& p) { GemmImpl(p); }

@@ -20,10 +20,10 @@
 
 // SSSE3-only CPUs are rare enough not to be worth the compile time; they run the portable build.
 #define HWY_DISABLED_TARGETS HWY_SSSE3
-// foreach_target.h includes this path itself, once per target; it resolves against qkv's include/
-// directory. Then the translation unit's own target (the baseline) follows. The order matters.
+// foreach_target.h includes this path itself, once per target; src/ is a private include
+// directory of libqkv. Then the translation unit's own target (the baseline) follows. The order matters.
 #undef HWY_TARGET_INCLUDE
-#define HWY_TARGET_INCLUDE "../src/linear-inl.h"
+#define HWY_TARGET_INCLUDE "linear-inl.h"
 // clang-format off
 #include "hwy/foreach_target.h"  // IWYU pragma: keep
 #include "hwy/highway.h"
@@ -128,13 +128,13 @@ Sizes check_params(const LinearParams<T>& params) {
   return {.in = in, .out = out};
 }
 
-// Products with fewer multiply-adds than this (a few µs) run the reference: the plain loop then
-// costs about as much as packing panels and dispatching would (bench_linear, BM_*_Small).
-constexpr double kMinBlockedMacs = 1 << 12;
+// Layers with fewer weights than this (32×32) run the float64 reference: it costs at most about a
+// microsecond per row there, and such tiny layers keep results that are rounded once. The choice
+// depends on the layer alone, never on the number of rows, so that a row's result does not depend
+// on the batch it came in.
+constexpr int64_t kMinBlockedWeights = int64_t{1} << 10;
 
-double macs(int64_t rows, const Sizes& n) {
-  return static_cast<double>(rows) * static_cast<double>(n.in) * static_cast<double>(n.out);
-}
+bool big_layer(const Sizes& n) { return n.in * n.out >= kMinBlockedWeights; }
 
 // Checks dy and the gradients against the params; In and Out.
 template <class T>
@@ -145,12 +145,6 @@ Sizes check_backward(const LinearParams<T>& params, TensorView<const T> dy, cons
   if (grads.dw) check_shape("dw", grads.dw->shape, params.w.shape);
   if (params.b && grads.db) check_shape("db", grads.db->shape, Shape{n.out});
   return n;
-}
-
-int64_t row_count(const Shape& shape) {
-  int64_t rows = 1;
-  for (int axis = 0; axis + 1 < shape.rank(); ++axis) rows *= shape[axis];
-  return rows;
 }
 
 // ---- Reference: plain loops, float64 accumulation, any strides ------------------------------------
@@ -311,7 +305,9 @@ bool forward_blocked(const LinearParams<T>& params, TensorView<T> y, bool requir
                         .c_stride = ym->stride,
                         .bias = params.b ? params.b->data : nullptr,
                         .bias_stride = params.b ? params.b->strides[0] : 0,
-                        .accumulate = false});
+                        .accumulate = false,
+                        .a_sums = nullptr,
+                        .a_sums_stride = 0});
   return true;
 }
 
@@ -331,7 +327,9 @@ bool backward_dx_blocked(const LinearParams<T>& params, TensorView<const T> dy, 
                         .c_stride = dxm->stride,
                         .bias = nullptr,
                         .bias_stride = 0,
-                        .accumulate = true});
+                        .accumulate = true,
+                        .a_sums = nullptr,
+                        .a_sums_stride = 0});
   return true;
 }
 
@@ -344,6 +342,8 @@ bool backward_dw_blocked(const LinearParams<T>& params, TensorView<const T> dy, 
   std::optional<Matrix<T>> dwm;
   if (dw) dwm = blocked_matrix(*dw, "dw", true, required);
   if (!dym || !x || (dw && !dwm) || (db && !gradient_of_bias_ok(*db, "db", required))) return false;
+  // db rides along with dW, which reads every element of dy anyway (when In > 0 and dW runs).
+  const bool db_with_dw = db && dwm && x->cols > 0;
   if (dwm) {
     linear_simd::gemm<T>({.m = dym->cols,
                           .n = x->cols,
@@ -354,9 +354,11 @@ bool backward_dw_blocked(const LinearParams<T>& params, TensorView<const T> dy, 
                           .c_stride = dwm->stride,
                           .bias = nullptr,
                           .bias_stride = 0,
-                          .accumulate = true});
+                          .accumulate = true,
+                          .a_sums = db_with_dw ? db->data : nullptr,
+                          .a_sums_stride = db_with_dw ? db->strides[0] : 0});
   }
-  if (db) {
+  if (db && !db_with_dw) {
     linear_simd::column_sums<T>({.a = dym->data,
                                  .rows = dym->rows,
                                  .cols = dym->cols,
@@ -421,7 +423,7 @@ template <class T>
 void linear_forward(const LinearParams<T>& params, TensorView<T> y) {
   const Sizes n = check_params(params);
   check_shape("y", y.shape, with_last(params.x.shape, n.out));
-  if (macs(row_count(params.x.shape), n) >= kMinBlockedMacs && forward_blocked(params, y, false)) return;
+  if (big_layer(n) && forward_blocked(params, y, false)) return;
   forward_reference(params, n, y);
 }
 
@@ -429,7 +431,7 @@ void linear_forward(const LinearParams<T>& params, TensorView<T> y) {
 template <class T>
 void linear_backward(const LinearParams<T>& params, TensorView<const T> dy, const LinearGradients<T>& grads) {
   const Sizes n = check_backward(params, dy, grads);
-  const bool big = macs(row_count(params.x.shape), n) >= kMinBlockedMacs;
+  const bool big = big_layer(n);
   if (grads.dx && !(big && backward_dx_blocked(params, dy, *grads.dx, false))) {
     backward_dx_reference(params, n, dy, *grads.dx);
   }

@@ -86,7 +86,8 @@ class Reader {
 Tensor<float> read_tensor(Reader& in, const std::string& source, const std::string& name) {
   const auto dtype = in.get<uint8_t>(fmt::format("tensor \"{}\" dtype", name));
   if (dtype != kFloat32) {
-    throw IoError(fmt::format("{}: tensor \"{}\": expected dtype code {} (float32), got {}", source, name, kFloat32, dtype));
+    throw IoError(
+        fmt::format("{}: tensor \"{}\": expected dtype code {} (float32), got {}", source, name, kFloat32, dtype));
   }
   const auto rank = in.get<uint8_t>(fmt::format("tensor \"{}\" rank", name));
   if (rank > kMaxRank) {
@@ -111,7 +112,8 @@ Tensor<float> read_tensor(Reader& in, const std::string& source, const std::stri
   in.skip(numel * sizeof(float));
   for (int64_t i = 0; i < tensor.numel(); ++i) {
     if (!std::isfinite(tensor[i])) {
-      throw IoError(fmt::format("{}: tensor \"{}\": value {} at flat index {} is not finite", source, name, tensor[i], i));
+      throw IoError(
+          fmt::format("{}: tensor \"{}\": value {} at flat index {} is not finite", source, name, tensor[i], i));
     }
   }
   return tensor;
@@ -141,8 +143,8 @@ int64_t ModelFile::int_value(std::string_view key, int64_t min, int64_t max) con
   int64_t parsed = 0;
   const auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), parsed);
   if (ec != std::errc() || end != text.data() + text.size() || parsed < min || parsed > max) {
-    throw IoError(fmt::format("{}: entry \"{}\": expected an integer from {} to {}, got \"{}\"", source, key, min, max,
-                              text));
+    throw IoError(
+        fmt::format("{}: entry \"{}\": expected an integer from {} to {}, got \"{}\"", source, key, min, max, text));
   }
   return parsed;
 }
@@ -226,9 +228,10 @@ ModelFile decode_model_file(std::string_view bytes, std::string source) {
   }
   const uint64_t expected_size = kHeaderBytes + kChecksumBytes + payload_length;
   if (payload_length > bytes.size() || bytes.size() != expected_size) {
-    throw IoError(fmt::format("{}: the header announces a payload of {} bytes, so a file of {} bytes; got {} bytes ({})",
-                              source, payload_length, kHeaderBytes + kChecksumBytes + payload_length, bytes.size(),
-                              bytes.size() < expected_size ? "truncated" : "trailing bytes"));
+    throw IoError(
+        fmt::format("{}: the header announces a payload of {} bytes, so a file of {} bytes; got {} bytes ({})", source,
+                    payload_length, kHeaderBytes + kChecksumBytes + payload_length, bytes.size(),
+                    bytes.size() < expected_size ? "truncated" : "trailing bytes"));
   }
   const size_t checked = kHeaderBytes + static_cast<size_t>(payload_length);
   uint32_t stored = 0;
@@ -293,7 +296,8 @@ void load_parameters(const ModelFile& model, const std::vector<ParameterRef<T>>&
   for (const ParameterRef<T>& p : params) wanted.insert(p.name);
   for (const auto& [name, tensor] : model.tensors) {
     if (!wanted.contains(name)) {
-      throw IoError(fmt::format("{}: tensor \"{}\" is not a parameter of this {} model", model.source, name, model.kind));
+      throw IoError(
+          fmt::format("{}: tensor \"{}\" is not a parameter of this {} model", model.source, name, model.kind));
     }
   }
   for (const ParameterRef<T>& p : params) {
@@ -314,8 +318,8 @@ void load_parameters(const ModelFile& model, const std::vector<ParameterRef<T>>&
   }
 }
 
-#define QKV_INSTANTIATE_MODEL_FILE(T)                                                  \
-  template void store_parameters(ModelFile&, const std::vector<ParameterRef<T>>&);     \
+#define QKV_INSTANTIATE_MODEL_FILE(T)                                                    \
+  template void store_parameters(ModelFile&, const std::vector<ParameterRef<T>>&);       \
   template void store_parameters(ModelFile&, const std::vector<ParameterRef<const T>>&); \
   template void load_parameters(const ModelFile&, const std::vector<ParameterRef<T>>&);
 

@@ -78,8 +78,8 @@ struct Limits {
   double max = 1.0;
 };
 
-// The range of one axis, in axis units: given, or the data's widened a little (linear) or to
-// whole decades (log, whose tick labels sit only on powers of ten).
+// The range of one axis, in axis units: as given when both ends are, otherwise the data's with a
+// little room around it (on a log axis, at least two powers of ten, the only labelled ticks).
 Limits axis_limits(const PlotPanel& panel, bool is_x) {
   const AxisScale scale = is_x ? panel.x_scale : panel.y_scale;
   const std::optional<AxisRange>& given = is_x ? panel.x_range : panel.y_range;

@@ -5,14 +5,19 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <functional>
+#include <optional>
 #include <span>
 #include <string_view>
 #include <vector>
 
 #include "qkv/error.hpp"
+#include "qkv/linear.hpp"
 #include "qkv/parallel.hpp"
+#include "qkv/parameter.hpp"
+#include "qkv/rng.hpp"
 #include "qkv/rnn.hpp"
 #include "qkv/tensor.hpp"
 
@@ -30,6 +35,31 @@ struct Sizes {
   int64_t input = 0;   // In
   int64_t hidden = 0;  // H
 };
+
+// Checks config (In >= 0, H >= 1) and draws the parameters of a cell of `gates` gates, W_ih
+// [gates·H, In], W_hh [gates·H, H] and, with config.bias, b_ih and b_hh [gates·H], each from
+// U(−1/√H, 1/√H) in PyTorch's order, as torch.nn.RNN and torch.nn.GRU do.
+template <class T, class Config>
+void init_parameters(const Config& config, int64_t gates, Rng& rng, Parameter<T>& w_ih, Parameter<T>& w_hh,
+                     Parameter<T>& b_ih, Parameter<T>& b_hh) {
+  if (config.input_size < 0)
+    throw ValueError(fmt::format("input_size: expected at least 0, got {}", config.input_size));
+  if (config.hidden_size < 1) {
+    throw ValueError(fmt::format("hidden_size: expected at least 1, got {}", config.hidden_size));
+  }
+  const int64_t h = config.hidden_size;
+  w_ih = Parameter<T>(Shape{gates * h, config.input_size});
+  w_hh = Parameter<T>(Shape{gates * h, h});
+  const double bound = 1.0 / std::sqrt(static_cast<double>(h));
+  rng.fill_uniform(w_ih.value.view(), -bound, bound);
+  rng.fill_uniform(w_hh.value.view(), -bound, bound);
+  if (config.bias) {
+    b_ih = Parameter<T>(Shape{gates * h});
+    b_hh = Parameter<T>(Shape{gates * h});
+    rng.fill_uniform(b_ih.value.view(), -bound, bound);
+    rng.fill_uniform(b_hh.value.view(), -bound, bound);
+  }
+}
 
 // Checks x [B, T, In] and h0 [B, H] and reads the lengths into `lengths` (all T when absent),
 // throwing ShapeError or ValueError naming the argument.
@@ -70,6 +100,99 @@ void check_gradients(const RecurrentOutputGradients<T>& output_grads, const Recu
 
 // The position read at step s (0-based, s < length) of a sequence of `length` tokens.
 inline int64_t time_of(int64_t step, int64_t length, bool reverse) { return reverse ? length - 1 - step : step; }
+
+// The state each sequence reads at step s, for the states h [B, T, H] and h0 [B, H]: h0 at its first
+// step, the previous step's state after it, and null for a sequence that has no step s.
+template <class T>
+void previous_states(int64_t step, const std::vector<int64_t>& lengths, bool reverse, const Tensor<T>& h0,
+                     const Tensor<T>& h, std::vector<const T*>& prev) {
+  const int64_t steps = h.shape()[1];
+  const int64_t hidden = h.shape()[2];
+  for (size_t b = 0; b < lengths.size(); ++b) {
+    const auto batch = static_cast<int64_t>(b);
+    if (step >= lengths[b]) {
+      prev[b] = nullptr;
+    } else {
+      prev[b] = step == 0 ? h0.data() + batch * hidden
+                          : h.data() + (batch * steps + time_of(step - 1, lengths[b], reverse)) * hidden;
+    }
+  }
+}
+
+// h_{t−1} of every step t, [B, T, H] (0 past a sequence's length), for the weight gradients.
+template <class T>
+Tensor<T> shifted_states(const std::vector<int64_t>& lengths, bool reverse, const Tensor<T>& h0, const Tensor<T>& h) {
+  const int64_t steps = h.shape()[1];
+  const int64_t hidden = h.shape()[2];
+  Tensor<T> result(h.shape());
+  std::vector<const T*> prev(lengths.size());
+  for (int64_t s = 0; s < steps; ++s) {
+    previous_states(s, lengths, reverse, h0, h, prev);
+    for (size_t b = 0; b < lengths.size(); ++b) {
+      if (prev[b] == nullptr) continue;
+      const int64_t t = time_of(s, lengths[b], reverse);
+      std::copy_n(prev[b], hidden, result.data() + (static_cast<int64_t>(b) * steps + t) * hidden);
+    }
+  }
+  return result;
+}
+
+// h_n [B, H]: each sequence's state after its last step (h0 when it has none), of h [B, T, H].
+template <class T>
+Tensor<T> final_states(const std::vector<int64_t>& lengths, bool reverse, const Tensor<T>& h0, const Tensor<T>& h) {
+  const int64_t steps = h.shape()[1];
+  const int64_t hidden = h.shape()[2];
+  Tensor<T> result(Shape{h.shape()[0], hidden});
+  for (size_t b = 0; b < lengths.size(); ++b) {
+    const auto batch = static_cast<int64_t>(b);
+    const int64_t length = lengths[b];
+    const T* last = length > 0 ? h.data() + (batch * steps + time_of(length - 1, length, reverse)) * hidden
+                               : h0.data() + batch * hidden;
+    std::copy_n(last, hidden, result.data() + batch * hidden);
+  }
+  return result;
+}
+
+// ∂L/∂h of the last step, [B, H] in float64: dh_n, or 0 when absent.
+template <class T>
+Tensor<double> initial_carry(const std::optional<TensorView<const T>>& dh_n, int64_t batch, int64_t hidden) {
+  Tensor<double> carry(Shape{batch, hidden});
+  if (dh_n) {
+    for (int64_t b = 0; b < batch; ++b)
+      for (int64_t j = 0; j < hidden; ++j) carry[b * hidden + j] = static_cast<double>((*dh_n)(b, j));
+  }
+  return carry;
+}
+
+// dh0 += the carry left after the first step, when dh0 is wanted.
+template <class T>
+void add_carry(const Tensor<double>& carry, const std::optional<TensorView<T>>& dh0) {
+  if (!dh0) return;
+  const int64_t batch = carry.shape()[0];
+  const int64_t hidden = carry.shape()[1];
+  for (int64_t b = 0; b < batch; ++b)
+    for (int64_t j = 0; j < hidden; ++j) (*dh0)(b, j) += static_cast<T>(carry[b * hidden + j]);
+}
+
+// x [B, T, C] → x wᵀ + b [B, T, R] for w [R, C] (b only when `bias`): the input projections of
+// every step in one linear_forward.
+template <class T>
+Tensor<T> project(const Tensor<T>& x, const Parameter<T>& w, const Parameter<T>& b, bool bias) {
+  Tensor<T> result(Shape{x.shape()[0], x.shape()[1], w.value.shape()[0]});
+  linear_forward<T>({.x = x.cview(), .w = w.value.cview(), .b = bias ? std::optional(b.value.cview()) : std::nullopt},
+                    result.view());
+  return result;
+}
+
+// The backward of project for dy [B, T, R], summed over all steps: w.grad and (with `bias`)
+// b.grad += theirs, and dx [B, T, C] += its gradient when given.
+template <class T>
+void project_backward(const Tensor<T>& x, const Tensor<T>& dy, Parameter<T>& w, Parameter<T>& b, bool bias,
+                      const std::optional<TensorView<T>>& dx) {
+  linear_backward<T>({.x = x.cview(), .w = w.value.cview(), .b = bias ? std::optional(b.value.cview()) : std::nullopt},
+                     dy.cview(),
+                     {.dx = dx, .dw = w.grad.view(), .db = bias ? std::optional(b.grad.view()) : std::nullopt});
+}
 
 // Runs fn(begin, end) over [0, count) in blocks of items that each cost `work_per_item`.
 inline void for_each_block(int64_t count, int64_t work_per_item, const std::function<void(int64_t, int64_t)>& fn) {

@@ -1,12 +1,8 @@
 #include "qkv/rnn.hpp"
 
-#include <fmt/format.h>
-
 #include <cmath>
 #include <span>
 
-#include "qkv/error.hpp"
-#include "qkv/linear.hpp"
 #include "recurrent.hpp"
 
 namespace qkv {
@@ -16,23 +12,7 @@ using recurrent::time_of;
 
 template <class T>
 Rnn<T>::Rnn(const RnnConfig& config, Rng& rng) : config_(config) {
-  if (config.input_size < 0)
-    throw ValueError(fmt::format("input_size: expected at least 0, got {}", config.input_size));
-  if (config.hidden_size < 1) {
-    throw ValueError(fmt::format("hidden_size: expected at least 1, got {}", config.hidden_size));
-  }
-  const int64_t h = config.hidden_size;
-  w_ih_ = Parameter<T>(Shape{h, config.input_size});
-  w_hh_ = Parameter<T>(Shape{h, h});
-  const double bound = 1.0 / std::sqrt(static_cast<double>(h));
-  rng.fill_uniform(w_ih_.value.view(), -bound, bound);
-  rng.fill_uniform(w_hh_.value.view(), -bound, bound);
-  if (config.bias) {
-    b_ih_ = Parameter<T>(Shape{h});
-    b_hh_ = Parameter<T>(Shape{h});
-    rng.fill_uniform(b_ih_.value.view(), -bound, bound);
-    rng.fill_uniform(b_hh_.value.view(), -bound, bound);
-  }
+  recurrent::init_parameters(config, 1, rng, w_ih_, w_hh_, b_ih_, b_hh_);
 }
 
 // Step s of every sequence at once: the batched product W_hh h_{prev} (every sequence that has a
@@ -46,25 +26,13 @@ RecurrentOutputs<T> Rnn<T>::forward(const RecurrentInputs<T>& inputs, RnnCache<T
   cache.h0 = inputs.h0 ? to_tensor<T, T>(*inputs.h0) : Tensor<T>(Shape{n.batch, hidden});
   cache.h = Tensor<T>(Shape{n.batch, n.steps, hidden});
 
-  Tensor<T> xp(Shape{n.batch, n.steps, hidden});
-  linear_forward<T>({.x = cache.x.view(),
-                     .w = w_ih_.value.view(),
-                     .b = config_.bias ? std::optional(b_ih_.value.cview()) : std::nullopt},
-                    xp.view());
+  Tensor<T> xp = recurrent::project(cache.x, w_ih_, b_ih_, config_.bias);
 
   const auto row = [&](Tensor<T>& t, int64_t b, int64_t time) { return t.data() + (b * n.steps + time) * hidden; };
   std::vector<const T*> prev(static_cast<size_t>(n.batch));
   Tensor<double> recurrent_part(Shape{n.batch, hidden});
   for (int64_t s = 0; s < n.steps; ++s) {
-    for (int64_t b = 0; b < n.batch; ++b) {
-      const int64_t length = cache.lengths[static_cast<size_t>(b)];
-      const T*& h_prev = prev[static_cast<size_t>(b)];
-      if (s >= length) {
-        h_prev = nullptr;
-      } else {
-        h_prev = s == 0 ? cache.h0.data() + b * hidden : row(cache.h, b, time_of(s - 1, length, config_.reverse));
-      }
-    }
+    recurrent::previous_states(s, cache.lengths, config_.reverse, cache.h0, cache.h, prev);
     recurrent::matvec(w_hh_.value, std::span<const T* const>(prev), recurrent_part);
     recurrent::for_each_block(n.batch, hidden * kNonlinearityWork, [&](int64_t begin, int64_t end) {
       for (int64_t b = begin; b < end; ++b) {
@@ -81,14 +49,7 @@ RecurrentOutputs<T> Rnn<T>::forward(const RecurrentInputs<T>& inputs, RnnCache<T
     });
   }
 
-  RecurrentOutputs<T> outputs{.y = cache.h, .h_n = Tensor<T>(Shape{n.batch, hidden})};
-  for (int64_t b = 0; b < n.batch; ++b) {
-    const int64_t length = cache.lengths[static_cast<size_t>(b)];
-    const T* last =
-        length > 0 ? row(cache.h, b, time_of(length - 1, length, config_.reverse)) : cache.h0.data() + b * hidden;
-    std::copy_n(last, hidden, outputs.h_n.data() + b * hidden);
-  }
-  return outputs;
+  return {.y = cache.h, .h_n = recurrent::final_states(cache.lengths, config_.reverse, cache.h0, cache.h)};
 }
 
 // With a_t = W_ih x_t + b_ih + W_hh h_{t−1} + b_hh and h_t = tanh(a_t), going back from the last
@@ -107,11 +68,7 @@ void Rnn<T>::backward(const RnnCache<T>& cache, const RecurrentOutputGradients<T
   const int64_t steps = cache.h.shape()[1];
   recurrent::check_gradients(output_grads, input_grads, cache.x.shape(), cache.h.shape(), Shape{batch, hidden});
 
-  Tensor<double> carry(Shape{batch, hidden});  // ∂L/∂h_t from later steps (and dh_n)
-  if (output_grads.dh_n) {
-    for (int64_t b = 0; b < batch; ++b)
-      for (int64_t j = 0; j < hidden; ++j) carry[b * hidden + j] = static_cast<double>((*output_grads.dh_n)(b, j));
-  }
+  Tensor<double> carry = recurrent::initial_carry(output_grads.dh_n, batch, hidden);  // ∂L/∂h_t from later steps
   Tensor<T> da(Shape{batch, steps, hidden});  // ∂L/∂a_t, 0 past a sequence's length
   const Tensor<T> w_hh_t = recurrent::transposed(w_hh_.value);
   const auto row = [&](const Tensor<T>& t, int64_t b, int64_t time) { return t.data() + (b * steps + time) * hidden; };
@@ -138,28 +95,11 @@ void Rnn<T>::backward(const RnnCache<T>& cache, const RecurrentOutputGradients<T
     // A sequence without step s keeps its carry: its first step backwards is still to come.
     recurrent::matvec(w_hh_t, std::span<const T* const>(da_rows), carry);
   }
-  if (input_grads.dh0) {
-    for (int64_t b = 0; b < batch; ++b)
-      for (int64_t j = 0; j < hidden; ++j) (*input_grads.dh0)(b, j) += static_cast<T>(carry[b * hidden + j]);
-  }
+  recurrent::add_carry(carry, input_grads.dh0);
 
-  Tensor<T> h_prev(Shape{batch, steps, hidden});  // h_{t−1} of every step, 0 past a sequence's length
-  for (int64_t b = 0; b < batch; ++b) {
-    const int64_t length = cache.lengths[static_cast<size_t>(b)];
-    for (int64_t s = 0; s < length; ++s) {
-      const T* source =
-          s == 0 ? cache.h0.data() + b * hidden : row(cache.h, b, time_of(s - 1, length, config_.reverse));
-      std::copy_n(source, hidden, h_prev.data() + (b * steps + time_of(s, length, config_.reverse)) * hidden);
-    }
-  }
-  const auto bias_of = [&](const Parameter<T>& p) {
-    return config_.bias ? std::optional(p.value.cview()) : std::nullopt;
-  };
-  const auto dbias_of = [&](Parameter<T>& p) { return config_.bias ? std::optional(p.grad.view()) : std::nullopt; };
-  linear_backward<T>({.x = h_prev.cview(), .w = w_hh_.value.cview(), .b = bias_of(b_hh_)}, da.cview(),
-                     {.dx = std::nullopt, .dw = w_hh_.grad.view(), .db = dbias_of(b_hh_)});
-  linear_backward<T>({.x = cache.x.cview(), .w = w_ih_.value.cview(), .b = bias_of(b_ih_)}, da.cview(),
-                     {.dx = input_grads.dx, .dw = w_ih_.grad.view(), .db = dbias_of(b_ih_)});
+  const Tensor<T> h_prev = recurrent::shifted_states(cache.lengths, config_.reverse, cache.h0, cache.h);
+  recurrent::project_backward(h_prev, da, w_hh_, b_hh_, config_.bias, std::optional<TensorView<T>>());
+  recurrent::project_backward(cache.x, da, w_ih_, b_ih_, config_.bias, input_grads.dx);
 }
 
 template <class T>

@@ -104,7 +104,12 @@ TEST_P(EncoderBlockGradient, MatchesFiniteDifferences) {
 INSTANTIATE_TEST_SUITE_P(Shapes, EncoderBlockGradient,
                          ::testing::Values(Case{2, 3, 4, 2, 5, false, false}, Case{2, 4, 4, 2, 3, true, false},
                                            Case{3, 3, 6, 3, 7, false, true}, Case{1, 1, 2, 1, 1, true, false},
-                                           Case{2, 5, 1, 1, 2, false, true}));
+                                           Case{2, 5, 1, 1, 2, false, true}),
+                         [](const ::testing::TestParamInfo<Case>& param_info) {
+                           const Case& c = param_info.param;
+                           return fmt::format("B{}_T{}_D{}_H{}_F{}{}{}", c.batch, c.length, c.dim, c.heads, c.ffn,
+                                              c.causal ? "_causal" : "", c.padding ? "_padding" : "");
+                         });
 
 TEST(EncoderModel, GradientMatchesFiniteDifferences) {
   for (bool causal : {false, true}) {

@@ -3,228 +3,87 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
-#include <functional>
 #include <limits>
 #include <optional>
 #include <string>
 #include <vector>
 
 #include "qkv/error.hpp"
-#include "qkv/parallel.hpp"
+#include "recurrent_testing.hpp"
 #include "testing.hpp"
 
 namespace qkv {
 namespace {
 
 using testing::all_close;
-using testing::cast;
+using testing::numeric_gradient;
 using testing::random_tensor;
 using testing::throws_naming;
-using testing::tolerance_from_naive;
+
+using testing::recurrent::abs_sum;
+using testing::recurrent::Case;
+using testing::recurrent::fd_tolerance;
+using testing::recurrent::formula;
+using testing::recurrent::kStep;
+using testing::recurrent::NaiveOutputs;
+using testing::recurrent::probe;
+using testing::recurrent::Weights;
+using testing::recurrent::weights_of;
 
 constexpr double kEps64 = std::numeric_limits<double>::epsilon();
-constexpr double kStep = 1e-5;
 
-// The parameters of a GRU in float64, in PyTorch's order: W_ih, W_hh, b_ih, b_hh (biases absent
-// without config.bias).
-struct Weights {
-  Tensor<double> w_ih, w_hh, b_ih, b_hh;
-};
-
-template <class T>
-Weights weights_of(const Gru<T>& gru) {
-  const std::vector<ParameterRef<const T>> params = gru.parameters();
-  Weights w;
-  w.w_ih = to_tensor<double, T>(params[0].value);
-  w.w_hh = to_tensor<double, T>(params[1].value);
-  const int64_t gates = 3 * gru.config().hidden_size;
-  w.b_ih = params.size() > 2 ? to_tensor<double, T>(params[2].value) : Tensor<double>(Shape{gates});
-  w.b_hh = params.size() > 2 ? to_tensor<double, T>(params[3].value) : Tensor<double>(Shape{gates});
-  return w;
-}
-
-template <class T>
-void set_weights(Gru<T>& gru, const Weights& w) {
-  const std::vector<ParameterRef<T>> params = gru.parameters();
-  const Tensor<double>* sources[] = {&w.w_ih, &w.w_hh, &w.b_ih, &w.b_hh};
-  for (size_t i = 0; i < params.size(); ++i) {
-    for (int64_t k = 0; k < params[i].value.numel(); ++k) params[i].value.data[k] = static_cast<T>((*sources[i])[k]);
+// What the shared tests of recurrent_testing.hpp need to know of the GRU: its types and its definition.
+struct GruTraits : testing::recurrent::LayerTypes<Gru, GruCache> {
+  // PyTorch's GRU equations by the definition, one sequence and one step at a time, with every
+  // product, sum and nonlinearity in Acc: the float64 reference when Acc is double, the naive float32
+  // computation that sets the tolerance when Acc is float.
+  template <class Acc>
+  static NaiveOutputs<Acc> naive(const Tensor<double>& x, const Tensor<double>& h0, const std::vector<int64_t>& lengths,
+                                 const Weights& w, bool reverse) {
+    const int64_t in = x.shape()[2], hidden = h0.shape()[1];
+    const auto sigmoid = [](Acc v) { return Acc{1} / (Acc{1} + std::exp(-v)); };
+    return testing::recurrent::naive_recurrence<Acc>(
+        x, h0, lengths, reverse, [&](const double* x_t, const std::vector<Acc>& h) {
+          // W_ig x_t + b_ig and W_hg h + b_hg for gate g in (r, z, n).
+          const auto input_part = [&](int64_t g, int64_t j) {
+            const int64_t row = g * hidden + j;
+            Acc acc = static_cast<Acc>(w.b_ih[row]);
+            for (int64_t i = 0; i < in; ++i) acc += static_cast<Acc>(w.w_ih[row * in + i]) * static_cast<Acc>(x_t[i]);
+            return acc;
+          };
+          const auto hidden_part = [&](int64_t g, int64_t j) {
+            const int64_t row = g * hidden + j;
+            Acc acc = static_cast<Acc>(w.b_hh[row]);
+            for (int64_t i = 0; i < hidden; ++i)
+              acc += static_cast<Acc>(w.w_hh[row * hidden + i]) * h[static_cast<size_t>(i)];
+            return acc;
+          };
+          std::vector<Acc> next(static_cast<size_t>(hidden));
+          for (int64_t j = 0; j < hidden; ++j) {
+            const Acc r = sigmoid(input_part(0, j) + hidden_part(0, j));
+            const Acc z = sigmoid(input_part(1, j) + hidden_part(1, j));
+            const Acc n = std::tanh(input_part(2, j) + r * hidden_part(2, j));
+            next[static_cast<size_t>(j)] = (Acc{1} - z) * n + z * h[static_cast<size_t>(j)];
+          }
+          return next;
+        });
   }
-}
-
-template <class Acc>
-struct NaiveOutputs {
-  Tensor<Acc> y, h_n;
 };
-
-// PyTorch's GRU equations by the definition, one sequence and one step at a time, with every
-// product, sum and nonlinearity in Acc: the float64 reference when Acc is double, the naive float32
-// computation that sets the tolerance when Acc is float.
-template <class Acc>
-NaiveOutputs<Acc> naive_gru(const Tensor<double>& x, const Tensor<double>& h0, const std::vector<int64_t>& lengths,
-                            const Weights& w, bool reverse) {
-  const int64_t batch = x.shape()[0], steps = x.shape()[1], in = x.shape()[2], hidden = h0.shape()[1];
-  NaiveOutputs<Acc> out{Tensor<Acc>(Shape{batch, steps, hidden}), Tensor<Acc>(Shape{batch, hidden})};
-  const auto sigmoid = [](Acc v) { return Acc{1} / (Acc{1} + std::exp(-v)); };
-  for (int64_t b = 0; b < batch; ++b) {
-    std::vector<Acc> h(static_cast<size_t>(hidden));
-    for (int64_t j = 0; j < hidden; ++j) h[static_cast<size_t>(j)] = static_cast<Acc>(h0[b * hidden + j]);
-    const int64_t length = lengths[static_cast<size_t>(b)];
-    for (int64_t s = 0; s < length; ++s) {
-      const int64_t t = reverse ? length - 1 - s : s;
-      // gate(g, j): W_ig x_t + b_ig and W_hg h + b_hg for gate g in (r, z, n).
-      const auto input_part = [&](int64_t g, int64_t j) {
-        const int64_t row = g * hidden + j;
-        Acc acc = static_cast<Acc>(w.b_ih[row]);
-        for (int64_t i = 0; i < in; ++i)
-          acc += static_cast<Acc>(w.w_ih[row * in + i]) * static_cast<Acc>(x[(b * steps + t) * in + i]);
-        return acc;
-      };
-      const auto hidden_part = [&](int64_t g, int64_t j) {
-        const int64_t row = g * hidden + j;
-        Acc acc = static_cast<Acc>(w.b_hh[row]);
-        for (int64_t i = 0; i < hidden; ++i)
-          acc += static_cast<Acc>(w.w_hh[row * hidden + i]) * h[static_cast<size_t>(i)];
-        return acc;
-      };
-      std::vector<Acc> next(static_cast<size_t>(hidden));
-      for (int64_t j = 0; j < hidden; ++j) {
-        const Acc r = sigmoid(input_part(0, j) + hidden_part(0, j));
-        const Acc z = sigmoid(input_part(1, j) + hidden_part(1, j));
-        const Acc n = std::tanh(input_part(2, j) + r * hidden_part(2, j));
-        next[static_cast<size_t>(j)] = (Acc{1} - z) * n + z * h[static_cast<size_t>(j)];
-      }
-      h = next;
-      for (int64_t j = 0; j < hidden; ++j) out.y[(b * steps + t) * hidden + j] = h[static_cast<size_t>(j)];
-    }
-    for (int64_t j = 0; j < hidden; ++j) out.h_n[b * hidden + j] = h[static_cast<size_t>(j)];
-  }
-  return out;
-}
-
-std::optional<TensorView<const int64_t>> lengths_view(const Tensor<int64_t>& lengths) {
-  return lengths.numel() > 0 ? std::optional(lengths.cview()) : std::nullopt;
-}
-
-std::vector<int64_t> lengths_or_full(const Tensor<int64_t>& lengths, int64_t batch, int64_t steps) {
-  return lengths.numel() > 0 ? lengths.values() : std::vector<int64_t>(static_cast<size_t>(batch), steps);
-}
-
-// Central differences of a scalar loss with respect to every element of a contiguous view, which
-// this function perturbs in place and restores.
-Tensor<double> numeric_gradient(const std::function<double()>& loss, TensorView<double> x) {
-  Tensor<double> grad(x.shape);
-  for (int64_t i = 0; i < x.numel(); ++i) {
-    const double saved = x.data[i];
-    x.data[i] = saved + kStep;
-    const double up = loss();
-    x.data[i] = saved - kStep;
-    const double down = loss();
-    x.data[i] = saved;
-    grad[i] = (up - down) / (2.0 * kStep);
-  }
-  return grad;
-}
-
-double abs_sum(const Tensor<double>& t) {
-  double sum = 0.0;
-  for (double e : t.values()) sum += std::abs(e);
-  return sum;
-}
-
-// The error bound of central differences with step h on L = <dy, y> + <dh_n, h_n>: the rounding of
-// the two evaluations of L over 2h — each output sums `depth` terms of at most unit magnitude
-// (states are tanh-bounded, inputs and weights of unit scale), weighted by Σ|dy| + Σ|dh_n| — plus
-// the truncation h²/6·|L'''|, where every third derivative of a chain of σ and tanh (each with
-// derivatives at most 1 in magnitude up to the third) is bounded by the same weighted depth.
-double fd_tolerance(double depth, double weight) { return depth * weight * (kEps64 / kStep + kStep * kStep); }
-
-struct Case {
-  int64_t batch, steps, in, hidden;
-  std::vector<int64_t> lengths;  // empty: all full
-  bool reverse;
-  bool bias;
-};
-
-std::string describe(const Case& c) {
-  return fmt::format("B {} T {} In {} H {} lengths [{}] reverse {} bias {}", c.batch, c.steps, c.in, c.hidden,
-                     fmt::join(c.lengths, ", "), c.reverse, c.bias);
-}
 
 TEST(Gru, DoubleMatchesFloat64Reference) {
-  Rng rng(1);
-  for (const Case& c : std::vector<Case>{{2, 5, 3, 4, {}, false, true},
-                                         {3, 7, 113, 7, {7, 0, 3}, true, true},
-                                         {1, 1, 1, 1, {}, false, false},
-                                         {4, 9, 5, 33, {9, 1, 8, 4}, false, true}}) {
-    SCOPED_TRACE(describe(c));
-    Gru<double> gru({.input_size = c.in, .hidden_size = c.hidden, .bias = c.bias, .reverse = c.reverse}, rng);
-    const Tensor<double> x = random_tensor<double>(Shape{c.batch, c.steps, c.in}, rng);
-    const Tensor<double> h0 = random_tensor<double>(Shape{c.batch, c.hidden}, rng);
-    const Tensor<int64_t> lengths(Shape{static_cast<int64_t>(c.lengths.size())}, c.lengths);
-    GruCache<double> cache;
-    const RecurrentOutputs<double> out =
-        gru.forward({.x = x.cview(), .h0 = h0.cview(), .lengths = lengths_view(lengths)}, cache);
-    const NaiveOutputs<double> ref =
-        naive_gru<double>(x, h0, lengths_or_full(lengths, c.batch, c.steps), weights_of(gru), c.reverse);
+  testing::recurrent::check_double_matches_reference<GruTraits>(1, [](const Case& c) {
     // Each state is a sum of In + H + 1 products per gate, carried through T steps whose Jacobians
     // have norm below 1 + Σ|W| (σ' ≤ 1/4, tanh' ≤ 1): a few ε per term and step.
-    const double tolerance = 8.0 * static_cast<double>((c.in + c.hidden + 1) * c.steps) * kEps64;
-    EXPECT_TRUE(all_close("y", out.y, ref.y, tolerance));
-    EXPECT_TRUE(all_close("h_n", out.h_n, ref.h_n, tolerance));
-  }
+    return 8.0 * static_cast<double>((c.in + c.hidden + 1) * c.steps) * kEps64;
+  });
 }
 
-TEST(Gru, FloatMatchesFloat64Reference) {
-  Rng rng(2);
-  for (const Case& c : std::vector<Case>{{2, 6, 113, 16, {6, 3}, false, true}, {3, 11, 7, 9, {}, true, true}}) {
-    SCOPED_TRACE(describe(c));
-    Gru<float> gru({.input_size = c.in, .hidden_size = c.hidden, .bias = c.bias, .reverse = c.reverse}, rng);
-    const Tensor<float> x = random_tensor<float>(Shape{c.batch, c.steps, c.in}, rng);
-    const Tensor<float> h0 = random_tensor<float>(Shape{c.batch, c.hidden}, rng);
-    const Tensor<int64_t> lengths(Shape{static_cast<int64_t>(c.lengths.size())}, c.lengths);
-    GruCache<float> cache;
-    const RecurrentOutputs<float> out =
-        gru.forward({.x = x.cview(), .h0 = h0.cview(), .lengths = lengths_view(lengths)}, cache);
-    const std::vector<int64_t> full = lengths_or_full(lengths, c.batch, c.steps);
-    const Weights w = weights_of(gru);
-    const NaiveOutputs<double> exact = naive_gru<double>(cast<double>(x), cast<double>(h0), full, w, c.reverse);
-    const NaiveOutputs<float> naive = naive_gru<float>(cast<double>(x), cast<double>(h0), full, w, c.reverse);
-    EXPECT_TRUE(all_close("y", out.y, exact.y, tolerance_from_naive(naive.y, exact.y)));
-    EXPECT_TRUE(all_close("h_n", out.h_n, exact.h_n, tolerance_from_naive(naive.h_n, exact.h_n)));
-  }
-}
+TEST(Gru, FloatMatchesFloat64Reference) { testing::recurrent::check_float_matches_reference<GruTraits>(2); }
 
-// Checks every gradient of L = <dy, y> + <dh_n, h_n> against central differences: x, h0 and each
-// parameter.
+// Each output sums In + 3H + 2 terms per step (see fd_tolerance).
 void check_gradients(const Case& c, uint64_t seed) {
-  SCOPED_TRACE(describe(c));
-  Rng rng(seed);
-  Gru<double> gru({.input_size = c.in, .hidden_size = c.hidden, .bias = c.bias, .reverse = c.reverse}, rng);
-  Tensor<double> x = random_tensor<double>(Shape{c.batch, c.steps, c.in}, rng);
-  Tensor<double> h0 = random_tensor<double>(Shape{c.batch, c.hidden}, rng);
-  const Tensor<int64_t> lengths(Shape{static_cast<int64_t>(c.lengths.size())}, c.lengths);
-  const Tensor<double> dy = random_tensor<double>(Shape{c.batch, c.steps, c.hidden}, rng);
-  const Tensor<double> dh_n = random_tensor<double>(Shape{c.batch, c.hidden}, rng);
-  const auto loss = [&] {
-    GruCache<double> cache;
-    const RecurrentOutputs<double> out =
-        gru.forward({.x = x.cview(), .h0 = h0.cview(), .lengths = lengths_view(lengths)}, cache);
-    return testing::dot(dy, out.y) + testing::dot(dh_n, out.h_n);
-  };
-
-  GruCache<double> cache;
-  gru.forward({.x = x.cview(), .h0 = h0.cview(), .lengths = lengths_view(lengths)}, cache);
-  Tensor<double> dx(x.shape()), dh0(h0.shape());
-  gru.backward(cache, {.dy = dy.cview(), .dh_n = dh_n.cview()}, {.dx = dx.view(), .dh0 = dh0.view()});
-
-  const double depth = static_cast<double>(c.steps * (c.in + 3 * c.hidden + 2));
-  const double tolerance = fd_tolerance(depth, abs_sum(dy) + abs_sum(dh_n));
-  EXPECT_TRUE(all_close("dx", dx, numeric_gradient(loss, x.view()), tolerance));
-  EXPECT_TRUE(all_close("dh0", dh0, numeric_gradient(loss, h0.view()), tolerance));
-  for (const ParameterRef<double>& p : gru.parameters()) {
-    EXPECT_TRUE(all_close("d" + p.name, to_tensor<double, double>(p.grad), numeric_gradient(loss, p.value), tolerance));
-  }
+  testing::recurrent::check_gradients<Gru<double>, GruCache<double>>(
+      c, seed, static_cast<double>(c.steps * (c.in + 3 * c.hidden + 2)));
 }
 
 TEST(Gru, GradientsMatchFiniteDifferences) {
@@ -237,66 +96,14 @@ TEST(Gru, GradientsMatchFiniteDifferences) {
 }
 
 TEST(Gru, BackwardAddsIntoGradients) {
-  Rng rng(9);
-  Gru<double> gru({.input_size = 3, .hidden_size = 4}, rng);
-  const Tensor<double> x = random_tensor<double>(Shape{2, 3, 3}, rng);
-  const Tensor<double> dy = random_tensor<double>(Shape{2, 3, 4}, rng);
-  GruCache<double> cache;
-  gru.forward({.x = x.cview()}, cache);
-  Tensor<double> dx(x.shape()), dh0(Shape{2, 4});
-  gru.backward(cache, {.dy = dy.cview()}, {.dx = dx.view(), .dh0 = dh0.view()});
-  std::vector<Tensor<double>> first;
-  for (const ParameterRef<double>& p : gru.parameters()) first.push_back(to_tensor<double, double>(p.grad));
-
-  Tensor<double> dx2(x.shape(), 1.0), dh02(Shape{2, 4}, 1.0);
-  gru.backward(cache, {.dy = dy.cview()}, {.dx = dx2.view(), .dh0 = dh02.view()});
-  for (double& e : dx.values()) e += 1.0;
-  for (double& e : dh0.values()) e += 1.0;
-  EXPECT_TRUE(all_close("dx", dx2, dx, 0.0));
-  EXPECT_TRUE(all_close("dh0", dh02, dh0, 0.0));
-  const std::vector<ParameterRef<double>> params = gru.parameters();
-  for (size_t i = 0; i < params.size(); ++i) {
-    Tensor<double> twice = first[i];
-    for (double& e : twice.values()) e *= 2.0;
-    EXPECT_TRUE(all_close("d" + params[i].name, to_tensor<double, double>(params[i].grad), twice, 0.0));
-  }
-  gru.zero_grad();
-  for (const ParameterRef<double>& p : gru.parameters()) {
-    EXPECT_TRUE(all_close("d" + p.name, to_tensor<double, double>(p.grad), Tensor<double>(p.grad.shape), 0.0));
-  }
+  testing::recurrent::check_backward_adds_into_gradients<Gru<double>, GruCache<double>>(9);
 }
 
 // Results depend only on the inputs: one, two and three threads give the same bits, both when the
 // batch is split among threads and when one long sequence's rows are.
 TEST(Gru, ThreadCountDoesNotChangeResults) {
-  struct Shapes {
-    int64_t batch, steps, in, hidden;
-  };
-  const int original_workers = max_workers();
-  for (const Shapes& s : std::vector<Shapes>{{16, 5, 9, 40}, {1, 4, 8, 200}}) {
-    SCOPED_TRACE(::testing::Message() << "B " << s.batch << " H " << s.hidden);
-    std::vector<std::vector<float>> reference;
-    for (int threads : {1, 2, 3}) {
-      set_max_workers(threads);
-      Rng rng(10);
-      Gru<float> gru({.input_size = s.in, .hidden_size = s.hidden}, rng);
-      const Tensor<float> x = random_tensor<float>(Shape{s.batch, s.steps, s.in}, rng);
-      const Tensor<float> dy = random_tensor<float>(Shape{s.batch, s.steps, s.hidden}, rng);
-      GruCache<float> cache;
-      const RecurrentOutputs<float> out = gru.forward({.x = x.cview()}, cache);
-      Tensor<float> dx(x.shape()), dh0(Shape{s.batch, s.hidden});
-      gru.backward(cache, {.dy = dy.cview()}, {.dx = dx.view(), .dh0 = dh0.view()});
-      std::vector<std::vector<float>> results{out.y.values(), dx.values(), dh0.values()};
-      for (const ParameterRef<float>& p : gru.parameters()) results.push_back(to_tensor<float, float>(p.grad).values());
-      if (reference.empty()) {
-        reference = results;
-      } else {
-        for (size_t i = 0; i < results.size(); ++i)
-          EXPECT_EQ(results[i], reference[i]) << "result " << i << ", " << threads << " threads";
-      }
-    }
-  }
-  set_max_workers(original_workers);
+  testing::recurrent::check_thread_count_does_not_change_results<Gru<float>, GruCache<float>>(
+      {{16, 5, 9, 40}, {1, 4, 8, 200}}, 10);
 }
 
 TEST(Gru, PaddingMatchesTheShorterSequence) {
@@ -393,23 +200,8 @@ TEST(Gru, StepsMatchTheSequence) {
 TEST(Gru, InitFollowsPyTorch) {
   Rng rng(14);
   const int64_t hidden = 16;
-  Gru<float> gru({.input_size = 7, .hidden_size = hidden}, rng);
-  const double bound = 1.0 / std::sqrt(static_cast<double>(hidden));
-  Rng replay(14);
-  const std::vector<std::string> names{"weight_ih_l0", "weight_hh_l0", "bias_ih_l0", "bias_hh_l0"};
-  const std::vector<Shape> shapes{{48, 7}, {48, 16}, {48}, {48}};
-  const std::vector<ParameterRef<float>> params = gru.parameters();
-  ASSERT_EQ(params.size(), 4u);
-  for (size_t i = 0; i < params.size(); ++i) {
-    EXPECT_EQ(params[i].name, names[i]);
-    EXPECT_EQ(params[i].value.shape, shapes[i]);
-    // Drawn in PyTorch's order from one stream, each U(−1/√H, 1/√H).
-    Tensor<float> expected(shapes[i]);
-    replay.fill_uniform(expected.view(), -bound, bound);
-    EXPECT_TRUE(all_close(params[i].name, to_tensor<float, float>(params[i].value), expected, 0.0));
-    EXPECT_TRUE(
-        all_close("d" + params[i].name, to_tensor<float, float>(params[i].grad), Tensor<float>(shapes[i]), 0.0));
-  }
+  const Gru<float> gru({.input_size = 7, .hidden_size = hidden}, rng);
+  testing::recurrent::check_init_follows_pytorch(gru, 14, hidden, {{48, 7}, {48, 16}, {48}, {48}});
   Rng other(14);
   Gru<float> reversed({.input_size = 7, .hidden_size = hidden, .bias = false, .reverse = true}, other);
   const std::vector<ParameterRef<float>> reversed_params = reversed.parameters();
@@ -470,7 +262,7 @@ TEST(BidirectionalGru, ConcatenatesTheTwoDirections) {
   ASSERT_EQ(out.y.shape(), (Shape{2, 5, 8}));
   ASSERT_EQ(out.h_n.shape(), (Shape{2, 2, 4}));
   for (int64_t d : {0, 1}) {
-    const NaiveOutputs<double> ref = naive_gru<double>(
+    const NaiveOutputs<double> ref = GruTraits::naive<double>(
         x, to_tensor<double, double>(TensorView<const double>{h0.data() + d * 8, Shape{2, 4}, {4, 1, 0, 0}}), {5, 3},
         weights_of(bi.direction(static_cast<int>(d))), d == 1);
     const Tensor<double> y_half =
@@ -512,10 +304,11 @@ TEST(BidirectionalGru, GradientsMatchFiniteDifferences) {
   Tensor<double> dx(x.shape()), dh0(h0.shape());
   bi.backward(cache, {.dy = dy.cview(), .dh_n = dh_n.cview()}, {.dx = dx.view(), .dh0 = dh0.view()});
   const double tolerance = fd_tolerance(2.0 * 4 * (2 + 3 * 3 + 2), abs_sum(dy) + abs_sum(dh_n));
-  EXPECT_TRUE(all_close("dx", dx, numeric_gradient(loss, x.view()), tolerance));
-  EXPECT_TRUE(all_close("dh0", dh0, numeric_gradient(loss, h0.view()), tolerance));
+  EXPECT_TRUE(all_close("dx", dx, numeric_gradient(loss, x, kStep), tolerance));
+  EXPECT_TRUE(all_close("dh0", dh0, numeric_gradient(loss, h0, kStep), tolerance));
   for (const ParameterRef<double>& p : bi.parameters()) {
-    EXPECT_TRUE(all_close("d" + p.name, to_tensor<double, double>(p.grad), numeric_gradient(loss, p.value), tolerance));
+    EXPECT_TRUE(
+        all_close("d" + p.name, to_tensor<double, double>(p.grad), numeric_gradient(loss, p.value, kStep), tolerance));
   }
 }
 
@@ -534,27 +327,11 @@ TEST(BidirectionalGru, GradientsMatchFiniteDifferences) {
 //   print y, hn, and for each gradient g: (g * probe(g.shape)).sum(), probe_k = cos(0.7·k)
 // (with torch.set_default_dtype(torch.float64)). Comparing projections of the gradients on a fixed
 // probe keeps the expected values short while any wrong element would move them.
-Tensor<double> formula(const Shape& shape, double salt) {
-  Tensor<double> t(shape);
-  for (int64_t k = 0; k < t.numel(); ++k) t[k] = 0.5 * std::sin(1.3 * static_cast<double>(k) + salt);
-  return t;
-}
-
-double probe(TensorView<const double> grad) {
-  const Tensor<double> g = to_tensor<double, double>(grad);
-  double sum = 0.0;
-  for (int64_t k = 0; k < g.numel(); ++k) sum += g[k] * std::cos(0.7 * static_cast<double>(k));
-  return sum;
-}
-
 TEST(BidirectionalGru, MatchesPyTorch) {
   Rng rng(18);
   BidirectionalGru<double> bi({.input_size = 3, .hidden_size = 5}, rng);
   const std::vector<ParameterRef<double>> params = bi.parameters();
-  for (size_t i = 0; i < params.size(); ++i) {
-    const Tensor<double> values = formula(params[i].value.shape, static_cast<double>(i + 1));
-    std::copy(values.values().begin(), values.values().end(), params[i].value.data);
-  }
+  testing::recurrent::set_parameters_by_formula(params);
   const Tensor<double> x = formula(Shape{2, 4, 3}, 20);
   const Tensor<double> h0 = formula(Shape{2, 2, 5}, 21);
   const Tensor<int64_t> lengths(Shape{2}, {4, 2});

@@ -3,7 +3,6 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
-#include <functional>
 #include <limits>
 #include <vector>
 
@@ -16,6 +15,7 @@ namespace {
 
 using testing::all_close;
 using testing::cast;
+using testing::numeric_gradient;
 using testing::random_tensor;
 using testing::throws_naming;
 using testing::tolerance_from_naive;
@@ -126,20 +126,6 @@ TEST(LayerNorm, RowsAreNormalised) {
   EXPECT_TRUE(all_close("y(3x − 7)", norm.forward(moved.cview(), moved_cache), y, 64.0 * dim * kEps64));
 }
 
-Tensor<double> numeric_gradient(const std::function<double()>& loss, TensorView<double> x, double step) {
-  Tensor<double> grad(x.shape);
-  for (int64_t i = 0; i < x.numel(); ++i) {
-    const double saved = x.data[i];
-    x.data[i] = saved + step;
-    const double up = loss();
-    x.data[i] = saved - step;
-    const double down = loss();
-    x.data[i] = saved;
-    grad[i] = (up - down) / (2.0 * step);
-  }
-  return grad;
-}
-
 TEST(LayerNorm, GradientsMatchFiniteDifferences) {
   Rng rng(4);
   for (const Shape& shape : std::vector<Shape>{{3, 5}, {2, 2, 7}, {1, 2}, {4}}) {
@@ -172,7 +158,7 @@ TEST(LayerNorm, GradientsMatchFiniteDifferences) {
       const double d = static_cast<double>(dim);
       const double tolerance =
           dy_abs * affine_max * (d * std::sqrt(d) * kEps64 / step + step * step * rstd_max * rstd_max * rstd_max);
-      EXPECT_TRUE(all_close("dx", dx, numeric_gradient(loss, x.view(), step), tolerance));
+      EXPECT_TRUE(all_close("dx", dx, numeric_gradient(loss, x, step), tolerance));
       for (const ParameterRef<double>& p : norm.parameters()) {
         EXPECT_TRUE(all_close("d" + p.name, to_tensor<double, double>(p.grad), numeric_gradient(loss, p.value, step),
                               tolerance));

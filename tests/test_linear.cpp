@@ -17,11 +17,11 @@
 namespace qkv {
 namespace {
 
-using testing::throws_naming;
 using testing::all_close;
 using testing::cast;
 using testing::numeric_gradient;
 using testing::random_tensor;
+using testing::throws_naming;
 using testing::tolerance_from_naive;
 
 constexpr double kEps64 = std::numeric_limits<double>::epsilon();
@@ -342,13 +342,14 @@ struct Problem {
 
 Problem make_problem(const Shape& x_shape, int64_t out, Rng& rng) {
   const int64_t in = x_shape.from_back(1);
-  return {.x = random_tensor<float>(x_shape, rng),
-          .w = random_tensor<float>(Shape{out, in}, rng, 1.0 / std::sqrt(static_cast<double>(std::max<int64_t>(in, 1)))),
-          .b = random_tensor<float>(Shape{out}, rng),
-          .dy = random_tensor<float>(with_last(x_shape, out), rng),
-          .dx = random_tensor<float>(x_shape, rng),
-          .dw = random_tensor<float>(Shape{out, in}, rng),
-          .db = random_tensor<float>(Shape{out}, rng)};
+  return {
+      .x = random_tensor<float>(x_shape, rng),
+      .w = random_tensor<float>(Shape{out, in}, rng, 1.0 / std::sqrt(static_cast<double>(std::max<int64_t>(in, 1)))),
+      .b = random_tensor<float>(Shape{out}, rng),
+      .dy = random_tensor<float>(with_last(x_shape, out), rng),
+      .dx = random_tensor<float>(x_shape, rng),
+      .dw = random_tensor<float>(Shape{out, in}, rng),
+      .db = random_tensor<float>(Shape{out}, rng)};
 }
 
 // y and the gradients after one backward (which adds to the problem's starting values).
@@ -362,7 +363,8 @@ enum class Impl { automatic, reference, blocked };
 template <class T>
 Results<T> run_all(const Problem& problem, Impl impl, bool with_bias) {
   const Tensor<T> x = cast<T>(problem.x), w = cast<T>(problem.w), b = cast<T>(problem.b), dy = cast<T>(problem.dy);
-  Results<T> r{.y = Tensor<T>(dy.shape()), .dx = cast<T>(problem.dx), .dw = cast<T>(problem.dw), .db = cast<T>(problem.db)};
+  Results<T> r{
+      .y = Tensor<T>(dy.shape()), .dx = cast<T>(problem.dx), .dw = cast<T>(problem.dw), .db = cast<T>(problem.db)};
   const LinearParams<T> params{.x = x.view(), .w = w.view(), .b = with_bias ? std::optional(b.view()) : std::nullopt};
   const LinearGradients<T> grads{.dx = r.dx.view(), .dw = r.dw.view(), .db = r.db.view()};
   switch (impl) {
@@ -430,9 +432,9 @@ double max_of(const Tensor<double>& t) {
 // panel (1, 16, 48, 113, 257), depths that cross the 128-step summation chunk (In = 300; rows =
 // 2100 for dW, which also crosses the 2048-step packing), single rows and columns.
 const std::vector<Case> kBlockedCases = {
-    {.x = {1, 1}, .out = 1},      {.x = {7, 113}, .out = 37},   {.x = {3, 5, 113}, .out = 37},
-    {.x = {2, 3, 4, 9}, .out = 1}, {.x = {64, 33}, .out = 65},   {.x = {13, 300}, .out = 50},
-    {.x = {129, 1}, .out = 49},   {.x = {1, 257}, .out = 97},   {.x = {9, 16}, .out = 48},
+    {.x = {1, 1}, .out = 1},       {.x = {7, 113}, .out = 37}, {.x = {3, 5, 113}, .out = 37},
+    {.x = {2, 3, 4, 9}, .out = 1}, {.x = {64, 33}, .out = 65}, {.x = {13, 300}, .out = 50},
+    {.x = {129, 1}, .out = 49},    {.x = {1, 257}, .out = 97}, {.x = {9, 16}, .out = 48},
     {.x = {2100, 19}, .out = 5},
 };
 
@@ -594,11 +596,15 @@ TEST(LinearBlocked, ElementsDoNotDependOnTheirPosition) {
   for (int64_t r : {int64_t{0}, int64_t{13}, rows - 1}) {
     Problem one = problem;
     one.x = Tensor<float>(Shape{1, in}, std::vector<float>(problem.x.data() + r * in, problem.x.data() + (r + 1) * in));
-    one.dy = Tensor<float>(Shape{1, out}, std::vector<float>(problem.dy.data() + r * out, problem.dy.data() + (r + 1) * out));
-    one.dx = Tensor<float>(Shape{1, in}, std::vector<float>(problem.dx.data() + r * in, problem.dx.data() + (r + 1) * in));
+    one.dy = Tensor<float>(Shape{1, out},
+                           std::vector<float>(problem.dy.data() + r * out, problem.dy.data() + (r + 1) * out));
+    one.dx =
+        Tensor<float>(Shape{1, in}, std::vector<float>(problem.dx.data() + r * in, problem.dx.data() + (r + 1) * in));
     const Results<float> alone = run_all<float>(one, Impl::blocked, true);
-    const Tensor<float> y_row(Shape{1, out}, std::vector<float>(full.y.data() + r * out, full.y.data() + (r + 1) * out));
-    const Tensor<float> dx_row(Shape{1, in}, std::vector<float>(full.dx.data() + r * in, full.dx.data() + (r + 1) * in));
+    const Tensor<float> y_row(Shape{1, out},
+                              std::vector<float>(full.y.data() + r * out, full.y.data() + (r + 1) * out));
+    const Tensor<float> dx_row(Shape{1, in},
+                               std::vector<float>(full.dx.data() + r * in, full.dx.data() + (r + 1) * in));
     EXPECT_TRUE(all_close(fmt::format("y row {}", r), alone.y, y_row, 0.0));
     EXPECT_TRUE(all_close(fmt::format("dx row {}", r), alone.dx, dx_row, 0.0));
   }
@@ -625,22 +631,38 @@ TEST(LinearBlocked, ElementsDoNotDependOnTheirPosition) {
   EXPECT_TRUE(all_close("db, outputs reversed", db_back, full.db, 0.0));
 }
 
-TEST(LinearBlocked, AutomaticTakesBlockedForBigContiguousProblems) {
+// From 2^10 weights on, whatever the number of rows (even one), automatic is the blocked kernels;
+// below, the reference, even for many rows.
+// db is summed while dW packs dy, or on its own when dW is not asked for: in the same order.
+TEST(LinearBlocked, BiasGradientIsTheSameWithOrWithoutTheWeightGradient) {
+  Rng rng(23);
+  const Problem problem = make_problem(Shape{2, 150, 40}, 35, rng);
+  const LinearParams<float> params{.x = problem.x.view(), .w = problem.w.view(), .b = problem.b.view()};
+  Tensor<float> dw = problem.dw, db_with = problem.db, db_alone = problem.db;
+  linear_backward_blocked(params, problem.dy.view(), {.dx = std::nullopt, .dw = dw.view(), .db = db_with.view()});
+  linear_backward_blocked(params, problem.dy.view(), {.dx = std::nullopt, .dw = std::nullopt, .db = db_alone.view()});
+  EXPECT_TRUE(all_close("db", db_with, db_alone, 0.0));
+}
+
+TEST(LinearBlocked, AutomaticTakesBlockedForLayersOfAtLeast1024Weights) {
   Rng rng(17);
   for (bool with_bias : {false, true}) {
-    const Problem big = make_problem(Shape{2, 20, 33}, 17, rng);  // 22440 ≥ 2^12 multiply-adds
-    const Results<float> automatic = run_all<float>(big, Impl::automatic, with_bias);
-    const Results<float> blocked = run_all<float>(big, Impl::blocked, with_bias);
-    EXPECT_TRUE(all_close("y", automatic.y, blocked.y, 0.0));
-    EXPECT_TRUE(all_close("dx", automatic.dx, blocked.dx, 0.0));
-    EXPECT_TRUE(all_close("dw", automatic.dw, blocked.dw, 0.0));
-    EXPECT_TRUE(all_close("db", automatic.db, blocked.db, 0.0));
-
-    const Problem tiny = make_problem(Shape{4, 9}, 7, rng);  // 252 multiply-adds: the reference
-    const Results<double> tiny_automatic = run_all<double>(tiny, Impl::automatic, with_bias);
-    const Results<double> tiny_reference = run_all<double>(tiny, Impl::reference, with_bias);
-    EXPECT_TRUE(all_close("y", tiny_automatic.y, tiny_reference.y, 0.0));
-    EXPECT_TRUE(all_close("dw", tiny_automatic.dw, tiny_reference.dw, 0.0));
+    for (const Shape& x_shape : {Shape{2, 20, 32}, Shape{1, 32}}) {  // 32·32 weights
+      const Problem big = make_problem(x_shape, 32, rng);
+      const Results<float> automatic = run_all<float>(big, Impl::automatic, with_bias);
+      const Results<float> blocked = run_all<float>(big, Impl::blocked, with_bias);
+      EXPECT_TRUE(all_close("y", automatic.y, blocked.y, 0.0));
+      EXPECT_TRUE(all_close("dx", automatic.dx, blocked.dx, 0.0));
+      EXPECT_TRUE(all_close("dw", automatic.dw, blocked.dw, 0.0));
+      EXPECT_TRUE(all_close("db", automatic.db, blocked.db, 0.0));
+    }
+    const Problem small = make_problem(Shape{300, 31}, 33, rng);  // 1023 weights: the reference
+    const Results<double> small_automatic = run_all<double>(small, Impl::automatic, with_bias);
+    const Results<double> small_reference = run_all<double>(small, Impl::reference, with_bias);
+    EXPECT_TRUE(all_close("y", small_automatic.y, small_reference.y, 0.0));
+    EXPECT_TRUE(all_close("dx", small_automatic.dx, small_reference.dx, 0.0));
+    EXPECT_TRUE(all_close("dw", small_automatic.dw, small_reference.dw, 0.0));
+    EXPECT_TRUE(all_close("db", small_automatic.db, small_reference.db, 0.0));
   }
 }
 
@@ -680,7 +702,8 @@ TEST(LinearBlocked, ReadsAndWritesSlicesInPlace) {
 
   // x: every other row of a [2·rows, in + pad] tensor, starting at column pad.
   Tensor<float> x_storage = random_tensor<float>(Shape{2 * rows, in + pad}, rng);
-  for (int64_t r = 0; r < rows; ++r) std::copy_n(problem.x.data() + r * in, in, x_storage.data() + 2 * r * (in + pad) + pad);
+  for (int64_t r = 0; r < rows; ++r)
+    std::copy_n(problem.x.data() + r * in, in, x_storage.data() + 2 * r * (in + pad) + pad);
   const TensorView<const float> x{x_storage.data() + pad, Shape{rows, in}, {2 * (in + pad), 1, 0, 0}};
   // y and dx: columns [pad, pad + width) of wider tensors filled with a sentinel.
   const float sentinel = 1234.5f;
@@ -748,8 +771,8 @@ TEST(LinearBlocked, RejectsLayoutsItCannotRead) {
 
 TEST(LinearBlocked, EdgeSizes) {
   Rng rng(21);
-  for (const Case& c : std::vector<Case>{{.x = {0, 5}, .out = 3}, {.x = {2, 0}, .out = 3}, {.x = {4, 6}, .out = 0},
-                                         {.x = {2, 3, 0, 4}, .out = 2}}) {
+  for (const Case& c : std::vector<Case>{
+           {.x = {0, 5}, .out = 3}, {.x = {2, 0}, .out = 3}, {.x = {4, 6}, .out = 0}, {.x = {2, 3, 0, 4}, .out = 2}}) {
     for (bool with_bias : {false, true}) {
       SCOPED_TRACE(describe(c, with_bias));
       const Problem problem = make_problem(c.x, c.out, rng);
@@ -790,8 +813,8 @@ TEST(LinearBlocked, TargetsCanBeChosen) {
   EXPECT_EQ(linear_target(), targets.back());
   linear_use_target("");
   EXPECT_EQ(linear_target(), targets.front());
-  EXPECT_TRUE(throws_naming<ValueError>([] { linear_use_target("NOT_A_TARGET"); }, {"target:", "NOT_A_TARGET",
-                                                                                      targets.front()}));
+  EXPECT_TRUE(throws_naming<ValueError>([] { linear_use_target("NOT_A_TARGET"); },
+                                        {"target:", "NOT_A_TARGET", targets.front()}));
 }
 
 }  // namespace

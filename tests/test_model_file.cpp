@@ -133,8 +133,8 @@ TEST(ModelFile, EveryTruncationIsRefused) {
   }
   EXPECT_TRUE(throws_naming<IoError>([&] { decode_model_file(std::string_view(good).substr(0, 40), "cut.qkvm"); },
                                      {"cut.qkvm", "truncated"}));
-  EXPECT_TRUE(throws_naming<IoError>([&] { decode_model_file(good + "x", "long.qkvm"); },
-                                     {"long.qkvm", "trailing bytes"}));
+  EXPECT_TRUE(
+      throws_naming<IoError>([&] { decode_model_file(good + "x", "long.qkvm"); }, {"long.qkvm", "trailing bytes"}));
 }
 
 TEST(ModelFile, ForeignFilesAndOtherVersionsAreRefused) {
@@ -211,7 +211,8 @@ TEST(ModelFile, LyingLengthsInsideAValidChecksumAreRefused) {
 TEST(ModelFile, NonFiniteValuesAreRefusedBothWays) {
   ModelFile model = sample_model();
   model.tensors[1].second[2] = std::numeric_limits<float>::quiet_NaN();
-  EXPECT_TRUE(throws_naming<ValueError>([&] { encode_model_file(model); }, {"layer.bias", "flat index 2", "not finite"}));
+  EXPECT_TRUE(
+      throws_naming<ValueError>([&] { encode_model_file(model); }, {"layer.bias", "flat index 2", "not finite"}));
   // The same file forged past the encoder: the reader refuses it too.
   ModelFile clean = sample_model();
   std::string bytes = encode_model_file(clean);
@@ -236,10 +237,12 @@ TEST(ModelFile, EncodingRefusesDuplicates) {
 TEST(ModelFile, LookupsNameTheSourceAndTheKey) {
   ModelFile model = decode_model_file(encode_model_file(sample_model()), "m.qkvm");
   EXPECT_TRUE(throws_naming<IoError>([&] { model.value("missing"); }, {"m.qkvm", "no entry \"missing\""}));
-  EXPECT_TRUE(throws_naming<IoError>([&] { model.int_value("hidden", 4, 8); }, {"m.qkvm", "\"hidden\"", "4 to 8", "\"3\""}));
+  EXPECT_TRUE(
+      throws_naming<IoError>([&] { model.int_value("hidden", 4, 8); }, {"m.qkvm", "\"hidden\"", "4 to 8", "\"3\""}));
   EXPECT_TRUE(throws_naming<IoError>([&] { model.int_value("words", 0, 8); }, {"\"words\"", "the big dog"}));
   EXPECT_TRUE(throws_naming<IoError>([&] { model.tensor("nope"); }, {"m.qkvm", "no tensor \"nope\""}));
-  EXPECT_TRUE(throws_naming<IoError>([&] { model.check_kind("seq2seq"); }, {"m.qkvm", "expected a seq2seq model", "toy"}));
+  EXPECT_TRUE(
+      throws_naming<IoError>([&] { model.check_kind("seq2seq"); }, {"m.qkvm", "expected a seq2seq model", "toy"}));
   model.set("hidden", "5");
   EXPECT_EQ(model.int_value("hidden", 4, 8), 5);
   EXPECT_EQ(model.metadata.size(), 3U);
@@ -258,15 +261,18 @@ TEST(ModelFile, ParametersRoundTripAndMismatchesAreRefused) {
 
   Parameter<double> w2(Shape{3, 5}), b2(Shape{3});
   load_parameters(model, std::vector<ParameterRef<double>>{w2.ref("layer.weight"), b2.ref("layer.bias")});
-  for (int64_t i = 0; i < w.value.numel(); ++i) EXPECT_EQ(w2.value[i], static_cast<double>(static_cast<float>(w.value[i])));
+  for (int64_t i = 0; i < w.value.numel(); ++i)
+    EXPECT_EQ(w2.value[i], static_cast<double>(static_cast<float>(w.value[i])));
 
   Parameter<double> wrong(Shape{3, 4});
   EXPECT_TRUE(throws_naming<IoError>(
-      [&] { load_parameters(model, std::vector<ParameterRef<double>>{wrong.ref("layer.weight"), b2.ref("layer.bias")}); },
+      [&] {
+        load_parameters(model, std::vector<ParameterRef<double>>{wrong.ref("layer.weight"), b2.ref("layer.bias")});
+      },
       {"p.qkvm", "tensor \"layer.weight\"", "expected shape [3, 4]", "got [3, 5]"}));
-  EXPECT_TRUE(throws_naming<IoError>(
-      [&] { load_parameters(model, std::vector<ParameterRef<double>>{w2.ref("layer.weight")}); },
-      {"p.qkvm", "tensor \"layer.bias\"", "not a parameter"}));
+  EXPECT_TRUE(
+      throws_naming<IoError>([&] { load_parameters(model, std::vector<ParameterRef<double>>{w2.ref("layer.weight")}); },
+                             {"p.qkvm", "tensor \"layer.bias\"", "not a parameter"}));
   Parameter<double> extra(Shape{2});
   EXPECT_TRUE(throws_naming<IoError>(
       [&] {
@@ -277,8 +283,9 @@ TEST(ModelFile, ParametersRoundTripAndMismatchesAreRefused) {
   // A refused load leaves the parameters as they were.
   Parameter<double> untouched(Shape{3, 5});
   untouched.value[0] = 42.0;
-  EXPECT_THROW(load_parameters(model, std::vector<ParameterRef<double>>{untouched.ref("layer.weight"), wrong.ref("layer.bias")}),
-               IoError);
+  EXPECT_THROW(
+      load_parameters(model, std::vector<ParameterRef<double>>{untouched.ref("layer.weight"), wrong.ref("layer.bias")}),
+      IoError);
   EXPECT_EQ(untouched.value[0], 42.0);
 }
 

@@ -165,8 +165,9 @@ Timing time_call(const std::function<void()>& call, int repeats) {
   const double first_ms = since(start);
   std::vector<double> samples;
   if (first_ms >= kLongCallMs) samples.push_back(first_ms);
-  const int inner =
-      first_ms >= kMinSampleMs ? 1 : static_cast<int>(std::min(1000.0, std::ceil(kMinSampleMs / std::max(first_ms, 1e-3))));
+  const int inner = first_ms >= kMinSampleMs
+                        ? 1
+                        : static_cast<int>(std::min(1000.0, std::ceil(kMinSampleMs / std::max(first_ms, 1e-3))));
   while (std::ssize(samples) < repeats) {
     start = Clock::now();
     for (int i = 0; i < inner; ++i) call();
@@ -311,9 +312,9 @@ void run_attention_bench(const BenchOptions& o) {
         baselines.push_back(fmt::format(R"("{}": {{{}, "speedup": {:.6g}}})", b.name, json_timing(b.timing, r.flops),
                                         ratio(b.timing.median_ms, r.timing.median_ms)));
       }
-      rows.push_back(fmt::format(R"(    {{"Tq": {}, "Tk": {}, "flops": {:.6g}, "tensor_bytes": {:.0f}, {}, "baselines": {{{}}}}})",
-                                 r.tq, r.tk, r.flops, r.tensor_bytes, json_timing(r.timing, r.flops),
-                                 fmt::join(baselines, ", ")));
+      rows.push_back(
+          fmt::format(R"(    {{"Tq": {}, "Tk": {}, "flops": {:.6g}, "tensor_bytes": {:.0f}, {}, "baselines": {{{}}}}})",
+                      r.tq, r.tk, r.flops, r.tensor_bytes, json_timing(r.timing, r.flops), fmt::join(baselines, ", ")));
     }
     fmt::print(
         "{{\n  \"mode\": \"{}\", \"impl\": \"{}\", \"simd\": \"{}\", \"dtype\": \"float32\", \"batch\": {}, "
@@ -328,13 +329,13 @@ void run_attention_bench(const BenchOptions& o) {
              o.causal ? " causal" : "", o.batch, o.heads, o.d, o.threads, o.threads == 1 ? "" : "s", o.impl,
              attention_fused_target(), o.repeats);
   fmt::print("memory: {}\n\n", memory_method(reset));
-  fmt::print("{:>7}  {:>11}  {:>9}  {:>11}  {:>11}  {:>11}  {}\n", "T", "median ms", "GFLOP/s", "peak extra", "peak RSS",
-             "tensors", "speedup against baselines (their ms)");
+  fmt::print("{:>7}  {:>11}  {:>9}  {:>11}  {:>11}  {:>11}  {}\n", "T", "median ms", "GFLOP/s", "peak extra",
+             "peak RSS", "tensors", "speedup against baselines (their ms)");
   for (const Result& r : results) {
     std::vector<std::string> against;
     for (const Baseline& b : r.baselines) {
-      against.push_back(
-          fmt::format("{:.2f}× {} ({:.3g})", ratio(b.timing.median_ms, r.timing.median_ms), b.name, b.timing.median_ms));
+      against.push_back(fmt::format("{:.2f}× {} ({:.3g})", ratio(b.timing.median_ms, r.timing.median_ms), b.name,
+                                    b.timing.median_ms));
     }
     fmt::print("{:>7}  {:>11.3f}  {:>9.1f}  {:>11}  {:>11}  {:>11}  {}\n", r.tq, r.timing.median_ms,
                r.flops * 1e-9 / (r.timing.median_ms * 1e-3), format_bytes(r.timing.extra_bytes),
@@ -397,13 +398,14 @@ void run_decode_bench(const BenchOptions& o) {
   if (o.json) {
     std::vector<std::string> rows;
     for (const Result& r : results) {
-      rows.push_back(fmt::format(R"(    {{"Tq": 1, "Tk": {}, "flops": {:.6g}, "tensor_bytes": {:.0f}, {}, "gbs": {:.6g}, "triad_fraction": {:.6g}}})",
-                                 r.tk, r.flops, r.tensor_bytes, json_timing(r.timing, r.flops), kv_gbs(r),
-                                 kv_gbs(r) / triad));
+      rows.push_back(fmt::format(
+          R"(    {{"Tq": 1, "Tk": {}, "flops": {:.6g}, "tensor_bytes": {:.0f}, {}, "gbs": {:.6g}, "triad_fraction": {:.6g}}})",
+          r.tk, r.flops, r.tensor_bytes, json_timing(r.timing, r.flops), kv_gbs(r), kv_gbs(r) / triad));
     }
     fmt::print(
         "{{\n  \"mode\": \"decode\", \"impl\": \"{}\", \"simd\": \"{}\", \"dtype\": \"float32\", \"batch\": {}, "
-        "\"heads\": {}, \"d\": {}, \"threads\": {}, \"repeats\": {}, \"triad_gbs\": {:.6g},\n  \"memory_method\": \"{}\",\n"
+        "\"heads\": {}, \"d\": {}, \"threads\": {}, \"repeats\": {}, \"triad_gbs\": {:.6g},\n  \"memory_method\": "
+        "\"{}\",\n"
         "  \"results\": [\n{}\n  ]\n}}\n",
         o.impl, attention_fused_target(), o.batch, heads, d, o.threads, o.repeats, triad, memory_method(reset),
         fmt::join(rows, ",\n"));
@@ -443,8 +445,9 @@ void register_bench(CLI::App& app) {
   auto o = std::make_shared<BenchOptions>();
   CLI::App* cmd = app.add_subcommand("bench", "time attention on this machine: GFLOP/s, memory, ratios to baselines");
   cmd->footer(kFooter);
-  o->t_option = cmd->add_option("--T", o->t, "sequence lengths Tq = Tk, comma-separated (default 256,1024,4096,8192; "
-                                             "with --decode: Tk, default 32768)")
+  o->t_option = cmd->add_option("--T", o->t,
+                                "sequence lengths Tq = Tk, comma-separated (default 256,1024,4096,8192; "
+                                "with --decode: Tk, default 32768)")
                     ->delimiter(',')
                     ->type_name("T,...");
   o->d_option = cmd->add_option("--d", o->d, "head dimension Dk = Dv (default 64; with --decode 128)");
@@ -459,8 +462,9 @@ void register_bench(CLI::App& app) {
       ->capture_default_str();
   cmd->add_option("--repeats", o->repeats, "timed samples per measurement; the median is reported")
       ->capture_default_str();
-  cmd->add_option("--baselines", o->baselines,
-                  "baselines to measure, comma-separated: reference, threads, causal, or none (default: all that apply)")
+  cmd->add_option(
+         "--baselines", o->baselines,
+         "baselines to measure, comma-separated: reference, threads, causal, or none (default: all that apply)")
       ->delimiter(',')
       ->check(CLI::IsMember({"reference", "threads", "causal", "none"}))
       ->type_name("LIST");

@@ -33,7 +33,8 @@ struct CommandOptions {
 };
 
 std::vector<Experiment> all_experiments() {
-  return {scaling_experiment(), long_range_experiment(), parallel_experiment(), alignment_experiment(), coref_experiment()};
+  return {scaling_experiment(), long_range_experiment(), parallel_experiment(), alignment_experiment(), coref_experiment(),
+          encoder_lm_experiment()};
 }
 
 std::string known_names() {
@@ -137,6 +138,7 @@ void register_experiment(CLI::App& app) {
       ->delimiter(',')
       ->type_name("N,N,...");
   cmd->add_option("--steps", options->experiment.steps, "training steps of each model")->type_name("N");
+  cmd->add_option("--corpus", options->experiment.corpus, "encoder-lm: a text file to train on")->type_name("FILE");
   cmd->callback([options] { run_experiment(*options); });
 }
 

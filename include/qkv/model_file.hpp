@@ -39,8 +39,8 @@ inline constexpr std::string_view kModelFileMagic = "QKVMODEL";
 inline constexpr uint32_t kModelFileVersion = 1;
 
 struct ModelFile {
-  std::string kind;                                             // what model this is, e.g. "seq2seq"
-  std::vector<std::pair<std::string, std::string>> metadata;    // the configuration, in insertion order
+  std::string kind;                                            // what model this is, e.g. "seq2seq"
+  std::vector<std::pair<std::string, std::string>> metadata;   // the configuration, in insertion order
   std::vector<std::pair<std::string, Tensor<float>>> tensors;  // the parameters, in insertion order
   // Where it came from ("model.qkvm", or "<memory>"): the name every error of the lookups gives.
   std::string source = "<memory>";

@@ -8,6 +8,7 @@ missing file are refused with exit code 2 and one line naming the problem."""
 import csv
 import math
 import os
+import re
 import struct
 import subprocess
 import sys
@@ -100,7 +101,8 @@ def check_experiment(out):
             fail(f"stdout lacks the table {table!r}")
 
     results = read_csv(directory / "results.csv", ["model", "parameters", "exact_match", "token_accuracy",
-                                                   "alignment_accuracy", "train_seconds", "validation_loss"], 3)
+                                                   "alignment_accuracy", "train_seconds", "train_cpu_seconds",
+                                                   "validation_loss"], 3)
     if [r.get("model") for r in results] != ["additive", "dot", "none"]:
         fail(f"results.csv models {[r.get('model') for r in results]}")
     for r in results:
@@ -111,7 +113,8 @@ def check_experiment(out):
                 fail(f"the no-attention model has an alignment accuracy: {r['alignment_accuracy']}")
         else:
             check_share(f"results.csv {r['model']} alignment_accuracy", r["alignment_accuracy"])
-        if not (float(r["train_seconds"]) > 0 and math.isfinite(float(r["validation_loss"]))):
+        if not (float(r["train_seconds"]) > 0 and float(r["train_cpu_seconds"]) > 0
+                and math.isfinite(float(r["validation_loss"]))):
             fail(f"results.csv {r['model']}: time {r['train_seconds']}, loss {r['validation_loss']}")
 
     by_length = read_csv(directory / "by_length.csv",
@@ -138,9 +141,19 @@ def check_experiment(out):
             fail(f"{svg.name} was not written")
             continue
         text = svg.read_text()
-        marks = text.count("<title>gold: ")
-        if not text.rstrip().endswith("</svg>") or 'class="gold-alignment"' not in text or marks < 4:
-            fail(f"{svg.name}: no gold-alignment outlines ({marks} marks)")
+        marks = re.findall(r'<path d="M(\d+) (\d+)h\d+v\d+h-\d+z"><title>gold: ', text)
+        if not text.rstrip().endswith("</svg>") or 'class="gold-alignment"' not in text or len(marks) < 4:
+            fail(f"{svg.name}: no gold-alignment outlines ({len(marks)} marks)")
+        # Each outline sits one pixel inside a cell that the renderer drew.
+        cells = set(re.findall(r'<rect x="(\d+)" y="(\d+)"', text))
+        for x, y in marks:
+            if (str(int(x) - 1), str(int(y) - 1)) not in cells:
+                fail(f"{svg.name}: the gold outline at ({x}, {y}) is not on a cell")
+    by_class = read_csv(directory / "alignment_by_class.csv", ["word_class", "words", "additive_alignment",
+                                                               "dot_alignment"], 6)
+    for r in by_class:
+        if int(r["words"]) > 0:
+            check_share(f"alignment_by_class.csv {r['word_class']}", r["additive_alignment"])
     for name in ["training.csv", "validation.csv"]:
         if not (directory / name).is_file():
             fail(f"{name} was not written")

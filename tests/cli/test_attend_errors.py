@@ -10,82 +10,20 @@ Run: QKV_BIN=build/release/apps/qkv /usr/bin/python3 tests/cli/test_attend_error
 """
 
 import os
-import subprocess
 import sys
 import tempfile
 
 import numpy as np
 
-QKV = os.path.abspath(os.environ["QKV_BIN"]) if os.environ.get("QKV_BIN") else None
-EXIT_BAD_INPUT = 2
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from cli_harness import QKV, Suite  # noqa: E402  (the harness sits beside this script)
 
 
-class Suite:
-    def __init__(self, workdir):
-        self.workdir = workdir
-        self.failures = []
-        self.count = 0
-
-    def path(self, name):
-        return os.path.join(self.workdir, name)
-
-    def save(self, name, array):
-        np.save(self.path(name), array)
-        return name
-
+class AttendSuite(Suite):
     def write_bytes(self, name, data):
         with open(self.path(name), "wb") as f:
             f.write(data)
         return name
-
-    def files(self):
-        found = set()
-        for root, _, names in os.walk(self.workdir):
-            for name in names:
-                found.add(os.path.relpath(os.path.join(root, name), self.workdir))
-        return found
-
-    def run(self, args):
-        # Every run here is small or refused up front: a run that takes long is a failure, not a wait.
-        return subprocess.run([QKV, *args], cwd=self.workdir, capture_output=True, text=True, timeout=30)
-
-    def fail(self, name, problem, result):
-        self.failures.append(name)
-        print(f"FAIL {name}: {problem}\n     stdout: {result.stdout.strip()!r}\n     stderr: {result.stderr.strip()!r}")
-
-    def refuse(self, name, args, *must_mention):
-        """The command exits 2, its error line mentions every string of must_mention, and no file appears."""
-        self.count += 1
-        before = self.files()
-        result = self.run(args)
-        appeared = sorted(self.files() - before)
-        for extra in appeared:
-            os.remove(self.path(extra))
-        lines = result.stderr.strip().splitlines()
-        first = lines[0] if lines else ""
-        if result.returncode != EXIT_BAD_INPUT:
-            return self.fail(name, f"exit code {result.returncode}, expected {EXIT_BAD_INPUT}", result)
-        if not first.startswith("qkv: error: "):
-            return self.fail(name, "the first stderr line is not 'qkv: error: ...'", result)
-        if len(lines) != 1:
-            return self.fail(name, f"expected a one-line error, got {len(lines)} lines", result)
-        missing = [text for text in must_mention if text not in first]
-        if missing:
-            return self.fail(name, f"the error does not mention {missing}", result)
-        if appeared:
-            return self.fail(name, f"files appeared: {appeared}", result)
-        print(f"ok   {name}: {first}")
-
-    def succeed(self, name, args, check=None):
-        """The command exits 0 and check(result) (if given) returns None or a problem."""
-        self.count += 1
-        result = self.run(args)
-        if result.returncode != 0:
-            return self.fail(name, f"exit code {result.returncode}, expected 0", result)
-        problem = check(result) if check else None
-        if problem:
-            return self.fail(name, problem, result)
-        print(f"ok   {name}")
 
 
 def softmax_attention(q, k, v, scale, mask=None):
@@ -105,7 +43,7 @@ def main():
         return 1
     rng = np.random.default_rng(7)
     with tempfile.TemporaryDirectory(prefix="qkv_attend_errors_") as workdir:
-        t = Suite(workdir)
+        t = AttendSuite(workdir)
         f32 = np.float32
         B, H, Tq, Tk, Dk, Dv, A = 2, 3, 5, 7, 4, 6, 8
         t.save("q.npy", rng.standard_normal((B, H, Tq, Dk)).astype(f32))
@@ -334,11 +272,7 @@ def main():
         t.succeed("attend-backward --help", ["attend-backward", "--help"],
                   help_mentions("--dout", "i + Tk - Tq", "--dbias", "Example"))
 
-        print(f"{t.count - len(t.failures)} of {t.count} checks passed")
-        if t.failures:
-            print("failed: " + "; ".join(t.failures))
-            return 1
-    return 0
+        return t.report()
 
 
 if __name__ == "__main__":

@@ -163,7 +163,7 @@ def check_scaling(out):
 def check_long_range(out):
     proc, elapsed = run("experiment", "long-range", "--quick", "--out", str(out))
     if not check_run("long-range", out, proc, elapsed, ["accuracy.png", "gradients.png"],
-                     ["results.csv", "gradients.csv"]):
+                     ["results.csv", "gradients.csv", "gradients_by_length.csv"]):
         return
     directory = out / "long-range"
     rows = read_csv(directory / "results.csv", ["T", "mark", "gru_accuracy", "attention_accuracy", "chance", "gru_loss",
@@ -181,6 +181,9 @@ def check_long_range(out):
     for r in gradients:
         if float(r["gru_grad_norm"]) <= 0 or float(r["attention_grad_norm"]) <= 0:
             fail(f"long-range: a zero gradient norm at distance {r['distance']} (float64 should not underflow)")
+    by_length = read_csv(directory / "gradients_by_length.csv", ["T", "gru_grad_norm", "attention_grad_norm"], rows=2)
+    if by_length and gradients and by_length[-1]["gru_grad_norm"] != gradients[-1]["gru_grad_norm"]:
+        fail("long-range: the gradient at distance 31 differs between the two gradient tables of T = 32")
 
 
 def check_parallel(out):

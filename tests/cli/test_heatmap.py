@@ -19,8 +19,9 @@ import tempfile
 
 import numpy as np
 
-QKV = os.path.abspath(os.environ["QKV_BIN"]) if os.environ.get("QKV_BIN") else None
-EXIT_BAD_INPUT = 2
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from cli_harness import QKV, Suite  # noqa: E402  (the harness sits beside this script)
+
 SIGNATURES = {".png": b"\x89PNG\r\n\x1a\n", ".pdf": b"%PDF-", ".html": b"<!DOCTYPE html>", ".svg": b"<?xml"}
 
 
@@ -30,76 +31,10 @@ def softmax_rows(shape, seed, spread=2.0):
     return (e / e.sum(axis=-1, keepdims=True)).astype(np.float32)
 
 
-class Suite:
-    def __init__(self, workdir):
-        self.workdir = workdir
-        self.failures = []
-        self.count = 0
-
-    def path(self, name):
-        return os.path.join(self.workdir, name)
-
-    def save(self, name, array):
-        np.save(self.path(name), array)
-        return name
-
-    def files(self):
-        found = {}
-        for root, _, names in os.walk(self.workdir):
-            for name in names:
-                full = os.path.join(root, name)
-                with open(full, "rb") as f:
-                    found[os.path.relpath(full, self.workdir)] = f.read()
-        return found
-
-    def run(self, args, env=None):
-        environment = dict(os.environ, NO_COLOR="1")
-        environment.update(env or {})
-        return subprocess.run([QKV, *args], cwd=self.workdir, capture_output=True, text=True, timeout=60,
-                              env=environment)
-
-    def fail(self, name, problem, result=None):
-        self.failures.append(name)
-        print(f"FAIL {name}: {problem}")
-        if result is not None:
-            print(f"     stdout: {result.stdout.strip()[:2000]!r}\n     stderr: {result.stderr.strip()!r}")
-
-    def refuse(self, name, args, *must_mention):
-        """Exit 2, one error line mentioning every string of must_mention, and no file changed."""
-        self.count += 1
-        before = self.files()
-        result = self.run(args)
-        after = self.files()
-        changed = sorted(f for f in after if before.get(f) != after[f])
-        for extra in set(after) - set(before):
-            os.remove(self.path(extra))
-        lines = result.stderr.strip().splitlines()
-        first = lines[0] if lines else ""
-        if result.returncode != EXIT_BAD_INPUT:
-            return self.fail(name, f"exit code {result.returncode}, expected {EXIT_BAD_INPUT}", result)
-        if not first.startswith("qkv: error: "):
-            return self.fail(name, "the first stderr line is not 'qkv: error: ...'", result)
-        if len(lines) != 1:
-            return self.fail(name, f"expected a one-line error, got {len(lines)} lines", result)
-        missing = [text for text in must_mention if text not in first]
-        if missing:
-            return self.fail(name, f"the error does not mention {missing}", result)
-        if changed:
-            return self.fail(name, f"files appeared or changed: {changed}", result)
-        if result.stdout:
-            return self.fail(name, "a refused run printed to stdout", result)
-        print(f"ok   {name}: {first}")
-
-    def succeed(self, name, args, check=None, env=None):
-        """Exit 0, then check(result) returns None or what is wrong."""
-        self.count += 1
-        result = self.run(args, env)
-        if result.returncode != 0:
-            return self.fail(name, f"exit code {result.returncode}", result)
-        problem = check(result) if check else None
-        if problem:
-            return self.fail(name, problem, result)
-        print(f"ok   {name}")
+class HeatmapSuite(Suite):
+    timeout = 60
+    # The terminal grid is compared as plain text unless a test asks for colour.
+    env = {"NO_COLOR": "1"}
 
     def written(self, name, extension=None):
         """None if `name` exists and starts with its format's signature, else what is wrong."""
@@ -135,7 +70,7 @@ def main():
         print("QKV_BIN must name the qkv binary, and xmllint (libxml2-utils) must be installed")
         return 1
     with tempfile.TemporaryDirectory() as workdir:
-        t = Suite(workdir)
+        t = HeatmapSuite(workdir)
         os.mkdir(t.path("outdir"))
         alpha = t.save("alpha.npy", softmax_rows((6, 6), 0))
         heads = t.save("heads.npy", softmax_rows((3, 4, 5), 1))
@@ -300,11 +235,7 @@ def main():
                   lambda r: None if all(s in r.stdout for s in ("--all-heads", "--cmap", ".html", "NO_COLOR",
                                                                 "Examples")) else "help lacks something")
 
-        print(f"{t.count - len(t.failures)} of {t.count} checks passed")
-        if t.failures:
-            print("failed: " + "; ".join(t.failures))
-            return 1
-    return 0
+        return t.report()
 
 
 if __name__ == "__main__":

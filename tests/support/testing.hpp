@@ -108,20 +108,25 @@ double tolerance_from_naive(const Tensor<float>& naive, const Tensor<E>& exact, 
   return std::max(factor * error_stats(naive, exact).max_abs, floor);
 }
 
-// Central finite differences of a scalar loss with respect to every element of x, in float64.
-// `loss` reads x (which this function perturbs in place and restores).
-inline Tensor<double> numeric_gradient(const std::function<double()>& loss, Tensor<double>& x, double step = 1e-6) {
-  Tensor<double> grad(x.shape());
+// Central finite differences of a scalar loss with respect to every element of a contiguous view x,
+// in float64. `loss` reads x (which this function perturbs in place and restores); a view lets the
+// caller perturb storage it does not own, such as a layer's parameters.
+inline Tensor<double> numeric_gradient(const std::function<double()>& loss, TensorView<double> x, double step = 1e-6) {
+  Tensor<double> grad(x.shape);
   for (int64_t i = 0; i < x.numel(); ++i) {
-    const double saved = x[i];
-    x[i] = saved + step;
+    const double saved = x.data[i];
+    x.data[i] = saved + step;
     const double up = loss();
-    x[i] = saved - step;
+    x.data[i] = saved - step;
     const double down = loss();
-    x[i] = saved;
+    x.data[i] = saved;
     grad[i] = (up - down) / (2.0 * step);
   }
   return grad;
+}
+
+inline Tensor<double> numeric_gradient(const std::function<double()>& loss, Tensor<double>& x, double step = 1e-6) {
+  return numeric_gradient(loss, x.view(), step);
 }
 
 // Passes when `call` throws E whose message contains every one of `parts` (argument names,

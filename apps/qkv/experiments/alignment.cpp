@@ -19,7 +19,8 @@
 //   results.csv     per model: test exact match (share of sentences translated word for word),
 //                   token accuracy (share of reference words that the greedy output has at the same
 //                   position), alignment accuracy (share of target words whose argmax α is the gold
-//                   source word, under teacher forcing), training seconds, final validation loss
+//                   source word, under teacher forcing), training time (wall clock and processor),
+//                   final validation loss
 //   by_length.csv   the same per source-length bucket
 //   alignment_by_class.csv  alignment accuracy per class of target word (determiner, noun, ...)
 //   training.csv    training loss per step; validation.csv validation loss and token accuracy
@@ -33,6 +34,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <ctime>
 #include <filesystem>
 #include <memory>
 #include <string>
@@ -81,8 +83,8 @@ struct Settings {
 
 Settings settings_for(const ExperimentOptions& options) {
   if (options.sizes.size() > 1) {
-    throw ValueError(fmt::format("--sizes: experiment alignment takes one decoder size H, got {}",
-                                 join_sizes(options.sizes)));
+    throw ValueError(
+        fmt::format("--sizes: experiment alignment takes one decoder size H, got {}", join_sizes(options.sizes)));
   }
   Settings s;
   s.train = options.quick ? 600 : 12000;
@@ -93,7 +95,7 @@ Settings settings_for(const ExperimentOptions& options) {
   s.attention_hidden = std::max<int64_t>(s.decoder_hidden / 2, 1);
   s.embedding = options.quick ? 16 : 32;
   s.batch = options.quick ? 32 : 64;
-  s.steps = options.steps.value_or(options.quick ? 60 : 2500);
+  s.steps = options.steps.value_or(options.quick ? 60 : 1500);
   s.evaluations = options.quick ? 3 : 10;
   s.lr = 3e-3;
   s.max_grad_norm = 1.0;
@@ -172,8 +174,17 @@ struct TrainedModel {
   int64_t parameters = 0;
   std::vector<double> losses;
   std::vector<ValidationPoint> validation;
-  double seconds = 0.0;  // training steps only, validation excluded
+  double seconds = 0.0;      // wall-clock time of the training steps, validation excluded
+  double cpu_seconds = 0.0;  // processor time of the same: what the steps cost on a machine of its own
 };
+
+// The processor time this process has used. On a machine shared with other jobs the wall clock
+// counts the time spent waiting for a core; this does not.
+double cpu_seconds_now() {
+  timespec t{};
+  clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &t);
+  return static_cast<double>(t.tv_sec) + 1e-9 * static_cast<double>(t.tv_nsec);
+}
 
 TrainedModel train(const Settings& s, Score score, const TranslationSplits& data, uint64_t seed) {
   const ToyLanguage& language = toy_language();
@@ -200,9 +211,11 @@ TrainedModel train(const Settings& s, Score score, const TranslationSplits& data
     for (size_t& i : indices) i = static_cast<size_t>(batches.next_u64() % data.train.size());
     const Seq2SeqBatch batch = batch_of(data.train, indices);
     const auto start = std::chrono::steady_clock::now();
+    const double cpu_start = cpu_seconds_now();
     out.losses.push_back(seq2seq_loss_and_gradients(*out.model, batch));
     adam.step();
     seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    out.cpu_seconds += cpu_seconds_now() - cpu_start;
     if ((step + 1) % every == 0 || step + 1 == s.steps) {
       out.validation.push_back(validate(*out.model, data.validation, step + 1));
     }
@@ -371,19 +384,20 @@ Report run_alignment(const ExperimentOptions& options) {
   eval_progress.done();
 
   Report report("Experiment: alignment (Bahdanau attention on a synthetic translation task)");
-  report.add_setting("command", fmt::format("qkv experiment alignment{} --seed {}{}{}", options.quick ? " --quick" : "",
-                                            options.seed, options.sizes.empty() ? "" : " --sizes " + join_sizes(options.sizes),
-                                            options.steps ? fmt::format(" --steps {}", *options.steps) : ""));
+  report.add_setting(
+      "command", fmt::format("qkv experiment alignment{} --seed {}{}{}", options.quick ? " --quick" : "", options.seed,
+                             options.sizes.empty() ? "" : " --sizes " + join_sizes(options.sizes),
+                             options.steps ? fmt::format(" --steps {}", *options.steps) : ""));
   report.add_setting("seed", fmt::format("{}", options.seed));
-  report.add_setting("task", fmt::format("synthetic translation, {} source and {} target words, sentences of {} to {} "
-                                         "words (lengths uniform); adjective after noun (mirrored), verb-final, "
-                                         "postpositions, adverb after the subject",
-                                         language.source.size() - 3, language.target.size() - 3, kToyMinLength,
-                                         kToyMaxLength));
+  report.add_setting("task",
+                     fmt::format("synthetic translation, {} source and {} target words, sentences of {} to {} "
+                                 "words (lengths uniform); adjective after noun (mirrored), verb-final, "
+                                 "postpositions, adverb after the subject",
+                                 language.source.size() - 3, language.target.size() - 3, kToyMinLength, kToyMaxLength));
   report.add_setting("splits", fmt::format("train {}, validation {}, test {} sentences, no sentence twice", s.train,
                                            s.validation, s.test));
-  report.add_setting("encoder", fmt::format("embedding E = {} → bidirectional GRU, {} per direction", s.embedding,
-                                            s.encoder_hidden));
+  report.add_setting(
+      "encoder", fmt::format("embedding E = {} → bidirectional GRU, {} per direction", s.embedding, s.encoder_hidden));
   report.add_setting("decoder", fmt::format("GRU, state {}, input [embedding; context], readout linear on [state; "
                                             "context; embedding]; additive scorer width {}",
                                             s.decoder_hidden, s.attention_hidden));
@@ -399,19 +413,22 @@ Report run_alignment(const ExperimentOptions& options) {
                  {"token_accuracy", "{:.3f}"},
                  {"alignment_accuracy", "{:.3f}"},
                  {"train_seconds", "{:.1f}"},
+                 {"train_cpu_seconds", "{:.1f}"},
                  {"validation_loss", "{:.4f}"}});
   for (size_t k = 0; k < models.size(); ++k) {
     const Counts& c = evaluations[k].total();
     const bool attends = models[k].score != Score::none;
     results.add_row({std::string(score_name(models[k].score)), models[k].parameters, share(c.exact, c.sentences),
-                     share(c.words_correct, c.words), attends ? Cell{share(c.aligned, c.words)} : Cell{std::string("n/a")},
-                     models[k].seconds, models[k].validation.back().loss});
+                     share(c.words_correct, c.words),
+                     attends ? Cell{share(c.aligned, c.words)} : Cell{std::string("n/a")}, models[k].seconds,
+                     models[k].cpu_seconds, models[k].validation.back().loss});
   }
   report.add_paragraph(fmt::format(
       "Test split of {} sentences. `exact_match`: the greedy translation equals the reference; `token_accuracy`: "
       "share of reference words that the greedy output has at the same position; `alignment_accuracy`: share of "
-      "target words whose argmax α (under teacher forcing) is on the gold source word. `train_seconds` counts the "
-      "training steps only.",
+      "target words whose argmax α (under teacher forcing) is on the gold source word. `train_seconds` is the "
+      "wall-clock time of the training steps (validation excluded), `train_cpu_seconds` the processor time they "
+      "used: on a shared machine the first includes waiting for a core.",
       data.test.size()));
   report.add_table("Results on the test split", std::move(results), "results.csv");
 
@@ -435,7 +452,8 @@ Report run_alignment(const ExperimentOptions& options) {
   }
   report.add_table("Accuracy by source length", std::move(by_length), "by_length.csv");
 
-  Table by_class({{"word_class", "{}"}, {"words", "{}"}, {"additive_alignment", "{:.3f}"}, {"dot_alignment", "{:.3f}"}});
+  Table by_class(
+      {{"word_class", "{}"}, {"words", "{}"}, {"additive_alignment", "{:.3f}"}, {"dot_alignment", "{:.3f}"}});
   for (size_t k = 0; k < std::size(kToyWordClasses); ++k) {
     by_class.add_row({std::string(kToyWordClasses[k]), evaluations[0].by_class[k].words,
                       share(evaluations[0].by_class[k].aligned, evaluations[0].by_class[k].words),
@@ -452,7 +470,8 @@ Report run_alignment(const ExperimentOptions& options) {
   }
   PlotPanel exact = make_panel("Exact match by length", "source length (bucket centre)", "test exact match");
   PlotPanel token = make_panel("Token accuracy by length", "source length (bucket centre)", "test token accuracy");
-  PlotPanel aligned = make_panel("Alignment accuracy by length", "source length (bucket centre)", "argmax α on gold word");
+  PlotPanel aligned =
+      make_panel("Alignment accuracy by length", "source length (bucket centre)", "argmax α on gold word");
   for (PlotPanel* p : {&exact, &token, &aligned}) {
     p->y_range = AxisRange{0.0, 1.05};
     p->legend = LegendPosition::bottom_left;
@@ -505,8 +524,11 @@ Report run_alignment(const ExperimentOptions& options) {
       vsteps.push_back(static_cast<double>(v.step));
       vloss.push_back(v.loss);
     }
-    loss.series.push_back(
-        {.label = model_label(m.score), .x = steps, .y = running_mean(m.losses, 25), .markers = false, .dashed = false});
+    loss.series.push_back({.label = model_label(m.score),
+                           .x = steps,
+                           .y = running_mean(m.losses, 25),
+                           .markers = false,
+                           .dashed = false});
     held_out.series.push_back(measured(model_label(m.score), vsteps, vloss));
   }
   Figure loss_figure;
@@ -516,9 +538,10 @@ Report run_alignment(const ExperimentOptions& options) {
   // Files a Report does not carry: heatmaps with the gold alignment, and the models. They are
   // staged here and renamed into DIR/alignment together, just before the report's own files.
   StagedFiles files;
-  std::string heatmap_text = "The heatmaps below show α under teacher forcing for three test sentences (rows: target "
-                             "words, each labelled with its gold source word after ←; columns: source words). The "
-                             "`.svg` twins outline the gold cells in red.\n\n";
+  std::string heatmap_text =
+      "The heatmaps below show α under teacher forcing for three test sentences (rows: target "
+      "words, each labelled with its gold source word after ←; columns: source words). The "
+      "`.svg` twins outline the gold cells in red.\n\n";
   const std::vector<size_t> chosen = heatmap_sentences(data.test);
   for (size_t k = 0; k < models.size(); ++k) {
     if (models[k].score == Score::none) continue;
@@ -532,10 +555,11 @@ Report run_alignment(const ExperimentOptions& options) {
       heatmap.vmin = 0.0;
       heatmap.vmax = 1.0;
       const std::string stem = fmt::format("heatmap_{}_{}", score_name(models[k].score), c + 1);
-      files.stage(options.directory / (stem + ".png"), render_heatmap<float>(alpha.cview(), HeatmapFormat::png, heatmap));
+      files.stage(options.directory / (stem + ".png"),
+                  render_heatmap<float>(alpha.cview(), HeatmapFormat::png, heatmap));
       files.stage(options.directory / (stem + ".svg"), svg_with_gold(alpha, heatmap, pair));
-      heatmap_text += fmt::format("![{}, sentence {}]({}.png) ([with gold cells]({}.svg))\n\n", model_label(models[k].score),
-                                  c + 1, stem, stem);
+      heatmap_text += fmt::format("![{}, sentence {}]({}.png) ([with gold cells]({}.svg))\n\n",
+                                  model_label(models[k].score), c + 1, stem, stem);
       if (k == 0 && c == 0) {
         TerminalHeatmapOptions terminal;
         terminal.row_labels = heatmap.row_labels;

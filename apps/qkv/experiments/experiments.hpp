@@ -6,6 +6,7 @@
 //   parallel.cpp    attention's steps run in parallel, an RNN's one after the other
 //   alignment.cpp   Bahdanau attention learns the word alignment of a translation
 //   coref.cpp       a pronoun's attention row and its referent; value ablation against the weights
+//   encoder_lm.cpp  a character-level language model, GRU against causal self-attention
 // An experiment checks its options before any work (ValueError naming the option, exit 2), shows
 // progress on long phases and polls for Ctrl-C through qkv::Progress.
 
@@ -29,6 +30,7 @@ struct ExperimentOptions {
   // DIR/NAME, set by the command: where an experiment stages files that a Report does not carry
   // (trained models), committed before the Report's own files are written.
   std::filesystem::path directory;
+  std::filesystem::path corpus;  // --corpus: a text file for encoder-lm; empty for its generated corpus
 };
 
 struct Experiment {
@@ -48,6 +50,7 @@ Experiment long_range_experiment();
 Experiment parallel_experiment();
 Experiment alignment_experiment();
 Experiment coref_experiment();
+Experiment encoder_lm_experiment();
 
 // The most training steps --steps accepts.
 inline constexpr int64_t kMaxSteps = 100000;

@@ -15,13 +15,14 @@
 //
 // How to run:
 //   qkv experiment long-range [--quick] [--sizes 8,32,128,512] [--steps N] [--seed N] [--out DIR]
-// --sizes sets the sequence lengths T; the gradient measurement uses the largest.
+// --sizes sets the sequence lengths T; the gradient against distance uses the largest.
 //
 // What the numbers mean:
 //   results.csv     per (T, placement): held-out accuracy (chance = 1/vocabulary) and loss of each
 //                   model after training
 //   gradients.csv   per distance δ = T − 1 − p: the mean over a batch of ‖∂loss_b/∂x_p‖ (each
-//                   sequence's own loss), GRU and attention, at initialisation
+//                   sequence's own loss), GRU and attention, at initialisation, at the largest T
+//   gradients_by_length.csv  the same at distance T − 1 (the mark on the first token), per T
 
 #include <fmt/format.h>
 
@@ -205,13 +206,22 @@ Report run_long_range(const ExperimentOptions& options) {
   // Gradients at initialisation first: they take seconds, the training takes minutes.
   const int64_t gradient_length = s.lengths.back();
   const std::vector<int64_t> distances = gradient_distances(gradient_length);
-  Progress gradient_progress(fmt::format("[long-range] gradients at initialisation, T = {}", gradient_length),
-                             static_cast<int64_t>(2 * distances.size()), "distances");
+  Progress gradient_progress("[long-range] gradients at initialisation",
+                             static_cast<int64_t>(2 * (distances.size() + s.lengths.size())), "measurements");
   int64_t gradients_done = 0;
   const std::vector<double> gru_norms =
       gradient_norms(s, Model::gru, gradient_length, distances, options.seed, gradient_progress, gradients_done);
   const std::vector<double> attention_norms =
       gradient_norms(s, Model::attention, gradient_length, distances, options.seed, gradient_progress, gradients_done);
+  // And at every T, for the mark at the start (distance T − 1): how the farthest gradient scales with T.
+  std::vector<double> gru_first, attention_first;
+  for (const int64_t length : s.lengths) {
+    const std::vector<int64_t> farthest = {length - 1};
+    gru_first.push_back(
+        gradient_norms(s, Model::gru, length, farthest, options.seed, gradient_progress, gradients_done).front());
+    attention_first.push_back(
+        gradient_norms(s, Model::attention, length, farthest, options.seed, gradient_progress, gradients_done).front());
+  }
   gradient_progress.done();
 
   std::vector<TrainingResult> results;
@@ -304,15 +314,27 @@ Report run_long_range(const ExperimentOptions& options) {
       gradient_length, s.gradient_batch));
   report.add_table("Gradient reaching the marked input at initialisation", std::move(gradients), "gradients.csv");
 
+  Table by_length({{"T", "{}"}, {"gru_grad_norm", "{:.3e}"}, {"attention_grad_norm", "{:.3e}"}});
+  for (size_t i = 0; i < s.lengths.size(); ++i) by_length.add_row({s.lengths[i], gru_first[i], attention_first[i]});
+  report.add_paragraph(
+      "The same measure with the mark on the first token (distance T − 1), at every T: how the gradient "
+      "that reaches the farthest input scales with the length of the sequence.");
+  report.add_table("Gradient reaching the first token at initialisation, against T", std::move(by_length),
+                   "gradients_by_length.csv");
+
   PlotPanel gradient =
-      make_panel(fmt::format("Gradient at the marked input, at initialisation (T = {})", gradient_length),
-                 "distance from the output (steps)", "mean ‖∂loss/∂x_p‖", AxisScale::log10, AxisScale::log10);
+      make_panel(fmt::format("Against distance, T = {}", gradient_length), "distance from the output (steps)",
+                 "mean ‖∂loss/∂x#dp#u‖ at initialisation", AxisScale::log10, AxisScale::log10);
   gradient.legend = LegendPosition::bottom_left;
   const std::vector<double> distance_axis(distances.begin(), distances.end());
   gradient.series = {measured("GRU", distance_axis, gru_norms), measured("attention", distance_axis, attention_norms)};
+  PlotPanel first = make_panel("At the first token, against T", "sequence length T",
+                               "mean ‖∂loss/∂x#d0#u‖ at initialisation", AxisScale::log10, AxisScale::log10);
+  first.legend = LegendPosition::bottom_left;
+  first.series = {measured("GRU", lengths, gru_first), measured("attention", lengths, attention_first)};
   Figure gradient_figure;
-  gradient_figure.panels = {gradient};
-  report.add_figure("Gradient against distance", gradient_figure, "gradients.png");
+  gradient_figure.panels = {gradient, first};
+  report.add_figure("Gradient reaching the marked input", gradient_figure, "gradients.png");
   return report;
 }
 

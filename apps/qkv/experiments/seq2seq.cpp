@@ -22,13 +22,16 @@ constexpr std::string_view kSpecials[] = {"<pad>", "<bos>", "<eos>"};
 // as attention_forward reads it.
 template <class T>
 TensorView<T> as_b11d(TensorView<T> view) {
-  return {view.data, Shape{view.shape[0], 1, 1, view.shape[1]}, {view.strides[0], view.strides[1], view.strides[1], view.strides[1]}};
+  return {view.data,
+          Shape{view.shape[0], 1, 1, view.shape[1]},
+          {view.strides[0], view.strides[1], view.strides[1], view.strides[1]}};
 }
 
 // A [B, T, D] view seen as [B, 1, T, D]: the keys of one head.
 template <class T>
 TensorView<T> as_b1td(TensorView<T> view) {
-  return {view.data, Shape{view.shape[0], 1, view.shape[1], view.shape[2]},
+  return {view.data,
+          Shape{view.shape[0], 1, view.shape[1], view.shape[2]},
           {view.strides[0], view.strides[0], view.strides[1], view.strides[2]}};
 }
 
@@ -159,7 +162,8 @@ Seq2SeqBatch make_seq2seq_batch(const std::vector<std::vector<int64_t>>& sources
                                 const std::vector<std::vector<int64_t>>& targets) {
   if (sources.empty()) throw ValueError("sources: expected at least one sentence, got none");
   if (sources.size() != targets.size()) {
-    throw ValueError(fmt::format("targets: expected {} sentences (one per source), got {}", sources.size(), targets.size()));
+    throw ValueError(
+        fmt::format("targets: expected {} sentences (one per source), got {}", sources.size(), targets.size()));
   }
   const auto batch = static_cast<int64_t>(sources.size());
   int64_t ts = 0, tt = 0;
@@ -212,7 +216,8 @@ void DecoderAttention<Scalar>::prepare(EncoderMemory<Scalar>& memory) const {
   if (score_ != Score::additive) return;
   const Shape& shape = memory.annotations.shape();
   memory.keys = Tensor<Scalar>(Shape{shape[0], shape[1], hidden_});
-  linear_forward<Scalar>({.x = memory.annotations.cview(), .w = w_k_.value.cview(), .b = std::nullopt}, memory.keys.view());
+  linear_forward<Scalar>({.x = memory.annotations.cview(), .w = w_k_.value.cview(), .b = std::nullopt},
+                         memory.keys.view());
 }
 
 template <class Scalar>
@@ -220,7 +225,8 @@ void DecoderAttention<Scalar>::prepare_backward(const EncoderMemory<Scalar>& mem
                                                 EncoderMemoryGradients<Scalar>& dmemory) {
   if (score_ != Score::additive) return;
   linear_backward<Scalar>({.x = memory.annotations.cview(), .w = w_k_.value.cview(), .b = std::nullopt},
-                          dmemory.keys.cview(), {.dx = dmemory.annotations.view(), .dw = w_k_.grad.view(), .db = std::nullopt});
+                          dmemory.keys.cview(),
+                          {.dx = dmemory.annotations.view(), .dw = w_k_.grad.view(), .db = std::nullopt});
 }
 
 // Additive scoring with the keys W_k h_j precomputed, one batch entry at a time:
@@ -234,7 +240,6 @@ void DecoderAttention<Scalar>::forward(const EncoderMemory<Scalar>& memory, Tens
   const int64_t width = memory.annotations.shape()[2];
   check_shape("s", s.shape, Shape{batch, query_size_});
   check_shape("context", context.shape, Shape{batch, width});
-  cache.query_state = to_tensor<Scalar, Scalar>(s);
   cache.alpha = Tensor<Scalar>(Shape{batch, ts});
   if (score_ == Score::none) {
     for (int64_t b = 0; b < batch; ++b) {
@@ -242,6 +247,7 @@ void DecoderAttention<Scalar>::forward(const EncoderMemory<Scalar>& memory, Tens
     }
     return;
   }
+  cache.query_state = to_tensor<Scalar, Scalar>(s);
   if (score_ == Score::scaled_dot) {
     cache.query = Tensor<Scalar>(Shape{batch, 1, 1, width});
     linear_forward<Scalar>({.x = s, .w = w_q_.value.cview(), .b = b_q_.value.cview()},
@@ -249,8 +255,9 @@ void DecoderAttention<Scalar>::forward(const EncoderMemory<Scalar>& memory, Tens
     const TensorView<const Scalar> keys = as_b1td(memory.annotations.cview());
     AttentionParams<Scalar> params{.q = cache.query.cview(), .k = keys, .v = keys, .scale = std::nullopt, .mask = {}};
     params.mask.allowed = memory.allowed.cview();
-    attention_forward_reference<Scalar>(
-        params, {.out = as_b11d(context), .weights = make_view(cache.alpha.data(), Shape{batch, 1, 1, ts}), .lse = std::nullopt});
+    attention_forward_reference<Scalar>(params, {.out = as_b11d(context),
+                                                 .weights = make_view(cache.alpha.data(), Shape{batch, 1, 1, ts}),
+                                                 .lse = std::nullopt});
     return;
   }
   cache.query = Tensor<Scalar>(Shape{batch, hidden_});
@@ -310,8 +317,9 @@ void DecoderAttention<Scalar>::backward(const EncoderMemory<Scalar>& memory, con
     params.mask.allowed = memory.allowed.cview();
     Tensor<Scalar> dq(cache.query.shape());
     Tensor<Scalar> dv(Shape{batch, 1, ts, width});
-    attention_backward_reference<Scalar>(params, as_b11d(dcontext),
-                                         {.dq = dq.view(), .dk = as_b1td(dmemory.annotations.view()), .dv = dv.view(), .dbias = std::nullopt});
+    attention_backward_reference<Scalar>(
+        params, as_b11d(dcontext),
+        {.dq = dq.view(), .dk = as_b1td(dmemory.annotations.view()), .dv = dv.view(), .dbias = std::nullopt});
     add_into(as_b1td(dmemory.annotations.view()), dv);
     linear_backward<Scalar>({.x = cache.query_state.cview(), .w = w_q_.value.cview(), .b = b_q_.value.cview()},
                             make_view<const Scalar>(dq.data(), Shape{batch, width}),
@@ -378,10 +386,12 @@ namespace {
 
 Seq2SeqConfig checked(const Seq2SeqConfig& c) {
   if (c.source_vocabulary <= kSpecialTokens) {
-    throw ValueError(fmt::format("source_vocabulary: expected more than the 3 special tokens, got {}", c.source_vocabulary));
+    throw ValueError(
+        fmt::format("source_vocabulary: expected more than the 3 special tokens, got {}", c.source_vocabulary));
   }
   if (c.target_vocabulary <= kSpecialTokens) {
-    throw ValueError(fmt::format("target_vocabulary: expected more than the 3 special tokens, got {}", c.target_vocabulary));
+    throw ValueError(
+        fmt::format("target_vocabulary: expected more than the 3 special tokens, got {}", c.target_vocabulary));
   }
   check_positive("embedding", c.embedding);
   check_positive("encoder_hidden", c.encoder_hidden);
@@ -443,14 +453,15 @@ EncoderMemory<Scalar> Seq2Seq<Scalar>::encode(TensorView<const int64_t> source, 
 template <class Scalar>
 Tensor<Scalar> Seq2Seq<Scalar>::initial_state(const EncoderMemory<Scalar>& memory) const {
   Tensor<Scalar> s(Shape{memory.summary.shape()[0], config_.decoder_hidden});
-  linear_forward<Scalar>({.x = memory.summary.cview(), .w = w_init_.value.cview(), .b = b_init_.value.cview()}, s.view());
+  linear_forward<Scalar>({.x = memory.summary.cview(), .w = w_init_.value.cview(), .b = b_init_.value.cview()},
+                         s.view());
   for (Scalar& v : s.values()) v = std::tanh(v);
   return s;
 }
 
 template <class Scalar>
-DecoderStepOutputs<Scalar> Seq2Seq<Scalar>::step_forward(const EncoderMemory<Scalar>& memory, TensorView<const Scalar> x,
-                                                         TensorView<const Scalar> s,
+DecoderStepOutputs<Scalar> Seq2Seq<Scalar>::step_forward(const EncoderMemory<Scalar>& memory,
+                                                         TensorView<const Scalar> x, TensorView<const Scalar> s,
                                                          DecoderStepCache<Scalar>& cache) const {
   const int64_t batch = memory.annotations.shape()[0], width = 2 * config_.encoder_hidden, e = config_.embedding;
   check_shape("x", x.shape, Shape{batch, e});
@@ -542,14 +553,16 @@ void Seq2Seq<Scalar>::backward(TensorView<const Scalar> dlogits) {
   for (int64_t i = tt - 1; i >= 0; --i) {
     const Tensor<Scalar> dlogits_i = time_slice(dlogits_all, i);
     Tensor<Scalar> dx(Shape{b, e}), ds(Shape{b, hd});
-    step_backward(memory_, steps_[static_cast<size_t>(i)], dlogits_i.cview(), ds_next.cview(), dx.view(), ds.view(), dmemory);
+    step_backward(memory_, steps_[static_cast<size_t>(i)], dlogits_i.cview(), ds_next.cview(), dx.view(), ds.view(),
+                  dmemory);
     for (int64_t n = 0; n < b; ++n) std::copy_n(dx.data() + n * e, e, dtarget_x.data() + (n * tt + i) * e);
     ds_next = std::move(ds);
   }
   // s_0 = tanh(pre): dpre = ds_0 ∘ (1 − s_0²).
   for (int64_t k = 0; k < ds_next.numel(); ++k) ds_next[k] *= Scalar{1} - s0_[k] * s0_[k];
   linear_backward<Scalar>({.x = memory_.summary.cview(), .w = w_init_.value.cview(), .b = b_init_.value.cview()},
-                          ds_next.cview(), {.dx = dmemory.summary.view(), .dw = w_init_.grad.view(), .db = b_init_.grad.view()});
+                          ds_next.cview(),
+                          {.dx = dmemory.summary.view(), .dw = w_init_.grad.view(), .db = b_init_.grad.view()});
   target_embedding_.backward(target_cache_, dtarget_x.cview());
 
   attention_.prepare_backward(memory_, dmemory);

@@ -47,13 +47,15 @@ constexpr std::array<Entry, 6> kTransitive = {{{"sees", "vidas"},
                                                {"finds", "trovas"},
                                                {"paints", "pentras"},
                                                {"helps", "helpas"}}};
-constexpr std::array<Entry, 4> kIntransitive = {{{"sleeps", "dormas"}, {"runs", "kuras"}, {"sings", "kantas"}, {"waits", "atendas"}}};
+constexpr std::array<Entry, 4> kIntransitive = {
+    {{"sleeps", "dormas"}, {"runs", "kuras"}, {"sings", "kantas"}, {"waits", "atendas"}}};
 constexpr std::array<Entry, 5> kPrepositions = {
     {{"in", "ene"}, {"near", "apud"}, {"under", "sube"}, {"behind", "malantau"}, {"with", "kune"}}};
 constexpr std::array<Entry, 3> kAdverbs = {{{"quickly", "rapide"}, {"often", "ofte"}, {"today", "hodiau"}}};
 
 template <size_t N>
-void add_words(const std::array<Entry, N>& entries, std::vector<std::string>& source, std::vector<std::string>& target) {
+void add_words(const std::array<Entry, N>& entries, std::vector<std::string>& source,
+               std::vector<std::string>& target) {
   for (const Entry& e : entries) {
     source.emplace_back(e.source);
     target.emplace_back(e.target);
@@ -84,8 +86,8 @@ class Builder {
     std::vector<int64_t> adjectives;
     for (int64_t k = draw(rng, 3); k > 0; --k) {
       adjectives.push_back(word(kAdjectives, rng));
-      while (adjectives.size() == 2 && pair_.source[static_cast<size_t>(adjectives[0])] ==
-                                           pair_.source[static_cast<size_t>(adjectives[1])]) {
+      while (adjectives.size() == 2 &&
+             pair_.source[static_cast<size_t>(adjectives[0])] == pair_.source[static_cast<size_t>(adjectives[1])]) {
         redraw_last(kAdjectives, rng);
       }
     }
@@ -159,7 +161,8 @@ const ToyLanguage& toy_language() {
 int64_t toy_word_class(int64_t id) {
   static const std::vector<int64_t> classes = [] {
     std::vector<int64_t> c(static_cast<size_t>(kSpecialTokens), -1);
-    const size_t sizes[] = {kDeterminers.size(), kNouns.size(), kAdjectives.size(), kTransitive.size() + kIntransitive.size(),
+    const size_t sizes[] = {kDeterminers.size(),  kNouns.size(),
+                            kAdjectives.size(),   kTransitive.size() + kIntransitive.size(),
                             kPrepositions.size(), kAdverbs.size()};
     for (size_t k = 0; k < std::size(sizes); ++k) c.insert(c.end(), sizes[k], static_cast<int64_t>(k));
     return c;

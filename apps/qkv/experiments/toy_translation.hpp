@@ -40,8 +40,8 @@ struct ToyLanguage {
 const ToyLanguage& toy_language();
 
 // The word classes, in the order of toy_word_class's answers.
-inline constexpr std::string_view kToyWordClasses[] = {"determiner", "noun", "adjective", "verb", "preposition",
-                                                       "adverb"};
+inline constexpr std::string_view kToyWordClasses[] = {"determiner", "noun",        "adjective",
+                                                       "verb",       "preposition", "adverb"};
 // The class of a word id, in either language (the lexicons are parallel): an index into
 // kToyWordClasses; −1 for the special tokens.
 int64_t toy_word_class(int64_t id);
