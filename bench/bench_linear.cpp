@@ -36,18 +36,11 @@ enum class Pass { forward, input_grad, weight_grad };
 
 constexpr const char* kPassNames[] = {"Forward", "InputGrad", "WeightGrad"};
 
+// The inputs of every pass: x [rows, In], w [Out, In], b [Out], dy [rows, Out].
 struct Problem {
-  qkv::Tensor<float> x, w, b, y, dy, dx, dw, db;
+  qkv::Tensor<float> x, w, b, dy;
 
-  Problem(int64_t rows, int64_t in, int64_t out)
-      : x({rows, in}),
-        w({out, in}),
-        b({out}),
-        y({rows, out}),
-        dy({rows, out}),
-        dx({rows, in}),
-        dw({out, in}),
-        db({out}) {
+  Problem(int64_t rows, int64_t in, int64_t out) : x({rows, in}), w({out, in}), b({out}), dy({rows, out}) {
     qkv::Rng rng(1);
     for (qkv::Tensor<float>* t : {&x, &dy}) rng.fill_normal(t->view());
     qkv::linear_init(w.view(), std::optional(b.view()), rng);
@@ -78,7 +71,7 @@ void linear(benchmark::State& state) {
   const int saved_workers = qkv::max_workers();
   qkv::set_max_workers(static_cast<int>(state.range(5)));
   Problem p(rows, in, out);
-  qkv::Tensor<float> y(p.y.shape()), dx(p.dx.shape()), dw(p.dw.shape()), db(p.db.shape());
+  qkv::Tensor<float> y(p.dy.shape()), dx(p.x.shape()), dw(p.w.shape()), db(p.b.shape());
   for (auto _ : state) {
     run_pass(p, pass, impl, y, dx, dw, db);
     benchmark::DoNotOptimize(y.data());

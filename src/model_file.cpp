@@ -318,13 +318,11 @@ void load_parameters(const ModelFile& model, const std::vector<ParameterRef<T>>&
   }
 }
 
-#define QKV_INSTANTIATE_MODEL_FILE(T)                                                    \
-  template void store_parameters(ModelFile&, const std::vector<ParameterRef<T>>&);       \
-  template void store_parameters(ModelFile&, const std::vector<ParameterRef<const T>>&); \
-  template void load_parameters(const ModelFile&, const std::vector<ParameterRef<T>>&);
-
-QKV_INSTANTIATE_MODEL_FILE(float)
-QKV_INSTANTIATE_MODEL_FILE(double)
-#undef QKV_INSTANTIATE_MODEL_FILE
+template void store_parameters(ModelFile&, const std::vector<ParameterRef<float>>&);
+template void store_parameters(ModelFile&, const std::vector<ParameterRef<const float>>&);
+template void store_parameters(ModelFile&, const std::vector<ParameterRef<double>>&);
+template void store_parameters(ModelFile&, const std::vector<ParameterRef<const double>>&);
+template void load_parameters(const ModelFile&, const std::vector<ParameterRef<float>>&);
+template void load_parameters(const ModelFile&, const std::vector<ParameterRef<double>>&);
 
 }  // namespace qkv

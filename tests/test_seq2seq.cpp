@@ -31,7 +31,9 @@ namespace qkv::cli {
 
 // gtest names a failing case by this, not by the enum's bytes (found by argument-dependent lookup,
 // so it lives in Score's namespace).
-void PrintTo(Score score, std::ostream* os) { *os << score_name(score); }
+void PrintTo(Score score, std::ostream* os) {  // NOLINT(readability-identifier-naming): gtest looks it up by name
+  *os << score_name(score);
+}
 
 namespace {
 

@@ -375,11 +375,13 @@ Report run_alignment(const ExperimentOptions& options) {
   const std::vector<Score> scores = {Score::additive, Score::scaled_dot, Score::none};
 
   std::vector<TrainedModel> models;
+  models.reserve(scores.size());
   for (const Score score : scores) models.push_back(train(s, score, data, options.seed));
 
   Progress eval_progress("[alignment] test split", static_cast<int64_t>(scores.size() * data.test.size()), "sentences");
   int64_t evaluated = 0;
   std::vector<Evaluation> evaluations;
+  evaluations.reserve(models.size());
   for (TrainedModel& m : models) evaluations.push_back(evaluate(*m.model, data.test, eval_progress, evaluated));
   eval_progress.done();
 

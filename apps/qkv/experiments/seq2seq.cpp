@@ -129,6 +129,7 @@ std::vector<int64_t> Vocabulary::encode(const std::vector<std::string>& words, s
 
 std::vector<std::string> Vocabulary::decode(const std::vector<int64_t>& ids) const {
   std::vector<std::string> words;
+  words.reserve(ids.size());
   for (const int64_t id : ids) words.push_back(id >= 0 && id < size() ? word(id) : fmt::format("<{}?>", id));
   return words;
 }
