@@ -13,6 +13,9 @@ packages=(
   libgtest-dev libgmock-dev libbenchmark-dev
   # the independent reference the tests compare against (never linked into the library)
   python3 python3-numpy python3-torch
+  # PyTorch's BLAS for bench/compare_torch.py: without it Debian's torch falls back to the
+  # reference BLAS (about 5 GFLOP/s here), which would make PyTorch a straw man
+  libopenblas0-pthread
   # heatmaps as images (cairo + pango, CJK glyphs) and their tests (xmllint; Chromium for the HTML page)
   libcairo2-dev libpango1.0-dev fonts-noto-cjk libxml2-utils chromium
   # line plots of the experiments

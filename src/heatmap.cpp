@@ -401,6 +401,13 @@ Figure make_figure(TensorView<const T> alpha, const HeatmapOptions& options, Hea
   f.title = sanitize_label(options.title);
   f.colormap = options.colormap;
   f.annotate = options.annotate;
+  for (const auto& [row, col] : options.marked_cells) {
+    if (row < 0 || row >= f.tq || col < 0 || col >= f.tk) {
+      throw ValueError(fmt::format("marked_cells: expected (row, column) within [0, {}) × [0, {}) of {}, got ({}, {})",
+                                   f.tq, f.tk, described, row, col));
+    }
+  }
+  f.marked_cells = options.marked_cells;
   f.float32 = std::is_same_v<T, float>;
 
   const bool page = format == HeatmapFormat::html;

@@ -140,6 +140,37 @@ void draw_cells(cairo_t* cr, const Figure& f, const Panel& panel, const HeatmapP
   cairo_restore(cr);
 }
 
+// The area between two nested rectangles, the inner one inset by `inset` on every side.
+void fill_frame(cairo_t* cr, double x, double y, double w, double h, double inset, Rgb color) {
+  set_color(cr, color);
+  cairo_save(cr);
+  cairo_set_fill_rule(cr, CAIRO_FILL_RULE_EVEN_ODD);
+  cairo_rectangle(cr, x, y, w, h);
+  cairo_rectangle(cr, x + inset, y + inset, w - 2 * inset, h - 2 * inset);
+  cairo_fill(cr);
+  cairo_restore(cr);
+}
+
+// Outlines sit inside their cell, on whole pixels, so that neighbouring marks stay apart and the
+// frame is crisp in a PNG.
+void draw_marks(cairo_t* cr, const Figure& f, const HeatmapPanelLayout& p) {
+  const auto cw = static_cast<double>(p.cell_width);
+  const auto ch = static_cast<double>(p.cell_height);
+  const auto width = static_cast<double>(kMarkWidth);
+  for (const auto& [i, j] : f.marked_cells) {
+    const double x = static_cast<double>(p.matrix.x) + static_cast<double>(j) * cw;
+    const double y = static_cast<double>(p.matrix.y) + static_cast<double>(i) * ch;
+    if (!mark_has_outline(p.cell_width, p.cell_height)) {
+      fill_rect(cr, x, y, cw, ch, kMarkColor);
+      continue;
+    }
+    fill_frame(cr, x, y, cw, ch, width, kMarkColor);
+    if (mark_has_lining(p.cell_width, p.cell_height)) {
+      fill_frame(cr, x + width, y + width, cw - 2 * width, ch - 2 * width, 1.0, kMarkLining);
+    }
+  }
+}
+
 void draw_panel(cairo_t* cr, TextPainter& text, const Figure& f, const Panel& panel, const HeatmapPanelLayout& p,
                 bool vector_seams) {
   const auto mx = static_cast<double>(p.matrix.x);
@@ -151,6 +182,7 @@ void draw_panel(cairo_t* cr, TextPainter& text, const Figure& f, const Panel& pa
               static_cast<double>(p.caption.y) + static_cast<double>(p.caption.height) / 2, Anchor::centre);
   }
   draw_cells(cr, f, panel, p, vector_seams);
+  draw_marks(cr, f, p);
 
   if (f.annotate) {
     for (int64_t i = 0; i < f.tq; ++i) {

@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <string>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 #include "qkv/heatmap.hpp"
@@ -34,6 +35,12 @@ inline constexpr int64_t kLabelGap = 3;  // between a tick and its label
 inline constexpr Rgb kInk = {34, 34, 34};
 inline constexpr Rgb kMutedInk = {85, 85, 85};
 
+// A marked cell's outline: kMarkWidth px of kMarkColor on the cell's edge, lined inside with 1 px of
+// kMarkLining. No colour map is pure red, and the lining parts the frame from a red-ish cell.
+inline constexpr Rgb kMarkColor = {255, 0, 0};
+inline constexpr Rgb kMarkLining = {255, 255, 255};
+inline constexpr int64_t kMarkWidth = 2;
+
 // One [Tq, Tk] matrix of the figure.
 struct Panel {
   int64_t head = 0;
@@ -53,6 +60,7 @@ struct Figure {
   std::string title;
   Colormap colormap = Colormap::viridis;
   bool annotate = false;
+  std::vector<std::pair<int64_t, int64_t>> marked_cells;  // (row, column), checked
   bool float32 = false;       // alpha was float: values are written as the shortest float that reads back
   std::vector<Panel> panels;  // what an image draws (one head, or every head); the page carries all
   HeatmapLayout layout;       // of the image; the page lays itself out
@@ -90,6 +98,15 @@ void configure_context(PangoContext* context);
 
 // `text` in the style: kFontFamily at `size` px, bold or not.
 void set_text(PangoLayout* layout, std::string_view text, double size, bool bold);
+
+// Whether a marked cell of this size has room for the outline (else it is filled with kMarkColor)
+// and for the lining inside it.
+inline bool mark_has_outline(int64_t cell_width, int64_t cell_height) {
+  return cell_width > 2 * kMarkWidth && cell_height > 2 * kMarkWidth;
+}
+inline bool mark_has_lining(int64_t cell_width, int64_t cell_height) {
+  return cell_width > 2 * kMarkWidth + 2 && cell_height > 2 * kMarkWidth + 2;
+}
 
 // ---- renderers -----------------------------------------------------------------------------------
 

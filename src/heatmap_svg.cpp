@@ -4,9 +4,10 @@
 // be searched and selected, and it can be restyled or edited. The layout is the PNG's, measured with
 // pango in the same fonts, which the file names first in its font-family list.
 //
-// Only cells are <rect> elements (the background, frames and ticks are <path>s), so a reader can
-// count them. A matrix of more than kMaxVectorCells cells is one embedded PNG, a pixel per cell,
-// scaled without smoothing: a million <rect>s would make a file of a hundred megabytes.
+// Only cells and the outlines of marked cells are <rect> elements (the background, frames and ticks
+// are <path>s), and the cells' are the children of <g class="cells">, so a reader can count them. A
+// matrix of more than kMaxVectorCells cells is one embedded PNG, a pixel per cell, scaled without
+// smoothing: a million <rect>s would make a file of a hundred megabytes.
 
 #include <fmt/format.h>
 
@@ -89,6 +90,41 @@ void rotated_text(std::string& out, std::string_view content, double size, Rgb c
   out += '\n';
 }
 
+// The outlines of the marked cells, as the PNG draws them: inside the cell, on whole pixels.
+void marks_svg(std::string& out, const Figure& f, const HeatmapPanelLayout& p) {
+  if (f.marked_cells.empty()) return;
+  const auto cw = static_cast<double>(p.cell_width);
+  const auto ch = static_cast<double>(p.cell_height);
+  const auto width = static_cast<double>(kMarkWidth);
+  out += "<g class=\"marks\" shape-rendering=\"crispEdges\">\n";
+  for (const auto& [i, j] : f.marked_cells) {
+    const double x = static_cast<double>(p.matrix.x) + static_cast<double>(j) * cw;
+    const double y = static_cast<double>(p.matrix.y) + static_cast<double>(i) * ch;
+    const std::string tooltip =
+        fmt::format("<title>marked: {} → {}</title>", xml_escape(f.row_labels[static_cast<size_t>(i)]),
+                    xml_escape(f.col_labels[static_cast<size_t>(j)]));
+    if (!mark_has_outline(p.cell_width, p.cell_height)) {
+      fmt::format_to(std::back_inserter(out), R"svg(<rect x="{}" y="{}" width="{}" height="{}" fill="{}">{}</rect>)svg",
+                     x, y, cw, ch, hex(kMarkColor), tooltip);
+      out += '\n';
+      continue;
+    }
+    // A stroke is centred on its path: half its width in from the cell's edge puts it inside.
+    fmt::format_to(
+        std::back_inserter(out),
+        R"svg(<rect x="{}" y="{}" width="{}" height="{}" fill="none" stroke="{}" stroke-width="{}">{}</rect>)svg",
+        x + width / 2, y + width / 2, cw - width, ch - width, hex(kMarkColor), width, tooltip);
+    out += '\n';
+    if (mark_has_lining(p.cell_width, p.cell_height)) {
+      fmt::format_to(std::back_inserter(out),
+                     R"svg(<rect x="{}" y="{}" width="{}" height="{}" fill="none" stroke="{}" stroke-width="1"/>)svg",
+                     x + width + 0.5, y + width + 0.5, cw - 2 * width - 1, ch - 2 * width - 1, hex(kMarkLining));
+      out += '\n';
+    }
+  }
+  out += "</g>\n";
+}
+
 void panel_svg(std::string& out, const Figure& f, const Panel& panel, const HeatmapPanelLayout& p) {
   const auto mx = static_cast<double>(p.matrix.x);
   const auto my = static_cast<double>(p.matrix.y);
@@ -122,6 +158,7 @@ void panel_svg(std::string& out, const Figure& f, const Panel& panel, const Heat
         mx, my, p.matrix.width, p.matrix.height, base64(matrix_png(f, panel)));
     out += '\n';
   }
+  marks_svg(out, f, p);
   if (f.annotate) {
     out += "<g class=\"annotations\">\n";
     for (int64_t i = 0; i < f.tq; ++i) {

@@ -645,6 +645,105 @@ TEST(HeatmapSvg, OneRectPerCellWithItsExactValue) {
   EXPECT_EQ(count(render_heatmap(heads.cview(), HeatmapFormat::svg, one), "<rect "), 4U * 5);
 }
 
+TEST(HeatmapPng, MarkedCellsHaveARedFrameInsideTheCell) {
+  const Tensor<float> alpha = softmax_rows({5, 7}, 23);
+  HeatmapOptions options;
+  options.marked_cells = {{1, 2}, {2, 2}, {4, 6}};
+  const Image image(render_heatmap(alpha.cview(), HeatmapFormat::png, options));
+  ASSERT_TRUE(image.ok());
+  const HeatmapLayout layout = heatmap_layout(alpha.cview(), options);
+  const HeatmapPanelLayout& p = layout.panels[0];
+  ASSERT_GT(p.cell_width, 8);
+  ASSERT_GT(p.cell_height, 8);
+  const Rgb red{255, 0, 0};
+  const Rgb white{255, 255, 255};
+  // The outer two pixels of every side are red, the next one white, and the centre keeps its colour.
+  const auto border = [&](int64_t i, int64_t j, int64_t inset) {
+    const int64_t x0 = p.matrix.x + j * p.cell_width;
+    const int64_t y0 = p.matrix.y + i * p.cell_height;
+    const int64_t x1 = x0 + p.cell_width - 1;
+    const int64_t y1 = y0 + p.cell_height - 1;
+    const int64_t xm = x0 + p.cell_width / 2;
+    const int64_t ym = y0 + p.cell_height / 2;
+    return std::vector<Rgb>{image.at(xm, y0 + inset),         image.at(xm, y1 - inset),
+                            image.at(x0 + inset, ym),         image.at(x1 - inset, ym),
+                            image.at(x0 + inset, y0 + inset), image.at(x1 - inset, y1 - inset)};
+  };
+  for (const auto& [i, j] : options.marked_cells) {
+    for (int64_t inset = 0; inset < 2; ++inset) {
+      for (const Rgb c : border(i, j, inset)) EXPECT_EQ(c, red) << "cell [" << i << ", " << j << "]: " << str(c);
+    }
+    for (const Rgb c : border(i, j, 2)) EXPECT_EQ(c, white) << "cell [" << i << ", " << j << "]: " << str(c);
+  }
+  // Every other cell is its colour up to its edge, and the centres of all cells are untouched.
+  for (int64_t i = 0; i < 5; ++i) {
+    for (int64_t j = 0; j < 7; ++j) {
+      if (std::ranges::find(options.marked_cells, std::pair<int64_t, int64_t>{i, j}) != options.marked_cells.end()) {
+        continue;
+      }
+      const Rgb want = expected_color(layout, Colormap::viridis, alpha[i * 7 + j]);
+      for (int64_t inset = 0; inset < 3; ++inset) {
+        for (const Rgb c : border(i, j, inset)) {
+          EXPECT_EQ(c, want) << "unmarked cell [" << i << ", " << j << "]: " << str(c);
+        }
+      }
+    }
+  }
+  EXPECT_EQ(check_cell_centres(image, layout, p, alpha, Colormap::viridis), 5 * 7);
+}
+
+TEST(HeatmapPng, MarkedCellsOfEveryPanelAndOfTinyCells) {
+  // A grid marks the cell in each head; one-pixel cells are filled red, as a frame would not fit.
+  const Tensor<float> heads = softmax_rows({2, 3, 4}, 24);
+  HeatmapOptions options;
+  options.marked_cells = {{0, 3}};
+  const Image grid(render_heatmap(heads.cview(), HeatmapFormat::png, options));
+  const HeatmapLayout layout = heatmap_layout(heads.cview(), options);
+  ASSERT_EQ(layout.panels.size(), 2U);
+  for (const HeatmapPanelLayout& p : layout.panels) {
+    EXPECT_EQ(grid.at(p.matrix.x + 3 * p.cell_width, p.matrix.y), (Rgb{255, 0, 0})) << "head " << p.head;
+  }
+  const Tensor<float> large = softmax_rows({1024, 1024}, 25);
+  HeatmapOptions one;
+  one.marked_cells = {{500, 600}};
+  const Image image(render_heatmap(large.cview(), HeatmapFormat::png, one));
+  const HeatmapPanelLayout p = heatmap_layout(large.cview(), one).panels[0];
+  ASSERT_EQ(p.cell_width, 1);
+  EXPECT_EQ(image.at(p.matrix.x + 600, p.matrix.y + 500), (Rgb{255, 0, 0}));
+}
+
+TEST(HeatmapLayout, RefusesMarkedCellsOutOfRange) {
+  const Tensor<float> alpha = softmax_rows({2, 3}, 26);
+  for (const auto& cell : {std::pair<int64_t, int64_t>{2, 0}, {0, 3}, {-1, 1}, {1, -1}}) {
+    HeatmapOptions options;
+    options.marked_cells = {{0, 0}, cell};
+    const std::string got = fmt::format("got ({}, {})", cell.first, cell.second);
+    for (const HeatmapFormat format : {HeatmapFormat::png, HeatmapFormat::svg, HeatmapFormat::pdf}) {
+      EXPECT_TRUE(throws_naming<ValueError>([&] { render_heatmap(alpha.cview(), format, options); },
+                                            {"marked_cells:", "[0, 2) × [0, 3)", "[2, 3]", got}));
+    }
+  }
+}
+
+TEST(HeatmapSvg, MarkedCellsAreOutlinesAfterTheCells) {
+  const Tensor<float> alpha = softmax_rows({3, 4}, 27);
+  HeatmapOptions options;
+  options.row_labels = {"a", "b", "c"};
+  options.col_labels = {"w", "x", "y", "z"};
+  options.marked_cells = {{0, 1}, {2, 3}};
+  const std::string svg = render_heatmap(alpha.cview(), HeatmapFormat::svg, options);
+  const size_t cells = svg.find("<g class=\"cells\"");
+  const size_t marks = svg.find("<g class=\"marks\"");
+  ASSERT_NE(cells, std::string::npos);
+  ASSERT_NE(marks, std::string::npos);
+  EXPECT_LT(cells, marks);
+  // The cells' group still holds one <rect> per cell; the marks are outlines, not fills.
+  EXPECT_EQ(count(svg.substr(cells, marks - cells), "<rect "), 3U * 4);
+  EXPECT_EQ(count(svg.substr(marks), "fill=\"none\" stroke=\"#ff0000\""), 2U);
+  EXPECT_NE(svg.find("<title>marked: c → z</title>"), std::string::npos);
+  EXPECT_EQ(count(render_heatmap(alpha.cview(), HeatmapFormat::svg, {}), "class=\"marks\""), 0U);
+}
+
 TEST(HeatmapSvg, LargeMatricesEmbedOnePixelImage) {
   const Tensor<float> alpha = softmax_rows({200, 200}, 21);
   const std::string svg = render_heatmap(alpha.cview(), HeatmapFormat::svg, {});

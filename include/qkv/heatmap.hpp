@@ -25,6 +25,7 @@
 #include <optional>
 #include <string>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 #include "qkv/colormap.hpp"
@@ -61,6 +62,10 @@ struct HeatmapOptions {
   // Which head of a rank-3 or rank-4 alpha: images draw it alone, and the page opens at it. None:
   // images draw every head as a grid. Must be empty or 0 for rank 2.
   std::optional<int64_t> head;
+  // Cells (query row, key column) outlined in every drawn panel, e.g. a gold alignment: a 2 px red
+  // frame with a 1 px white lining inside, visible on any colour map. Each must lie in [0, Tq) ×
+  // [0, Tk); the page ignores them.
+  std::vector<std::pair<int64_t, int64_t>> marked_cells;
 };
 
 // A rectangle of whole pixels; width or height 0 when there is nothing there.
@@ -99,7 +104,8 @@ struct HeatmapLayout {
 // alpha [Tq, Tk], [H, Tq, Tk] or [B, H, Tq, Tk] → where everything of the image goes. Throws
 // ShapeError for another rank, Tq or Tk of 0, a label list that is neither empty nor one per row
 // (column), or a batch or head out of range; ValueError for a non-finite value, a bad vmin/vmax,
-// or an image beyond 32767 pixels a side (cairo's limit; a message says what made it so big).
+// a marked cell out of range, or an image beyond 32767 pixels a side (cairo's limit; a message
+// says what made it so big).
 template <class T>
 HeatmapLayout heatmap_layout(TensorView<const T> alpha, const HeatmapOptions& options);
 

@@ -141,11 +141,12 @@ def check_experiment(out):
             fail(f"{svg.name} was not written")
             continue
         text = svg.read_text()
-        marks = re.findall(r'<path d="M(\d+) (\d+)h\d+v\d+h-\d+z"><title>gold: ', text)
-        if not text.rstrip().endswith("</svg>") or 'class="gold-alignment"' not in text or len(marks) < 4:
+        marks = re.findall(r'<rect x="(\d+)" y="(\d+)" width="\d+" height="\d+" fill="none" stroke="#ff0000" '
+                           r'stroke-width="2"><title>marked: ', text)
+        if not text.rstrip().endswith("</svg>") or 'class="marks"' not in text or len(marks) < 4:
             fail(f"{svg.name}: no gold-alignment outlines ({len(marks)} marks)")
-        # Each outline sits one pixel inside a cell that the renderer drew.
-        cells = set(re.findall(r'<rect x="(\d+)" y="(\d+)"', text))
+        # Each outline's 2 px stroke is centred one pixel inside a cell that the renderer drew.
+        cells = set(re.findall(r'<rect x="(\d+)" y="(\d+)" width="\d+" height="\d+" fill="#', text))
         for x, y in marks:
             if (str(int(x) - 1), str(int(y) - 1)) not in cells:
                 fail(f"{svg.name}: the gold outline at ({x}, {y}) is not on a cell")

@@ -2,7 +2,7 @@
 """`qkv heatmap`, `qkv demo`'s pictures and `qkv attend --heatmap` from the command line.
 
 Happy paths: every format is written whole (PNG, PDF and HTML by their signature; SVG parsed by
-libxml2's xmllint with one <rect> per cell); the terminal grid under NO_COLOR is exact, stable text;
+libxml2's xmllint with one <rect> per cell in its cells group); the terminal grid under NO_COLOR is exact, stable text;
 colour only when asked or on a terminal. Refusals: exit code 2, one error line naming the argument
 at fault, and the directory exactly as it was (no output, no temporary file, an existing output left
 untouched). Rows that do not sum to 1 are drawn with a warning. The pixels of the PNGs are checked
@@ -47,12 +47,13 @@ class HeatmapSuite(Suite):
         return None if head.startswith(signature) else f"{name} starts with {head!r}"
 
     def svg_rects(self, name):
-        """(None, the number of <rect> elements) if xmllint parses the file, else (the problem, 0)."""
+        """(None, the number of cell <rect>s) if xmllint parses the file, else (the problem, 0). Cells are the
+        <rect>s of the <g class="cells"> groups: marked cells add outline <rect>s of their own."""
         parse = subprocess.run(["xmllint", "--noout", self.path(name)], capture_output=True, text=True)
         if parse.returncode != 0:
             return f"xmllint refuses {name}: {parse.stderr.strip()}", 0
-        count = subprocess.run(["xmllint", "--xpath", 'count(//*[local-name()="rect"])', self.path(name)],
-                               capture_output=True, text=True)
+        cells = 'count(//*[local-name()="g"][@class="cells"]/*[local-name()="rect"])'
+        count = subprocess.run(["xmllint", "--xpath", cells, self.path(name)], capture_output=True, text=True)
         return None, int(float(count.stdout.strip()))
 
 

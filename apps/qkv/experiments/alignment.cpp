@@ -25,8 +25,8 @@
 //   alignment_by_class.csv  alignment accuracy per class of target word (determiner, noun, ...)
 //   training.csv    training loss per step; validation.csv validation loss and token accuracy
 //   heatmap_*.png   α of three test sentences (rows: target words, columns: source words), under
-//                   teacher forcing; the row labels name each word's gold source word, and the
-//                   .svg twins outline the gold cells
+//                   teacher forcing, the gold cells outlined in red; the row labels name each
+//                   word's gold source word; .svg twins of the same, with each cell's value as a tooltip
 //   model_*.qkvm    the trained models, for `qkv translate --model FILE "sentence"`
 
 #include <fmt/format.h>
@@ -38,6 +38,7 @@
 #include <filesystem>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "experiments.hpp"
@@ -328,25 +329,11 @@ std::vector<std::string> row_labels(const SentencePair& pair) {
   return labels;
 }
 
-// The SVG heatmap with every gold cell (i, alignment[i]) outlined. The outline is a <path>, as the
-// renderer keeps <rect> for cells only; it is placed by heatmap_layout, the geometry the renderer
-// itself draws with, and inset by one pixel so that neighbouring outlines stay apart.
-std::string svg_with_gold(const Tensor<float>& alpha, const HeatmapOptions& options, const SentencePair& pair) {
-  std::string svg = render_heatmap<float>(alpha.cview(), HeatmapFormat::svg, options);
-  const HeatmapLayout layout = heatmap_layout<float>(alpha.cview(), options);
-  const HeatmapPanelLayout& panel = layout.panels.front();
-  std::string marks = "<g class=\"gold-alignment\" fill=\"none\" stroke=\"#ff3b30\" stroke-width=\"2\">\n";
-  for (size_t i = 0; i < pair.alignment.size(); ++i) {
-    const int64_t x = panel.matrix.x + pair.alignment[i] * panel.cell_width + 1;
-    const int64_t y = panel.matrix.y + static_cast<int64_t>(i) * panel.cell_height + 1;
-    marks += fmt::format("<path d=\"M{} {}h{}v{}h{}z\"><title>gold: {} ← {}</title></path>\n", x, y,
-                         panel.cell_width - 2, panel.cell_height - 2, -(panel.cell_width - 2), i, pair.alignment[i]);
-  }
-  marks += "</g>\n";
-  const size_t end = svg.rfind("</svg>");
-  if (end == std::string::npos) throw IoError("heatmap: the SVG renderer returned no closing </svg>");
-  svg.insert(end, marks);
-  return svg;
+// The gold cells (i, alignment[i]) of a sentence, which its heatmaps outline.
+std::vector<std::pair<int64_t, int64_t>> gold_cells(const SentencePair& pair) {
+  std::vector<std::pair<int64_t, int64_t>> cells;
+  for (size_t i = 0; i < pair.alignment.size(); ++i) cells.emplace_back(static_cast<int64_t>(i), pair.alignment[i]);
+  return cells;
 }
 
 std::string model_file_name(Score score) { return fmt::format("model_{}.qkvm", score_name(score)); }
@@ -542,8 +529,8 @@ Report run_alignment(const ExperimentOptions& options) {
   StagedFiles files;
   std::string heatmap_text =
       "The heatmaps below show α under teacher forcing for three test sentences (rows: target "
-      "words, each labelled with its gold source word after ←; columns: source words). The "
-      "`.svg` twins outline the gold cells in red.\n\n";
+      "words, each labelled with its gold source word after ←; columns: source words); the gold cells "
+      "are outlined in red. The `.svg` twins show each cell's exact value on hover.\n\n";
   const std::vector<size_t> chosen = heatmap_sentences(data.test);
   for (size_t k = 0; k < models.size(); ++k) {
     if (models[k].score == Score::none) continue;
@@ -556,12 +543,14 @@ Report run_alignment(const ExperimentOptions& options) {
       heatmap.title = fmt::format("{}: {}", model_label(models[k].score), join_words(heatmap.col_labels));
       heatmap.vmin = 0.0;
       heatmap.vmax = 1.0;
+      heatmap.marked_cells = gold_cells(pair);
       const std::string stem = fmt::format("heatmap_{}_{}", score_name(models[k].score), c + 1);
       files.stage(options.directory / (stem + ".png"),
                   render_heatmap<float>(alpha.cview(), HeatmapFormat::png, heatmap));
-      files.stage(options.directory / (stem + ".svg"), svg_with_gold(alpha, heatmap, pair));
-      heatmap_text += fmt::format("![{}, sentence {}]({}.png) ([with gold cells]({}.svg))\n\n",
-                                  model_label(models[k].score), c + 1, stem, stem);
+      files.stage(options.directory / (stem + ".svg"),
+                  render_heatmap<float>(alpha.cview(), HeatmapFormat::svg, heatmap));
+      heatmap_text += fmt::format("![{}, sentence {}]({}.png) ([SVG]({}.svg))\n\n", model_label(models[k].score), c + 1,
+                                  stem, stem);
       if (k == 0 && c == 0) {
         TerminalHeatmapOptions terminal;
         terminal.row_labels = heatmap.row_labels;
