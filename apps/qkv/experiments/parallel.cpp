@@ -45,6 +45,8 @@ namespace {
 constexpr int64_t kMinLength = 1;
 constexpr int64_t kMaxLength = 8192;
 constexpr int kThreadCounts[] = {1, 2};
+// A configuration whose slowest run takes this many times its fastest was disturbed.
+constexpr double kSpreadWarning = 3.0;
 
 enum Stream : uint64_t { kInputStream = 1, kInitStream };
 
@@ -62,7 +64,7 @@ Settings settings_for(const ExperimentOptions& options) {
   std::sort(s.lengths.begin(), s.lengths.end());
   s.lengths.erase(std::unique(s.lengths.begin(), s.lengths.end()), s.lengths.end());
   s.dim = 64;
-  s.repeats = options.quick ? 3 : 9;
+  s.repeats = options.quick ? 3 : 21;
   return s;
 }
 
@@ -126,6 +128,12 @@ Report run_parallel(const ExperimentOptions& options) {
       {.d_model = s.dim, .n_heads = 1, .bias = true, .output_projection = true, .causal = true}, init);
 
   std::vector<Timing> timings;
+  // The widest slowest/fastest ratio among the runs of one configuration: a run that something
+  // else on the machine slowed down shows here.
+  struct Spread {
+    double ratio = 0.0;
+    std::string where;
+  } spread;
   Table raw({{"layer", "{}"}, {"T", "{}"}, {"threads", "{}"}, {"run", "{}"}, {"ms", "{:.4f}"}});
   Progress progress("[parallel] timing forward + backward", static_cast<int64_t>(s.lengths.size()) * s.repeats,
                     "rounds");
@@ -160,6 +168,10 @@ Report run_parallel(const ExperimentOptions& options) {
       for (const Config& config : configs) {
         const size_t t = config.threads == 1 ? 0 : 1;
         (std::string(config.layer) == "rnn" ? timing.rnn_ms : timing.attention_ms)[t] = median(config.ms);
+        const auto [fastest, slowest] = std::minmax_element(config.ms.begin(), config.ms.end());
+        if (*slowest / *fastest > spread.ratio) {
+          spread = {*slowest / *fastest, fmt::format("{}, T = {}, {} thread(s)", config.layer, length, config.threads)};
+        }
       }
       timings.push_back(timing);
     }
@@ -200,6 +212,13 @@ Report run_parallel(const ExperimentOptions& options) {
         "A second thread then waits for a core at every synchronisation, so the 2-thread times and the "
         "speed-ups below measure the contention as much as the layers. Compare `timings.csv`'s spread.",
         load_before, cores));
+  }
+  if (spread.ratio > kSpreadWarning) {
+    report.add_paragraph(fmt::format(
+        "**Warning: the timings were not steady**: the slowest of the {} runs of {} took {:.1f} times its fastest. "
+        "Something else probably ran on the machine during the measurement; the medians hold as long as it "
+        "lasted less than half of the runs (see `timings.csv`).",
+        s.repeats, spread.where, spread.ratio));
   }
 
   Table table({{"T", "{}"},
