@@ -18,9 +18,9 @@
 #include <vector>
 
 #include "qkv/attention.hpp"
-#include "qkv/attention_fused.hpp"
 #include "qkv/parallel.hpp"
 #include "qkv/rng.hpp"
+#include "qkv/simd_target.hpp"
 
 namespace {
 
@@ -78,7 +78,7 @@ void run(benchmark::State& state, AttentionImpl impl) {
   qkv::set_max_workers(saved_workers);
   const double flops = forward_flops(kHeads, t, t, kDim) * (backward ? 3.5 : 1.0);
   state.counters["GFLOP/s"] = benchmark::Counter(flops * 1e-9, benchmark::Counter::kIsIterationInvariantRate);
-  state.SetLabel(qkv::attention_fused_target());
+  state.SetLabel(qkv::simd_target());
 }
 
 void fused(benchmark::State& state) { run(state, AttentionImpl::fused); }

@@ -28,6 +28,7 @@
 #include "qkv/linear.hpp"
 #include "qkv/parallel.hpp"
 #include "qkv/rng.hpp"
+#include "qkv/simd_target.hpp"
 
 namespace {
 
@@ -82,7 +83,7 @@ void linear(benchmark::State& state) {
   qkv::set_max_workers(saved_workers);
   const double flops = 2.0 * static_cast<double>(rows) * static_cast<double>(in) * static_cast<double>(out);
   state.counters["GFLOP/s"] = benchmark::Counter(flops * 1e-9, benchmark::Counter::kIsIterationInvariantRate);
-  state.SetLabel(impl == Impl::blocked ? qkv::linear_target() : "float64 loops");
+  state.SetLabel(impl == Impl::blocked ? qkv::simd_target() : "float64 loops");
 }
 
 struct Shape {

@@ -49,7 +49,11 @@
 //
 // Decode (Tq ≤ 16): one query block per head leaves a single core busy, so the keys are split into
 // chunks, each chunk a task producing (m, l, o) partials, merged per row by log-sum-exp
-// (partials of chunks that saw no key have m = −inf and weigh exactly 0).
+// (partials of chunks that saw no key have m = −inf and weigh exactly 0). A block of at most 4
+// queries (one query per head in decoding) would fill one lane of the query-vector layout, so
+// such blocks take a second layout, AttendFewQueries: lanes along keys, each score a dot product
+// along d, blocks of one vector of keys; there the kernel reads each key and value row once and
+// does little else, so it runs at the pace of memory.
 //
 // All products are one register-blocked micro-kernel, C[R×(C·N)] (+)= A·B: R rows of A broadcast,
 // C vectors of a B row loaded, R·C accumulators held in registers across a chunk of the depth (4×4
@@ -204,6 +208,8 @@ constexpr size_t kKeyBlock = 64;    // Bc: keys per tile
 constexpr int64_t kDecodeQueries = 16;
 constexpr int64_t kDecodeMinChunk = 512;  // keys per chunk at least: merging partials costs Tq·Dv
 constexpr int64_t kDecodeTasks = 64;      // chunks × heads aimed at: enough to balance any core count
+// At most this many queries take the kernel with keys along the lanes (AttendFewQueries).
+constexpr size_t kFewQueries = 4;
 
 // Depth summed in registers before adding to C (see TileUpdate).
 constexpr size_t kDepthChunk = 16;
@@ -431,6 +437,43 @@ HWY_INLINE hn::Vec<D> Scores(D d, const Inputs<T>& in, int64_t b, int64_t h, con
   return s;
 }
 
+// e^x for the softmax, where x ≤ 0 (s − m in the forward; s − lse in the backward, above 0 by at
+// most a rounding). Highway's Exp serves the whole float range; this one needs about 16 vector
+// operations instead of 27, and the exponentials are otherwise a fifth of the forward's vector
+// work. Cody–Waite reduction: n = round(x / ln 2) by the 1.5·2²³ rounding trick (the fused
+// multiply-add rounds x·log₂e + 1.5·2²³ once, leaving n in the low mantissa bits), r = x − n·ln 2
+// with ln 2 split in two so that r is exact to ½ ulp, e^r by the degree-7 polynomial of Cephes'
+// expf (≈ 1 ulp on |r| ≤ ½ ln 2), then 2ⁿ assembled in the exponent bits. x is first raised to
+// −127·ln 2, where n = −127 gives exponent bits 0, so every x below ≈ −87.7 (−inf included)
+// gives exactly 0, as e^x, which is no longer a normal float there, would round to in effect.
+// Valid for x < 88. Doubles keep Highway's Exp: their polynomial would need twice the degree.
+template <class D, class V = hn::Vec<D>>
+HWY_INLINE V SoftmaxExp(D d, V x) {
+  if constexpr (!std::is_same_v<hn::TFromD<D>, float>) {
+    return hn::Exp(d, x);
+  } else {
+    const hn::RebindToSigned<D> di;
+    const V round_magic = hn::Set(d, 12582912.0f);  // 1.5·2²³
+    // Max(bound, x): x86's max returns its second operand when either is NaN, so NaN stays NaN.
+    x = hn::Max(hn::Set(d, -88.02969193f), x);
+    const V shifted = hn::MulAdd(x, hn::Set(d, 1.44269504088896341f), round_magic);
+    const V n = hn::Sub(shifted, round_magic);
+    V r = hn::MulAdd(n, hn::Set(d, -0.693359375f), x);
+    r = hn::MulAdd(n, hn::Set(d, 2.12194440e-4f), r);
+    V poly = hn::Set(d, 1.9875691500e-4f);
+    poly = hn::MulAdd(poly, r, hn::Set(d, 1.3981999507e-3f));
+    poly = hn::MulAdd(poly, r, hn::Set(d, 8.3334519073e-3f));
+    poly = hn::MulAdd(poly, r, hn::Set(d, 4.1665795894e-2f));
+    poly = hn::MulAdd(poly, r, hn::Set(d, 1.6666665459e-1f));
+    poly = hn::MulAdd(poly, r, hn::Set(d, 5.0000001201e-1f));
+    const V e_r = hn::Add(hn::MulAdd(poly, hn::Mul(r, r), r), hn::Set(d, 1.0f));
+    // The low bits of `shifted` hold n (two's complement, offset by the magic's mantissa, whose low
+    // 9 bits are 0); shifting them to the exponent field and adding the bias 127 gives 2ⁿ.
+    const auto exponent = hn::ShiftLeft<23>(hn::Add(hn::BitCast(di, shifted), hn::Set(di, 127)));
+    return hn::Mul(e_r, hn::BitCast(d, exponent));
+  }
+}
+
 // Whether the tile of queries [q0, q0 + nq) and keys from j0 on has any visible pair under causality.
 template <class T>
 bool TileVisible(const Inputs<T>& in, int64_t q0, size_t nq, int64_t j0) {
@@ -482,13 +525,13 @@ HWY_INLINE void OnlineSoftmaxStep(D d, const Inputs<T>& in, int64_t b, int64_t h
     const hn::Vec<D> new_max = hn::Max(old_max, block_max);
     // Rows that have seen no visible key yet keep m = −inf; shifting by 0 there gives exp(−inf) = 0.
     const hn::Vec<D> shift = hn::IfThenZeroElse(hn::Eq(new_max, neg_inf), new_max);
-    const hn::Vec<D> corr = hn::Exp(d, hn::Sub(old_max, shift));
+    const hn::Vec<D> corr = SoftmaxExp(d, hn::Sub(old_max, shift));
     // Summed in chunks like TileUpdate's depth: l's rounding error is out's and lse's.
     hn::Vec<D> block_sum = hn::Zero(d);
     for (size_t c0 = 0; c0 < nk; c0 += kDepthChunk) {
       hn::Vec<D> chunk_sum = hn::Zero(d);
       for (size_t j = c0; j < std::min(nk, c0 + kDepthChunk); ++j) {
-        const hn::Vec<D> p = hn::Exp(d, hn::Sub(hn::Load(d, col + j * ld), shift));
+        const hn::Vec<D> p = SoftmaxExp(d, hn::Sub(hn::Load(d, col + j * ld), shift));
         hn::Store(p, d, col + j * ld);
         chunk_sum = hn::Add(chunk_sum, p);
       }
@@ -497,6 +540,93 @@ HWY_INLINE void OnlineSoftmaxStep(D d, const Inputs<T>& in, int64_t b, int64_t h
     hn::Store(hn::MulAdd(hn::Load(d, s.sum.get() + i), corr, block_sum), d, s.sum.get() + i);
     hn::Store(new_max, d, s.max.get() + i);
     hn::Store(corr, d, s.corr.get() + i);
+  }
+}
+
+// q·k for one query and one key: Dk/N products summed lane-wise, then across the lanes; the last
+// partial vector of columns, if any, one column at a time.
+template <class D, class T = hn::TFromD<D>>
+HWY_INLINE T RowDot(D d, const T* HWY_RESTRICT q, const T* HWY_RESTRICT k, size_t cols) {
+  const size_t N = hn::Lanes(d);
+  hn::Vec<D> lanes = hn::Zero(d);
+  size_t c = 0;
+  for (; c + N <= cols; c += N) lanes = hn::MulAdd(hn::LoadU(d, q + c), hn::LoadU(d, k + c), lanes);
+  T dot = hn::GetLane(hn::SumOfLanes(d, lanes));
+  for (; c < cols; ++c) dot += q[c] * k[c];
+  return dot;
+}
+
+// o_row ← corr·o_row + Σ_j p[j]·v_j over the block's nk keys, a group of up to 4 column vectors at
+// a time: the block's sum starts from zero in registers (blocked summation, as TileUpdate's) and
+// the rescaling of the older sum rides on the same multiply-add.
+template <class D, class T = hn::TFromD<D>>
+HWY_INLINE void AccumulateWeightedRows(D d, const fused::RowsView<const T>& v, int64_t b, int64_t h, int64_t j0,
+                                       size_t nk, const T* HWY_RESTRICT p, T corr, size_t cols,
+                                       T* HWY_RESTRICT o_row) {
+  constexpr size_t kGroup = 4;
+  const size_t N = hn::Lanes(d);
+  const hn::Vec<D> factor = hn::Set(d, corr);
+  size_t c = 0;
+  for (; c + N <= cols; c += kGroup * N) {
+    const size_t group = std::min(kGroup, (cols - c) / N);
+    hn::Vec<D> sum[kGroup];
+    HWY_UNROLL(4)
+    for (size_t g = 0; g < kGroup; ++g) sum[g] = hn::Zero(d);
+    for (size_t j = 0; j < nk; ++j) {
+      const T* HWY_RESTRICT vj = v.row(b, h, j0 + static_cast<int64_t>(j)) + c;
+      const hn::Vec<D> pj = hn::Set(d, p[j]);
+      HWY_UNROLL(4)
+      for (size_t g = 0; g < kGroup; ++g) {
+        if (g < group) sum[g] = hn::MulAdd(pj, hn::LoadU(d, vj + g * N), sum[g]);
+      }
+    }
+    for (size_t g = 0; g < group; ++g) {
+      T* HWY_RESTRICT out = o_row + c + g * N;
+      hn::Store(hn::MulAdd(hn::Load(d, out), factor, sum[g]), d, out);
+    }
+  }
+  c = cols / N * N;
+  for (; c < cols; ++c) {
+    T sum = 0;
+    for (size_t j = 0; j < nk; ++j) sum += p[j] * v.row(b, h, j0 + static_cast<int64_t>(j))[c];
+    o_row[c] = o_row[c] * corr + sum;
+  }
+}
+
+// The forward for nq ≤ kFewQueries queries (decode): with a single query, lanes along queries
+// would leave all but one lane idle, so here the lanes run along keys instead. A block is one
+// vector of N keys: each score is a dot product along d (RowDot), the block's scores form one
+// vector for Scores and the exponential, and the block max and sum are reductions across lanes.
+// Every key is used by at most nq queries, so memory, not arithmetic, sets the pace: the kernel
+// does little more per key than load k and v once. Leaves m, l and o in the scratch like
+// AttendQueryBlock.
+template <class D, class T = hn::TFromD<D>>
+void AttendFewQueries(D d, const Inputs<T>& in, int64_t b, int64_t h, int64_t q0, size_t nq, int64_t key_begin,
+                      int64_t key_end, ForwardScratch<T>& s) {
+  const size_t N = hn::Lanes(d);
+  const size_t dk = ToSize(in.dk);
+  const hn::Vec<D> neg_inf = hn::Set(d, -std::numeric_limits<T>::infinity());
+  T* HWY_RESTRICT p = s.st.get();
+  for (int64_t j0 = key_begin; j0 < key_end; j0 += static_cast<int64_t>(N)) {
+    const size_t nk = ToSize(std::min<int64_t>(static_cast<int64_t>(N), key_end - j0));
+    for (size_t i = 0; i < nq; ++i) {
+      const int64_t qi = q0 + static_cast<int64_t>(i);
+      const T* HWY_RESTRICT q = in.q.row(b, h, qi);
+      for (size_t j = 0; j < nk; ++j) p[j] = RowDot(d, q, in.k.row(b, h, j0 + static_cast<int64_t>(j)), dk);
+      const LaneRun run{.i = qi, .j = j0, .di = 0, .dj = 1, .count = nk};
+      const hn::Vec<D> scores =
+          hn::IfThenElse(hn::FirstN(d, nk), Scores(d, in, b, h, run, hn::LoadU(d, p)), neg_inf);
+      const T old_max = s.max[i];
+      const T new_max = std::max(old_max, hn::GetLane(hn::MaxOfLanes(d, scores)));
+      // As in OnlineSoftmaxStep: a row that has seen no visible key shifts by 0, not by −inf.
+      const T shift = new_max == -std::numeric_limits<T>::infinity() ? T{0} : new_max;
+      const hn::Vec<D> weights = SoftmaxExp(d, hn::Sub(scores, hn::Set(d, shift)));
+      const T corr = hn::GetLane(SoftmaxExp(d, hn::Set(d, old_max - shift)));
+      hn::StoreU(weights, d, p);
+      s.sum[i] = s.sum[i] * corr + hn::GetLane(hn::SumOfLanes(d, weights));
+      s.max[i] = new_max;
+      AccumulateWeightedRows(d, in.v, b, h, j0, nk, p, corr, ToSize(in.dv), s.acc.get() + i * s.acc_row);
+    }
   }
 }
 
@@ -509,12 +639,16 @@ void AttendQueryBlock(D d, const Inputs<T>& in, int64_t b, int64_t h, int64_t q0
   const size_t ld = RoundUp(nq, N);
   const size_t dv = ToSize(in.dv);
   const size_t acc_row = s.acc_row;
-  PackTransposed(in.q, b, h, q0, nq, ToSize(in.dk), ld, s.qt.get());
   std::fill(s.max.get(), s.max.get() + ld, -std::numeric_limits<T>::infinity());
   std::fill(s.sum.get(), s.sum.get() + ld, T{0});
   std::fill(s.acc.get(), s.acc.get() + nq * acc_row, T{0});
   // Causal: the last query of the block sees keys j < q0 + nq + Tk − Tq; later blocks are skipped.
   if (in.causal) key_end = std::min(key_end, q0 + static_cast<int64_t>(nq) + in.tk - in.tq);
+  if (nq <= kFewQueries) {
+    AttendFewQueries(d, in, b, h, q0, nq, key_begin, key_end, s);
+    return;
+  }
+  PackTransposed(in.q, b, h, q0, nq, ToSize(in.dk), ld, s.qt.get());
   for (int64_t j0 = key_begin; j0 < key_end; j0 += static_cast<int64_t>(kKeyBlock)) {
     const size_t nk = ToSize(std::min<int64_t>(static_cast<int64_t>(kKeyBlock), key_end - j0));
     if (nq <= static_cast<size_t>(kDecodeQueries)) {
@@ -733,7 +867,7 @@ HWY_INLINE void ProbabilityAndScoreGradient(D d, const Inputs<T>& in, int64_t b,
                                             hn::Vec<D> lse_hi, hn::Vec<D> lse_lo, hn::Vec<D> delta,
                                             T* HWY_RESTRICT p_inout, T* HWY_RESTRICT ds_inout) {
   const hn::Vec<D> s = Scores(d, in, b, h, run, hn::Load(d, p_inout));
-  const hn::Vec<D> p = hn::Exp(d, hn::Sub(hn::Sub(s, lse_hi), lse_lo));
+  const hn::Vec<D> p = SoftmaxExp(d, hn::Sub(hn::Sub(s, lse_hi), lse_lo));
   hn::Store(p, d, p_inout);
   hn::Store(hn::Mul(p, hn::Sub(hn::Load(d, ds_inout), delta)), d, ds_inout);
 }
@@ -1077,7 +1211,6 @@ void ForwardFloat(const ForwardParams<float>& p) { ForwardImpl(p); }
 void ForwardDouble(const ForwardParams<double>& p) { ForwardImpl(p); }
 void BackwardFloat(const BackwardParams<float>& p) { BackwardKernel<float>(p).Run(); }
 void BackwardDouble(const BackwardParams<double>& p) { BackwardKernel<double>(p).Run(); }
-const char* TargetName() { return hwy::TargetName(HWY_TARGET); }
 
 }  // namespace qkv::HWY_NAMESPACE
 HWY_AFTER_NAMESPACE();

@@ -2,9 +2,7 @@
 // per-instruction-set dispatch. The kernels, and the comment that explains them, are in
 // attention_fused-inl.h, which Highway's foreach_target.h compiles once per target below.
 
-#include "qkv/attention_fused.hpp"
-
-#include <fmt/format.h>
+#include "qkv/attention.hpp"
 
 #include <cmath>
 #include <limits>
@@ -12,13 +10,10 @@
 #include <type_traits>
 #include <vector>
 
-#include "qkv/attention.hpp"
 #include "qkv/error.hpp"
 #include "qkv/parallel.hpp"
 #include "attention_problem.hpp"
 
-// SSSE3-only CPUs are rare enough not to be worth the compile time; they run the portable build.
-#define HWY_DISABLED_TARGETS HWY_SSSE3
 // foreach_target.h includes this path itself, once per target; src/ is a private include
 // directory of libqkv. Then the translation unit's own target (the baseline) follows. The order matters.
 #undef HWY_TARGET_INCLUDE
@@ -36,7 +31,6 @@ HWY_EXPORT(ForwardFloat);
 HWY_EXPORT(ForwardDouble);
 HWY_EXPORT(BackwardFloat);
 HWY_EXPORT(BackwardDouble);
-HWY_EXPORT(TargetName);
 
 namespace {
 
@@ -126,16 +120,6 @@ void dispatch_backward(const fused::BackwardParams<T>& p) {
   }
 }
 
-// The target forced by attention_fused_use_target, 0 when none.
-int64_t g_forced_target = 0;
-
-std::vector<int64_t> supported_targets() {
-  if (g_forced_target != 0) hwy::SetSupportedTargetsForTest(0);
-  std::vector<int64_t> targets = hwy::SupportedAndGeneratedTargets();
-  if (g_forced_target != 0) hwy::SetSupportedTargetsForTest(g_forced_target);
-  return targets;
-}
-
 }  // namespace
 
 template <class T>
@@ -213,32 +197,6 @@ void attention_backward_fused(const AttentionParams<T>& params, TensorView<const
                              .dbias = {}};
   if (grads.dbias) p.dbias = scores_of(broadcast_to(*grads.dbias, call.scores(), "dbias"));
   dispatch_backward(p);
-}
-
-std::vector<std::string> attention_fused_targets() {
-  std::vector<std::string> names;
-  for (const int64_t target : supported_targets()) names.emplace_back(hwy::TargetName(target));
-  return names;
-}
-
-std::string attention_fused_target() { return HWY_DYNAMIC_DISPATCH(TargetName)(); }
-
-void attention_fused_use_target(std::string_view target) {
-  if (target.empty()) {
-    g_forced_target = 0;
-    hwy::SetSupportedTargetsForTest(0);
-    return;
-  }
-  std::string available;
-  for (const int64_t t : supported_targets()) {
-    if (target == hwy::TargetName(t)) {
-      g_forced_target = t;
-      hwy::SetSupportedTargetsForTest(t);
-      return;
-    }
-    available += fmt::format("{}{}", available.empty() ? "" : ", ", hwy::TargetName(t));
-  }
-  throw ValueError(fmt::format("target: expected one of {}, got \"{}\"", available, target));
 }
 
 #define QKV_INSTANTIATE_ATTENTION_FUSED(T)                                                                             \

@@ -565,7 +565,6 @@ void GemmFloat(const GemmParams<float>& p) { GemmImpl(p); }
 void GemmDouble(const GemmParams<double>& p) { GemmImpl(p); }
 void ColumnSumsFloat(const ColumnSumParams<float>& p) { ColumnSumsImpl(p); }
 void ColumnSumsDouble(const ColumnSumParams<double>& p) { ColumnSumsImpl(p); }
-const char* TargetName() { return hwy::TargetName(HWY_TARGET); }
 
 }  // namespace qkv::linear_simd::HWY_NAMESPACE
 HWY_AFTER_NAMESPACE();

@@ -18,8 +18,6 @@
 #include "qkv/error.hpp"
 #include "qkv/parallel.hpp"
 
-// SSSE3-only CPUs are rare enough not to be worth the compile time; they run the portable build.
-#define HWY_DISABLED_TARGETS HWY_SSSE3
 // foreach_target.h includes this path itself, once per target; src/ is a private include
 // directory of libqkv. Then the translation unit's own target (the baseline) follows. The order matters.
 #undef HWY_TARGET_INCLUDE
@@ -38,7 +36,6 @@ HWY_EXPORT(GemmFloat);
 HWY_EXPORT(GemmDouble);
 HWY_EXPORT(ColumnSumsFloat);
 HWY_EXPORT(ColumnSumsDouble);
-HWY_EXPORT(TargetName);
 
 namespace {
 
@@ -59,8 +56,6 @@ void column_sums(const ColumnSumParams<T>& p) {
     HWY_DYNAMIC_DISPATCH(ColumnSumsDouble)(p);
   }
 }
-
-const char* target_name() { return HWY_DYNAMIC_DISPATCH(TargetName)(); }
 
 }  // namespace
 }  // namespace linear_simd
@@ -375,16 +370,6 @@ std::optional<TensorView<T>> wanted_db(const LinearParams<T>& params, const Line
   return params.b ? grads.db : std::nullopt;
 }
 
-// The target forced by linear_use_target, 0 when none.
-int64_t g_forced_target = 0;
-
-std::vector<int64_t> supported_targets() {
-  if (g_forced_target != 0) hwy::SetSupportedTargetsForTest(0);
-  std::vector<int64_t> targets = hwy::SupportedAndGeneratedTargets();
-  if (g_forced_target != 0) hwy::SetSupportedTargetsForTest(g_forced_target);
-  return targets;
-}
-
 }  // namespace
 
 double linear_init_bound(int64_t in_features) {
@@ -448,32 +433,6 @@ void linear_init(TensorView<T> w, std::optional<TensorView<T>> b, Rng& rng) {
   const double bound = linear_init_bound(w.shape[1]);
   rng.fill_uniform(w, -bound, bound);
   if (b) rng.fill_uniform(*b, -bound, bound);
-}
-
-std::vector<std::string> linear_targets() {
-  std::vector<std::string> names;
-  for (const int64_t target : supported_targets()) names.emplace_back(hwy::TargetName(target));
-  return names;
-}
-
-std::string linear_target() { return linear_simd::target_name(); }
-
-void linear_use_target(std::string_view target) {
-  if (target.empty()) {
-    g_forced_target = 0;
-    hwy::SetSupportedTargetsForTest(0);
-    return;
-  }
-  std::string available;
-  for (const int64_t t : supported_targets()) {
-    if (target == hwy::TargetName(t)) {
-      g_forced_target = t;
-      hwy::SetSupportedTargetsForTest(t);
-      return;
-    }
-    available += fmt::format("{}{}", available.empty() ? "" : ", ", hwy::TargetName(t));
-  }
-  throw ValueError(fmt::format("target: expected one of {}, got \"{}\"", available, target));
 }
 
 #define QKV_INSTANTIATE_LINEAR(T)                                                                                  \

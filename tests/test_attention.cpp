@@ -9,6 +9,7 @@
 #include <numeric>
 #include <vector>
 
+#include "attention_cases.hpp"
 #include "qkv/attention.hpp"
 #include "qkv/error.hpp"
 #include "testing.hpp"
@@ -17,56 +18,25 @@ namespace qkv {
 namespace {
 
 using testing::all_close;
+using testing::AttentionOperands;
 using testing::cast;
+using testing::naive_attention_forward;
 using testing::numeric_gradient;
+using testing::random_problem;
 using testing::random_tensor;
+using Case = testing::AttentionCase;
+using Problem = testing::AttentionProblem;
 
 constexpr double kInf = std::numeric_limits<double>::infinity();
-
-struct Case {
-  int64_t b = 1, h = 1, tq = 5, tk = 7, dk = 4, dv = 3;
-  bool causal = false;
-};
-
-// Everything one call needs, in float64, contiguous [B, H, T, D].
-struct Inputs {
-  Tensor<double> q, k, v;
-  std::optional<Tensor<uint8_t>> allowed;  // [B, H, Tq, Tk] or a broadcastable shape
-  std::optional<Tensor<double>> bias;
-  bool causal = false;
-  std::optional<double> scale;
-};
-
-Inputs random_inputs(const Case& c, uint64_t seed) {
-  Rng rng(seed);
-  Inputs in;
-  in.q = random_tensor<double>({c.b, c.h, c.tq, c.dk}, rng);
-  in.k = random_tensor<double>({c.b, c.h, c.tk, c.dk}, rng);
-  in.v = random_tensor<double>({c.b, c.h, c.tk, c.dv}, rng);
-  in.causal = c.causal;
-  return in;
-}
-
-template <class T>
-AttentionParams<T> params_of(const Tensor<T>& q, const Tensor<T>& k, const Tensor<T>& v, const Inputs& in,
-                             const std::optional<Tensor<T>>& bias) {
-  AttentionParams<T> p{.q = q.view(), .k = k.view(), .v = v.view(), .scale = in.scale, .mask = {}};
-  p.mask.causal = in.causal;
-  if (in.allowed) p.mask.allowed = in.allowed->view();
-  if (bias) p.mask.bias = bias->view();
-  return p;
-}
 
 struct Result {
   Tensor<double> out, weights, lse;
 };
 
 template <class T>
-Result run_forward(const Inputs& in) {
-  const Tensor<T> q = cast<T>(in.q), k = cast<T>(in.k), v = cast<T>(in.v);
-  std::optional<Tensor<T>> bias;
-  if (in.bias) bias = cast<T>(*in.bias);
-  const Shape& qs = q.shape();
+Result run_forward(const Problem& in) {
+  const AttentionOperands<T> ops(in);
+  const Shape& qs = ops.q.shape();
   const int r = qs.rank();
   std::vector<int64_t> lead(qs.dims().begin(), qs.dims().end() - 2);
   auto with = [&](std::initializer_list<int64_t> tail) {
@@ -74,74 +44,12 @@ Result run_forward(const Inputs& in) {
     d.insert(d.end(), tail.begin(), tail.end());
     return Shape(std::span<const int64_t>(d));
   };
-  Tensor<T> out(with({qs[r - 2], v.shape().from_back(1)}));
-  Tensor<T> weights(with({qs[r - 2], k.shape().from_back(2)}));
+  Tensor<T> out(with({qs[r - 2], ops.v.shape().from_back(1)}));
+  Tensor<T> weights(with({qs[r - 2], ops.k.shape().from_back(2)}));
   Tensor<T> lse(with({qs[r - 2]}));
-  attention_forward_reference(params_of(q, k, v, in, bias),
+  attention_forward_reference(ops.params(),
                               AttentionOutputs<T>{.out = out.view(), .weights = weights.view(), .lse = lse.view()});
   return {cast<double>(out), cast<double>(weights), cast<double>(lse)};
-}
-
-// An independent float64 implementation for [B, H, T, D] inputs, written as the formula reads.
-Result naive_forward(const Inputs& in) {
-  const int64_t B = in.q.shape()[0], H = in.q.shape()[1], Tq = in.q.shape()[2], Tk = in.k.shape()[2],
-                Dk = in.q.shape()[3], Dv = in.v.shape()[3];
-  const double scale = in.scale.value_or(1.0 / std::sqrt(static_cast<double>(Dk)));
-  Result r{Tensor<double>({B, H, Tq, Dv}), Tensor<double>({B, H, Tq, Tk}), Tensor<double>({B, H, Tq})};
-  const TensorView<const double> q = in.q.view(), k = in.k.view(), v = in.v.view();
-  for (int64_t b = 0; b < B; ++b)
-    for (int64_t h = 0; h < H; ++h)
-      for (int64_t i = 0; i < Tq; ++i) {
-        std::vector<double> s(static_cast<size_t>(Tk), -kInf);
-        for (int64_t j = 0; j < Tk; ++j) {
-          if (in.causal && j > i + Tk - Tq) continue;
-          if (in.allowed && broadcast_to(in.allowed->view(), {B, H, Tq, Tk}, "m")(b, h, i, j) == 0) continue;
-          double dot = 0;
-          for (int64_t d = 0; d < Dk; ++d) dot += q(b, h, i, d) * k(b, h, j, d);
-          s[static_cast<size_t>(j)] =
-              scale * dot + (in.bias ? broadcast_to(in.bias->view(), {B, H, Tq, Tk}, "b")(b, h, i, j) : 0.0);
-        }
-        const double m = *std::max_element(s.begin(), s.end());
-        double z = 0;
-        for (double x : s) z += m == -kInf ? 0.0 : std::exp(x - m);
-        r.lse.view()(b, h, i) = m == -kInf ? -kInf : m + std::log(z);
-        for (int64_t j = 0; j < Tk; ++j) {
-          const double a = m == -kInf ? 0.0 : std::exp(s[static_cast<size_t>(j)] - m) / z;
-          r.weights.view()(b, h, i, j) = a;
-          for (int64_t d = 0; d < Dv; ++d) r.out.view()(b, h, i, d) += a * v(b, h, j, d);
-        }
-      }
-  return r;
-}
-
-// The same computation done naively in float32: float accumulators, no float64 anywhere.
-Tensor<float> naive_forward_float32(const Inputs& in) {
-  const int64_t B = in.q.shape()[0], H = in.q.shape()[1], Tq = in.q.shape()[2], Tk = in.k.shape()[2],
-                Dk = in.q.shape()[3], Dv = in.v.shape()[3];
-  const float scale = static_cast<float>(in.scale.value_or(1.0 / std::sqrt(static_cast<double>(Dk))));
-  const Tensor<float> qf = cast<float>(in.q), kf = cast<float>(in.k), vf = cast<float>(in.v);
-  const TensorView<const float> q = qf.view(), k = kf.view(), v = vf.view();
-  Tensor<float> out({B, H, Tq, Dv});
-  for (int64_t b = 0; b < B; ++b)
-    for (int64_t h = 0; h < H; ++h)
-      for (int64_t i = 0; i < Tq; ++i) {
-        std::vector<float> s(static_cast<size_t>(Tk), -std::numeric_limits<float>::infinity());
-        for (int64_t j = 0; j < Tk; ++j) {
-          if (in.causal && j > i + Tk - Tq) continue;
-          float dot = 0;
-          for (int64_t d = 0; d < Dk; ++d) dot += q(b, h, i, d) * k(b, h, j, d);
-          s[static_cast<size_t>(j)] = scale * dot;
-        }
-        const float m = *std::max_element(s.begin(), s.end());
-        if (std::isinf(m)) continue;
-        float z = 0;
-        for (float x : s) z += std::exp(x - m);
-        for (int64_t j = 0; j < Tk; ++j) {
-          const float a = std::exp(s[static_cast<size_t>(j)] - m) / z;
-          for (int64_t d = 0; d < Dv; ++d) out.view()(b, h, i, d) += a * v(b, h, j, d);
-        }
-      }
-  return out;
 }
 
 // L = <dO, out> in float64 and its gradients by the reference backward.
@@ -149,22 +57,23 @@ struct Grads {
   Tensor<double> dq, dk, dv, dbias;
 };
 
-Grads run_backward(const Inputs& in, const Tensor<double>& dout) {
+Grads run_backward(const Problem& in, const Tensor<double>& dout) {
   Grads g{Tensor<double>(in.q.shape()), Tensor<double>(in.k.shape()), Tensor<double>(in.v.shape()),
           in.bias ? Tensor<double>(in.bias->shape()) : Tensor<double>()};
   AttentionGradients<double> grads{.dq = g.dq.view(), .dk = g.dk.view(), .dv = g.dv.view(), .dbias = std::nullopt};
   if (in.bias) grads.dbias = g.dbias.view();
-  attention_backward_reference(params_of(in.q, in.k, in.v, in, in.bias), dout.view(), grads);
+  const AttentionOperands<double> ops(in);
+  attention_backward_reference(ops.params(), dout.view(), grads);
   return g;
 }
 
-double loss(const Inputs& in, const Tensor<double>& dout) { return testing::dot(run_forward<double>(in).out, dout); }
+double loss(const Problem& in, const Tensor<double>& dout) { return testing::dot(run_forward<double>(in).out, dout); }
 
 // The gradient of a smooth function of float64 inputs, by central differences with h = 1e-6, is
 // accurate to about h² · |f'''| + ε·|f|/h ≈ 1e-10 here; 1e-7 leaves a wide margin.
 constexpr double kGradTolerance = 1e-7;
 
-void expect_gradients_match(Inputs in, uint64_t seed) {
+void expect_gradients_match(Problem in, uint64_t seed) {
   Rng rng(seed);
   const Tensor<double> dout = random_tensor<double>(run_forward<double>(in).out.shape(), rng);
   const Grads g = run_backward(in, dout);
@@ -172,7 +81,8 @@ void expect_gradients_match(Inputs in, uint64_t seed) {
   EXPECT_TRUE(all_close("dk", g.dk, numeric_gradient([&] { return loss(in, dout); }, in.k), kGradTolerance));
   EXPECT_TRUE(all_close("dv", g.dv, numeric_gradient([&] { return loss(in, dout); }, in.v), kGradTolerance));
   if (in.bias) {
-    EXPECT_TRUE(all_close("dbias", g.dbias, numeric_gradient([&] { return loss(in, dout); }, *in.bias), kGradTolerance));
+    EXPECT_TRUE(
+        all_close("dbias", g.dbias, numeric_gradient([&] { return loss(in, dout); }, *in.bias), kGradTolerance));
   }
 }
 
@@ -180,9 +90,9 @@ void expect_gradients_match(Inputs in, uint64_t seed) {
 
 TEST(AttentionReference, MatchesNaiveFloat64) {
   for (const Case& c : {Case{}, Case{2, 3, 6, 6, 8, 8}, Case{1, 2, 9, 4, 5, 11}, Case{1, 1, 113, 17, 13, 7}}) {
-    const Inputs in = random_inputs(c, 1);
+    const Problem in = random_problem(c, 1);
     const Result got = run_forward<double>(in);
-    const Result want = naive_forward(in);
+    const testing::NaiveAttention<double> want = naive_attention_forward<double>(in);
     const double tol = 64 * std::numeric_limits<double>::epsilon() * static_cast<double>(c.dk + c.tk);
     EXPECT_TRUE(all_close("out", got.out, want.out, tol));
     EXPECT_TRUE(all_close("weights", got.weights, want.weights, tol));
@@ -191,10 +101,11 @@ TEST(AttentionReference, MatchesNaiveFloat64) {
 }
 
 TEST(AttentionReference, Float32WithinTwiceNaiveFloat32Error) {
-  for (const Case& c : {Case{2, 2, 33, 47, 64, 32, false}, Case{1, 4, 64, 64, 128, 128, true}, Case{1, 1, 113, 113, 17, 5}}) {
-    const Inputs in = random_inputs(c, 2);
-    const Result exact = naive_forward(in);
-    const double tol = testing::tolerance_from_naive(naive_forward_float32(in), exact.out);
+  for (const Case& c :
+       {Case{2, 2, 33, 47, 64, 32, false}, Case{1, 4, 64, 64, 128, 128, true}, Case{1, 1, 113, 113, 17, 5}}) {
+    const Problem in = random_problem(c, 2);
+    const testing::NaiveAttention<double> exact = naive_attention_forward<double>(in);
+    const double tol = testing::tolerance_from_naive(naive_attention_forward<float>(in).out, exact.out);
     EXPECT_TRUE(all_close("out (float32)", run_forward<float>(in).out, exact.out, tol));
   }
 }
@@ -202,21 +113,21 @@ TEST(AttentionReference, Float32WithinTwiceNaiveFloat32Error) {
 // --- gradients ------------------------------------------------------------------------------------
 
 TEST(AttentionReference, GradientsMatchFiniteDifferences) {
-  expect_gradients_match(random_inputs({1, 1, 4, 5, 3, 2}, 3), 30);
-  expect_gradients_match(random_inputs({2, 2, 3, 3, 2, 4}, 4), 40);
-  expect_gradients_match(random_inputs({1, 1, 5, 3, 2, 2, true}, 5), 50);  // causal, Tq > Tk
-  expect_gradients_match(random_inputs({1, 1, 3, 6, 2, 3, true}, 6), 60);  // causal, Tq < Tk
+  expect_gradients_match(random_problem({1, 1, 4, 5, 3, 2}, 3), 30);
+  expect_gradients_match(random_problem({2, 2, 3, 3, 2, 4}, 4), 40);
+  expect_gradients_match(random_problem({1, 1, 5, 3, 2, 2, true}, 5), 50);  // causal, Tq > Tk
+  expect_gradients_match(random_problem({1, 1, 3, 6, 2, 3, true}, 6), 60);  // causal, Tq < Tk
 }
 
 TEST(AttentionReference, BiasGradientSumsOverBroadcastDims) {
-  Inputs in = random_inputs({2, 3, 4, 5, 3, 2}, 7);
+  Problem in = random_problem({2, 3, 4, 5, 3, 2}, 7);
   Rng rng(70);
   in.bias = random_tensor<double>({1, 3, 1, 5}, rng);  // per head and key, shared by batch and query
   expect_gradients_match(in, 71);
 }
 
 TEST(AttentionReference, GradientsWithBooleanMaskAndFullyMaskedRow) {
-  Inputs in = random_inputs({1, 1, 4, 5, 3, 3}, 8);
+  Problem in = random_problem({1, 1, 4, 5, 3, 3}, 8);
   in.allowed = Tensor<uint8_t>({4, 5}, 1);
   for (int64_t j = 0; j < 5; ++j) in.allowed->view()(2, j) = 0;  // query 2 sees nothing
   in.allowed->view()(0, 1) = 0;
@@ -226,7 +137,7 @@ TEST(AttentionReference, GradientsWithBooleanMaskAndFullyMaskedRow) {
 // --- properties -----------------------------------------------------------------------------------
 
 TEST(AttentionReference, RowsOfWeightsSumToOne) {
-  const Result r = run_forward<double>(random_inputs({2, 2, 9, 13, 4, 4}, 9));
+  const Result r = run_forward<double>(random_problem({2, 2, 9, 13, 4, 4}, 9));
   const TensorView<const double> w = r.weights.view();
   for (int64_t b = 0; b < 2; ++b)
     for (int64_t h = 0; h < 2; ++h)
@@ -251,8 +162,8 @@ TEST(AttentionReference, SelfAttentionIsPermutationEquivariant) {
   Tensor<double> xp(x.shape());
   for (int64_t i = 0; i < 8; ++i)
     for (int64_t d = 0; d < 4; ++d) xp.view()(0, 0, i, d) = x.view()(0, 0, perm[static_cast<size_t>(i)], d);
-  const Tensor<double> out = run_forward<double>(Inputs{x, x, x}).out;
-  const Tensor<double> out_p = run_forward<double>(Inputs{xp, xp, xp}).out;
+  const Tensor<double> out = run_forward<double>(Problem{.q = x, .k = x, .v = x}).out;
+  const Tensor<double> out_p = run_forward<double>(Problem{.q = xp, .k = xp, .v = xp}).out;
   Tensor<double> out_permuted(out.shape());
   for (int64_t i = 0; i < 8; ++i)
     for (int64_t d = 0; d < 4; ++d) out_permuted.view()(0, 0, i, d) = out.view()(0, 0, perm[static_cast<size_t>(i)], d);
@@ -260,7 +171,7 @@ TEST(AttentionReference, SelfAttentionIsPermutationEquivariant) {
 }
 
 TEST(AttentionReference, ZeroScaleGivesMeanOfValues) {
-  Inputs in = random_inputs({1, 2, 3, 6, 4, 5}, 11);
+  Problem in = random_problem({1, 2, 3, 6, 4, 5}, 11);
   in.scale = 0.0;
   const Result r = run_forward<double>(in);
   for (int64_t h = 0; h < 2; ++h)
@@ -273,7 +184,7 @@ TEST(AttentionReference, ZeroScaleGivesMeanOfValues) {
 }
 
 TEST(AttentionReference, MaskedKeysGetZeroWeight) {
-  Inputs in = random_inputs({1, 1, 4, 6, 3, 3}, 12);
+  Problem in = random_problem({1, 1, 4, 6, 3, 3}, 12);
   in.allowed = Tensor<uint8_t>({6}, 1);  // broadcast over queries
   in.allowed->view()(1) = 0;
   in.allowed->view()(4) = 0;
@@ -285,27 +196,32 @@ TEST(AttentionReference, MaskedKeysGetZeroWeight) {
     EXPECT_EQ(r.weights.view()(0, 0, i, 4), 0.0);
   }
   EXPECT_EQ(r.weights.view()(0, 0, 2, 3), 0.0);
-  EXPECT_TRUE(all_close("out", r.out, naive_forward(in).out, 1e-14));
+  EXPECT_TRUE(all_close("out", r.out, naive_attention_forward<double>(in).out, 1e-14));
 }
 
 TEST(AttentionReference, CausalIsBottomRightAligned) {
   for (const auto& [tq, tk] : {std::pair<int64_t, int64_t>{4, 4}, {2, 6}, {6, 3}}) {
-    Inputs in = random_inputs({1, 1, tq, tk, 3, 2, true}, 13);
+    Problem in = random_problem({1, 1, tq, tk, 3, 2, true}, 13);
     const Result r = run_forward<double>(in);
     for (int64_t i = 0; i < tq; ++i)
       for (int64_t j = 0; j < tk; ++j) {
         const bool visible = j <= i + tk - tq;
-        if (!visible) EXPECT_EQ(r.weights.view()(0, 0, i, j), 0.0) << "query " << i << " key " << j;
-        if (visible) EXPECT_GT(r.weights.view()(0, 0, i, j), 0.0) << "query " << i << " key " << j;
+        if (visible) {
+          EXPECT_GT(r.weights.view()(0, 0, i, j), 0.0) << "query " << i << " key " << j;
+        } else {
+          EXPECT_EQ(r.weights.view()(0, 0, i, j), 0.0) << "query " << i << " key " << j;
+        }
       }
-    if (tq < tk) EXPECT_GT(r.weights.view()(0, 0, tq - 1, tk - 1), 0.0);  // the last query sees every key
+    if (tq < tk) {
+      EXPECT_GT(r.weights.view()(0, 0, tq - 1, tk - 1), 0.0);  // the last query sees every key
+    }
   }
 }
 
 // --- edge cases -----------------------------------------------------------------------------------
 
 TEST(AttentionReference, FullyMaskedRowsGiveZerosNeverNaN) {
-  Inputs in = random_inputs({1, 1, 5, 2, 3, 3, true}, 14);  // causal with Tq > Tk: queries 0..2 see nothing
+  Problem in = random_problem({1, 1, 5, 2, 3, 3, true}, 14);  // causal with Tq > Tk: queries 0..2 see nothing
   const Result r = run_forward<double>(in);
   for (int64_t i = 0; i < 3; ++i) {
     EXPECT_EQ(r.lse.view()(0, 0, i), -kInf);
@@ -321,27 +237,28 @@ TEST(AttentionReference, FullyMaskedRowsGiveZerosNeverNaN) {
 }
 
 TEST(AttentionReference, EmptySequences) {
-  const Result no_keys = run_forward<float>(random_inputs({1, 2, 3, 0, 4, 5}, 15));
+  const Result no_keys = run_forward<float>(random_problem({1, 2, 3, 0, 4, 5}, 15));
   for (int64_t n = 0; n < no_keys.out.numel(); ++n) EXPECT_EQ(no_keys.out[n], 0.0);
   for (int64_t n = 0; n < no_keys.lse.numel(); ++n) EXPECT_EQ(no_keys.lse[n], -kInf);
-  EXPECT_EQ(run_forward<float>(random_inputs({1, 2, 0, 3, 4, 5}, 16)).out.numel(), 0);
+  EXPECT_EQ(run_forward<float>(random_problem({1, 2, 0, 3, 4, 5}, 16)).out.numel(), 0);
 }
 
 TEST(AttentionReference, SingleTokenAndSingleFeature) {
   for (const Case& c : {Case{1, 1, 1, 1, 1, 1}, Case{1, 1, 1, 9, 1, 1}, Case{1, 1, 7, 1, 5, 2}}) {
-    const Inputs in = random_inputs(c, 17);
-    EXPECT_TRUE(all_close("out", run_forward<double>(in).out, naive_forward(in).out, 1e-14));
+    const Problem in = random_problem(c, 17);
+    EXPECT_TRUE(all_close("out", run_forward<double>(in).out, naive_attention_forward<double>(in).out, 1e-14));
     expect_gradients_match(in, 170);
   }
 }
 
 TEST(AttentionReference, HugeLogitsStayFinite) {
-  Inputs in = random_inputs({1, 1, 6, 6, 4, 3}, 18);
+  Problem in = random_problem({1, 1, 6, 6, 4, 3}, 18);
   for (int64_t n = 0; n < in.q.numel(); ++n) in.q[n] *= 100.0;
   for (int64_t n = 0; n < in.k.numel(); ++n) in.k[n] *= 100.0;  // |q·k|/√d ~ 1e4
   const Result r = run_forward<float>(in);
-  const Result exact = naive_forward(in);
-  EXPECT_TRUE(all_close("out", r.out, exact.out, testing::tolerance_from_naive(naive_forward_float32(in), exact.out)));
+  const testing::NaiveAttention<double> exact = naive_attention_forward<double>(in);
+  const double tol = testing::tolerance_from_naive(naive_attention_forward<float>(in).out, exact.out);
+  EXPECT_TRUE(all_close("out", r.out, exact.out, tol));
   for (int64_t n = 0; n < r.lse.numel(); ++n) EXPECT_TRUE(std::isfinite(r.lse[n]));
 }
 
@@ -356,16 +273,19 @@ TEST(AttentionReference, AcceptsRankTwoAndThreeAndStridedInputs) {
   Tensor<double> out({T, D});
   attention_forward_reference<double>({.q = slice(0), .k = slice(1), .v = slice(2), .scale = {}, .mask = {}},
                                       {.out = out.view(), .weights = {}, .lse = {}});
-  Inputs contiguous{to_tensor<double, double>(slice(0)), to_tensor<double, double>(slice(1)),
-                    to_tensor<double, double>(slice(2))};
+  Problem contiguous{.q = to_tensor<double, double>(slice(0)),
+                     .k = to_tensor<double, double>(slice(1)),
+                     .v = to_tensor<double, double>(slice(2))};
   for (Tensor<double>* t : {&contiguous.q, &contiguous.k, &contiguous.v}) {
     *t = Tensor<double>({1, 1, T, D}, t->values());
   }
-  EXPECT_TRUE(all_close("out", Tensor<double>({1, 1, T, D}, out.values()), naive_forward(contiguous).out, 1e-14));
+  EXPECT_TRUE(all_close("out", Tensor<double>({1, 1, T, D}, out.values()),
+                        naive_attention_forward<double>(contiguous).out, 1e-14));
 
-  const Inputs heads = random_inputs({1, 3, 4, 5, 2, 2}, 20);
-  Inputs rank3{Tensor<double>({3, 4, 2}, heads.q.values()), Tensor<double>({3, 5, 2}, heads.k.values()),
-               Tensor<double>({3, 5, 2}, heads.v.values())};
+  const Problem heads = random_problem({1, 3, 4, 5, 2, 2}, 20);
+  Problem rank3{.q = Tensor<double>({3, 4, 2}, heads.q.values()),
+                .k = Tensor<double>({3, 5, 2}, heads.k.values()),
+                .v = Tensor<double>({3, 5, 2}, heads.v.values())};
   EXPECT_EQ(run_forward<double>(rank3).out.values(), run_forward<double>(heads).out.values());
 }
 
@@ -376,14 +296,18 @@ void expect_error_mentions(const std::function<void()>& call, const std::vector<
 }
 
 TEST(AttentionReference, RefusesMismatchedShapes) {
-  const Inputs in = random_inputs({2, 3, 4, 5, 6, 7}, 21);
+  const Problem in = random_problem({2, 3, 4, 5, 6, 7}, 21);
   Tensor<float> out({2, 3, 4, 7});
   auto call = [&](const Tensor<double>& q, const Tensor<double>& k, const Tensor<double>& v) {
     Tensor<double> o({2, 3, 4, 7});
     attention_forward_reference<double>({.q = q.view(), .k = k.view(), .v = v.view(), .scale = {}, .mask = {}},
                                         {.out = o.view(), .weights = {}, .lse = {}});
   };
-  expect_error_mentions([&] { call(in.q, Tensor<double>({2, 3, 5, 5}), in.v); }, {"k:", "[2, 3, 5, 6]", "[2, 3, 5, 5]"});
+  expect_error_mentions(
+      [&] {
+        call(in.q, Tensor<double>({2, 3, 5, 5}), in.v);
+      },
+      {"k:", "[2, 3, 5, 6]", "[2, 3, 5, 5]"});
   expect_error_mentions([&] { call(in.q, in.k, Tensor<double>({2, 3, 4, 7})); }, {"v:", "[2, 3, 5, 7]"});
   expect_error_mentions([&] { call(in.q, Tensor<double>({3, 5, 6}), in.v); }, {"k:"});
   expect_error_mentions([&] { call(Tensor<double>({6}), in.k, in.v); }, {"q:", "rank"});
@@ -391,14 +315,15 @@ TEST(AttentionReference, RefusesMismatchedShapes) {
   expect_error_mentions(
       [&] {
         Tensor<double> wrong_out({2, 3, 4, 6});
-        attention_forward_reference<double>({.q = in.q.view(), .k = in.k.view(), .v = in.v.view(), .scale = {}, .mask = {}},
-                                            {.out = wrong_out.view(), .weights = {}, .lse = {}});
+        attention_forward_reference<double>(
+            {.q = in.q.view(), .k = in.k.view(), .v = in.v.view(), .scale = {}, .mask = {}},
+            {.out = wrong_out.view(), .weights = {}, .lse = {}});
       },
       {"out:", "[2, 3, 4, 7]"});
 }
 
 TEST(AttentionReference, RefusesMasksThatDoNotBroadcast) {
-  Inputs in = random_inputs({1, 2, 4, 5, 3, 3}, 22);
+  Problem in = random_problem({1, 2, 4, 5, 3, 3}, 22);
   in.allowed = Tensor<uint8_t>({4, 4}, 1);
   expect_error_mentions([&] { run_forward<double>(in); }, {"mask:", "[4, 4]", "[1, 2, 4, 5]"});
   in.allowed.reset();
@@ -407,7 +332,7 @@ TEST(AttentionReference, RefusesMasksThatDoNotBroadcast) {
 }
 
 TEST(AttentionReference, RefusesNonFiniteScale) {
-  Inputs in = random_inputs({}, 23);
+  Problem in = random_problem({}, 23);
   in.scale = std::numeric_limits<double>::quiet_NaN();
   expect_error_mentions([&] { run_forward<double>(in); }, {"scale"});
 }

@@ -12,10 +12,11 @@
 #include <string>
 #include <vector>
 
+#include "attention_cases.hpp"
 #include "qkv/attention.hpp"
-#include "qkv/attention_fused.hpp"
 #include "qkv/error.hpp"
 #include "qkv/parallel.hpp"
+#include "qkv/simd_target.hpp"
 #include "testing.hpp"
 
 namespace qkv {
@@ -23,62 +24,16 @@ namespace {
 
 using testing::all_close;
 using testing::cast;
+using testing::random_dout;
+using testing::random_mask;
+using testing::random_problem;
 using testing::random_tensor;
+using Case = testing::AttentionCase;
+using Problem = testing::AttentionProblem;
+template <class T>
+using Operands = testing::AttentionOperands<T>;
 
 constexpr double kInf = std::numeric_limits<double>::infinity();
-
-struct Case {
-  int64_t b = 1, h = 1, tq = 5, tk = 7, dk = 4, dv = 3;
-  bool causal = false;
-};
-
-// One problem in float64, contiguous [B, H, T, D]; masks in any broadcastable shape.
-struct Problem {
-  Tensor<double> q, k, v;
-  std::optional<Tensor<uint8_t>> allowed;
-  std::optional<Tensor<double>> bias;
-  bool causal = false;
-  std::optional<double> scale;
-
-  Shape scores() const { return {q.shape()[0], q.shape()[1], q.shape()[2], k.shape()[2]}; }
-};
-
-Problem random_problem(const Case& c, uint64_t seed) {
-  Rng rng(seed);
-  Problem p;
-  p.q = random_tensor<double>({c.b, c.h, c.tq, c.dk}, rng);
-  p.k = random_tensor<double>({c.b, c.h, c.tk, c.dk}, rng);
-  p.v = random_tensor<double>({c.b, c.h, c.tk, c.dv}, rng);
-  p.causal = c.causal;
-  return p;
-}
-
-// A random boolean mask of `shape` that allows about `keep` of the keys.
-Tensor<uint8_t> random_mask(const Shape& shape, double keep, uint64_t seed) {
-  Rng rng(seed);
-  Tensor<uint8_t> m(shape);
-  for (int64_t i = 0; i < m.numel(); ++i) m[i] = rng.uniform() < keep ? 1 : 0;
-  return m;
-}
-
-// The problem's tensors in type T and the AttentionParams viewing them.
-template <class T>
-struct Operands {
-  Tensor<T> q, k, v;
-  std::optional<Tensor<T>> bias;
-  const Problem* problem;
-
-  explicit Operands(const Problem& p) : q(cast<T>(p.q)), k(cast<T>(p.k)), v(cast<T>(p.v)), problem(&p) {
-    if (p.bias) bias = cast<T>(*p.bias);
-  }
-  AttentionParams<T> params() const {
-    AttentionParams<T> a{.q = q.view(), .k = k.view(), .v = v.view(), .scale = problem->scale, .mask = {}};
-    a.mask.causal = problem->causal;
-    if (problem->allowed) a.mask.allowed = problem->allowed->view();
-    if (bias) a.mask.bias = bias->view();
-    return a;
-  }
-};
 
 struct Forward {
   Tensor<double> out, lse;
@@ -117,91 +72,10 @@ Grads run_backward(const Problem& p, const Tensor<double>& dout, AttentionImpl i
   return {cast<double>(dq), cast<double>(dk), cast<double>(dv), cast<double>(dbias)};
 }
 
-// The whole computation written as the formula reads, in type T (float: the "naive float32" of
-// the tolerance rule): materialised scores, sequential sums, std::exp. With `absolute`, the
-// gradients sum the absolute values of their terms (|P dO|, |dS k|, |dS q|, |dS|): the size of
-// what a relative error of P would perturb.
-template <class T>
-struct Naive {
-  Tensor<T> out, lse, dq, dk, dv, dbias;
-};
-
-template <class T>
-Naive<T> naive(const Problem& p, const Tensor<double>& dout_d, bool absolute = false) {
-  const Operands<T> ops(p);
-  const int64_t B = p.q.shape()[0], H = p.q.shape()[1], Tq = p.q.shape()[2], Tk = p.k.shape()[2], Dk = p.q.shape()[3],
-                Dv = p.v.shape()[3];
-  const T scale = static_cast<T>(p.scale.value_or(1.0 / std::sqrt(static_cast<double>(Dk))));
-  const TensorView<const T> q = ops.q.view(), k = ops.k.view(), v = ops.v.view();
-  const Tensor<T> dout_t = cast<T>(dout_d);
-  const TensorView<const T> dout = dout_t.view();
-  Naive<T> r{Tensor<T>({B, H, Tq, Dv}), Tensor<T>({B, H, Tq}),  Tensor<T>(p.q.shape()),
-             Tensor<T>(p.k.shape()),    Tensor<T>(p.v.shape()), p.bias ? Tensor<T>(p.bias->shape()) : Tensor<T>()};
-  const Shape scores = p.scores();
-  std::optional<TensorView<const uint8_t>> allowed;
-  if (p.allowed) allowed = broadcast_to(p.allowed->view(), scores, "allowed");
-  std::optional<TensorView<const T>> bias;
-  std::optional<TensorView<T>> dbias;
-  if (p.bias) {
-    bias = broadcast_to(ops.bias->view(), scores, "bias");
-    dbias = broadcast_to(r.dbias.view(), scores, "dbias");
-  }
-  const T inf = std::numeric_limits<T>::infinity();
-  for (int64_t b = 0; b < B; ++b)
-    for (int64_t h = 0; h < H; ++h)
-      for (int64_t i = 0; i < Tq; ++i) {
-        std::vector<T> s(static_cast<size_t>(Tk), -inf);
-        for (int64_t j = 0; j < Tk; ++j) {
-          if (p.causal && j > i + Tk - Tq) continue;
-          if (allowed && (*allowed)(b, h, i, j) == 0) continue;
-          T dot = 0;
-          for (int64_t d = 0; d < Dk; ++d) dot += q(b, h, i, d) * k(b, h, j, d);
-          s[static_cast<size_t>(j)] = scale * dot + (bias ? (*bias)(b, h, i, j) : T{0});
-        }
-        T m = -inf;
-        for (T x : s) m = std::max(m, x);
-        if (m == -inf) {
-          r.lse.view()(b, h, i) = -inf;
-          continue;
-        }
-        T z = 0;
-        for (T x : s) z += std::exp(x - m);
-        r.lse.view()(b, h, i) = m + std::log(z);
-        std::vector<T> prob(s.size());
-        for (size_t j = 0; j < s.size(); ++j) prob[j] = std::exp(s[j] - m) / z;
-        for (int64_t j = 0; j < Tk; ++j)
-          for (int64_t d = 0; d < Dv; ++d) r.out.view()(b, h, i, d) += prob[static_cast<size_t>(j)] * v(b, h, j, d);
-        if (dout_d.numel() == 0) continue;
-        T row_dot = 0;  // D_i
-        for (int64_t d = 0; d < Dv; ++d) row_dot += dout(b, h, i, d) * r.out.view()(b, h, i, d);
-        auto term = [&](T x) { return absolute ? std::abs(x) : x; };
-        for (int64_t j = 0; j < Tk; ++j) {
-          const T pij = prob[static_cast<size_t>(j)];
-          T dp = 0;
-          for (int64_t d = 0; d < Dv; ++d) {
-            dp += dout(b, h, i, d) * v(b, h, j, d);
-            r.dv.view()(b, h, j, d) += pij * term(dout(b, h, i, d));
-          }
-          const T ds = term(pij * (dp - row_dot));
-          for (int64_t d = 0; d < Dk; ++d) {
-            r.dq.view()(b, h, i, d) += term(scale) * ds * term(k(b, h, j, d));
-            r.dk.view()(b, h, j, d) += term(scale) * ds * term(q(b, h, i, d));
-          }
-          if (dbias) (*dbias)(b, h, i, j) += ds;
-        }
-      }
-  return r;
-}
-
 Forward reference_forward(const Problem& p) { return run_forward<double>(p, AttentionImpl::reference); }
 
 Grads reference_backward(const Problem& p, const Tensor<double>& dout) {
   return run_backward<double>(p, dout, AttentionImpl::reference, false);
-}
-
-Tensor<double> random_dout(const Problem& p, uint64_t seed) {
-  Rng rng(seed);
-  return random_tensor<double>({p.q.shape()[0], p.q.shape()[1], p.q.shape()[2], p.v.shape()[3]}, rng);
 }
 
 double max_abs(const Tensor<double>& t) {
@@ -231,13 +105,13 @@ double lse_rounding(const Tensor<double>& lse) {
 void expect_float32_matches_reference(const Problem& p, uint64_t seed, const std::string& label) {
   SCOPED_TRACE(label);
   const Tensor<double> dout = random_dout(p, seed);
-  const Naive<float> nf = naive<float>(p, dout);
+  const testing::NaiveAttention<float> nf = testing::naive_attention<float>(p, dout);
   const Forward want = reference_forward(p);
   const Forward got = run_forward<float>(p, AttentionImpl::fused);
   EXPECT_TRUE(all_close("out", got.out, want.out, testing::tolerance_from_naive(nf.out, want.out)));
   EXPECT_TRUE(all_close("lse", got.lse, want.lse, testing::tolerance_from_naive(nf.lse, want.lse)));
   const Grads gw = reference_backward(p, dout);
-  const Naive<double> absolute = naive<double>(p, dout, true);
+  const testing::NaiveAttention<double> absolute = testing::naive_attention<double>(p, dout, true);
   const double rho = lse_rounding(want.lse);
   for (const bool saved : {false, true}) {
     SCOPED_TRACE(saved ? "with the saved lse" : "recomputing the forward");
@@ -264,14 +138,6 @@ class WorkersScope {
 
  private:
   int saved_;
-};
-
-class TargetScope {
- public:
-  explicit TargetScope(const std::string& target) { attention_fused_use_target(target); }
-  ~TargetScope() { attention_fused_use_target(""); }
-  TargetScope(const TargetScope&) = delete;
-  TargetScope& operator=(const TargetScope&) = delete;
 };
 
 bool bit_identical(const Tensor<double>& a, const Tensor<double>& b) {
@@ -488,7 +354,7 @@ TEST(AttentionFused, StridedViewsIntoPackedQkvBuffer) {
   const Forward want = reference_forward(p);
   const Tensor<double> dout = random_dout(p, 1101);
   const Grads gwant = reference_backward(p, dout);
-  const Naive<float> nf = naive<float>(p, dout);
+  const testing::NaiveAttention<float> nf = testing::naive_attention<float>(p, dout);
 
   AttentionParams<float> params{.q = view(0), .k = view(1), .v = view(2), .scale = {}, .mask = {}};
   params.mask.causal = true;
@@ -629,7 +495,7 @@ TEST(AttentionFused, GradientsBitIdenticalOnOneAndTwoThreads) {
 // --- every SIMD target ---------------------------------------------------------------------------
 
 TEST(AttentionFused, EveryCompiledTargetMatchesReference) {
-  const std::vector<std::string> targets = attention_fused_targets();
+  const std::vector<std::string> targets = simd_targets();
   ASSERT_FALSE(targets.empty());
   Problem p = random_problem({1, 2, 70, 150, 72, 17, true}, 1800);
   Rng rng(1801);
@@ -637,8 +503,8 @@ TEST(AttentionFused, EveryCompiledTargetMatchesReference) {
   p.allowed = random_mask({70, 150}, 0.8, 1802);
   Problem decode = random_problem({1, 1, 2, 1100, 64, 64, false}, 1803);
   for (const std::string& target : targets) {
-    const TargetScope scope(target);
-    EXPECT_EQ(attention_fused_target(), target);
+    const testing::SimdTargetScope scope(target);
+    EXPECT_EQ(simd_target(), target);
     expect_float32_matches_reference(p, 1804, "target " + target);
     expect_float32_matches_reference(decode, 1805, "decode, target " + target);
     // The schedules must agree bit for bit on every target, not only the best.
@@ -656,7 +522,6 @@ TEST(AttentionFused, EveryCompiledTargetMatchesReference) {
                 bit_identical(one.dbias, two.dbias))
         << "target " << target;
   }
-  EXPECT_THROW(attention_fused_use_target("NO_SUCH_TARGET"), ValueError);
 }
 
 // --- dispatch and refusals -------------------------------------------------------------------------

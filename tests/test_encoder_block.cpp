@@ -1,9 +1,13 @@
 // The encoder block and model of apps/qkv/experiments/encoder.hpp: float64 central finite
 // differences of L = <dY, f(X)> against the hand-written backward, end to end (input and every
 // parameter), with and without the causal mask and a key-padding mask; the value-drop measurement
-// leaves the rows that cannot see the dropped token unchanged; bad configs are refused.
+// leaves the rows that cannot see the dropped token unchanged; bad configs are refused. Also the
+// GRU language model of apps/qkv/experiments/encoder_lm.cpp (embedding → GRU → linear head), whose
+// attention twin is the causal EncoderModel: the same finite-difference check, for every parameter.
 
-#include "../apps/qkv/experiments/encoder.cpp"  // NOLINT(bugprone-suspicious-include)
+#include "../apps/qkv/experiments/common.cpp"      // NOLINT(bugprone-suspicious-include)
+#include "../apps/qkv/experiments/encoder.cpp"     // NOLINT(bugprone-suspicious-include)
+#include "../apps/qkv/experiments/encoder_lm.cpp"  // NOLINT(bugprone-suspicious-include)
 
 #include <gtest/gtest.h>
 
@@ -115,7 +119,10 @@ TEST(EncoderModel, GradientMatchesFiniteDifferences) {
   for (bool causal : {false, true}) {
     SCOPED_TRACE(causal ? "causal" : "bidirectional");
     Rng rng(11);
-    EncoderModelConfig config{.vocabulary = 5, .classes = 3, .max_length = 6, .layers = 2,
+    EncoderModelConfig config{.vocabulary = 5,
+                              .classes = 3,
+                              .max_length = 6,
+                              .layers = 2,
                               .block = {.dim = 4, .heads = 2, .ffn = 6, .causal = causal}};
     EncoderModel<double> model(config, rng);
     Tensor<int64_t> ids(Shape{2, 4}, std::vector<int64_t>{0, 3, 1, 3, 4, 2, 2, 0});
@@ -128,6 +135,26 @@ TEST(EncoderModel, GradientMatchesFiniteDifferences) {
     const auto loss = [&] { return dot(dlogits, model.forward(ids.cview())); };
     check_parameters(model.parameters(), analytic, loss, fd_tolerance(dlogits, logits, 10, 6));
   }
+}
+
+TEST(GruLanguageModel, GradientMatchesFiniteDifferences) {
+  constexpr int64_t kVocabulary = 5, kEmbed = 3, kHidden = 4, kBatch = 2, kLength = 4;
+  Rng rng(13);
+  GruLm<double> model(kVocabulary, kEmbed, kHidden, rng);
+  // Token 1 appears twice in one window and token 3 in both: the embedding's scatter must add.
+  const Tensor<int64_t> ids(Shape{kBatch, kLength}, std::vector<int64_t>{0, 3, 1, 1, 4, 2, 3, 0});
+  const Tensor<double> dlogits = random_tensor<double>(Shape{kBatch, kLength, kVocabulary}, rng);
+  const Tensor<double> logits = model.forward(ids);
+  ASSERT_EQ(logits.shape(), (Shape{kBatch, kLength, kVocabulary}));
+  for (const ParameterRef<double>& p : model.parameters()) {
+    for (int64_t i = 0; i < p.grad.shape.numel(); ++i) p.grad.data[i] = 0.0;
+  }
+  model.backward(dlogits);
+  std::vector<Tensor<double>> analytic;
+  for (const ParameterRef<double>& p : model.parameters()) analytic.push_back(copy_of(p.grad));
+  const auto loss = [&] { return dot(dlogits, model.forward(ids)); };
+  // Depth: the embedding, kLength recurrent steps and the head.
+  check_parameters(model.parameters(), analytic, loss, fd_tolerance(dlogits, logits, kLength + 2, kHidden));
 }
 
 TEST(EncoderBlock, DroppingAValueChangesOnlyTheRowsThatSeeIt) {

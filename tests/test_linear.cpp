@@ -12,6 +12,7 @@
 
 #include "qkv/error.hpp"
 #include "qkv/parallel.hpp"
+#include "qkv/simd_target.hpp"
 #include "testing.hpp"
 
 namespace qkv {
@@ -441,21 +442,16 @@ const std::vector<Case> kBlockedCases = {
 };
 
 std::string describe(const Case& c, bool with_bias) {
-  return fmt::format("x {}, out {}, bias {}, target {}", c.x.str(), c.out, with_bias, linear_target());
+  return fmt::format("x {}, out {}, bias {}, target {}", c.x.str(), c.out, with_bias, simd_target());
 }
-
-// Restores the best instruction set when a test that forces one ends, even by a failed assertion.
-struct TargetGuard {
-  ~TargetGuard() { linear_use_target(""); }
-};
 
 // The project's rule: within 2× the naive float32 error. For a tensor of a few elements (db with
 // Out = 1) that compares two single rounding errors, which the draw decides; the summation bound
 // of the next test holds for any draw.
 TEST(LinearBlocked, FloatMatchesFloat64ReferenceOnEveryTarget) {
-  const TargetGuard guard;
-  for (const std::string& target : linear_targets()) {
-    linear_use_target(target);
+  const testing::SimdTargetScope guard;
+  for (const std::string& target : simd_targets()) {
+    use_simd_target(target);
     Rng rng(11);
     for (const Case& c : kBlockedCases) {
       for (bool with_bias : {false, true}) {
@@ -496,9 +492,9 @@ TEST(LinearBlocked, FloatErrorWithinTheSummationBound) {
 }
 
 TEST(LinearBlocked, DoubleMatchesReferenceOnEveryTarget) {
-  const TargetGuard guard;
-  for (const std::string& target : linear_targets()) {
-    linear_use_target(target);
+  const testing::SimdTargetScope guard;
+  for (const std::string& target : simd_targets()) {
+    use_simd_target(target);
     Rng rng(13);
     for (const Case& c : kBlockedCases) {
       for (bool with_bias : {false, true}) {
@@ -807,19 +803,6 @@ TEST(LinearBlocked, InfinityStaysInItsOwnOutputs) {
     }
   }
   EXPECT_TRUE(all_close("y", got.y, exact.y, tolerance_from_naive(naive.y, exact.y)));
-}
-
-TEST(LinearBlocked, TargetsCanBeChosen) {
-  const TargetGuard guard;
-  const std::vector<std::string> targets = linear_targets();
-  ASSERT_FALSE(targets.empty());
-  EXPECT_EQ(linear_target(), targets.front());
-  linear_use_target(targets.back());
-  EXPECT_EQ(linear_target(), targets.back());
-  linear_use_target("");
-  EXPECT_EQ(linear_target(), targets.front());
-  EXPECT_TRUE(throws_naming<ValueError>([] { linear_use_target("NOT_A_TARGET"); },
-                                        {"target:", "NOT_A_TARGET", targets.front()}));
 }
 
 }  // namespace

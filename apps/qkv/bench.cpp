@@ -36,12 +36,12 @@
 
 #include "commands.hpp"
 #include "qkv/attention.hpp"
-#include "qkv/attention_fused.hpp"
 #include "qkv/error.hpp"
 #include "qkv/memory.hpp"
 #include "qkv/parallel.hpp"
 #include "qkv/progress.hpp"
 #include "qkv/rng.hpp"
+#include "qkv/simd_target.hpp"
 #include "qkv/tensor.hpp"
 
 namespace qkv::cli {
@@ -320,14 +320,14 @@ void run_attention_bench(const BenchOptions& o) {
         "{{\n  \"mode\": \"{}\", \"impl\": \"{}\", \"simd\": \"{}\", \"dtype\": \"float32\", \"batch\": {}, "
         "\"heads\": {}, \"d\": {}, \"causal\": {}, \"threads\": {}, \"repeats\": {},\n  \"memory_method\": \"{}\",\n"
         "  \"results\": [\n{}\n  ]\n}}\n",
-        mode, o.impl, attention_fused_target(), o.batch, o.heads, o.d, o.causal, o.threads, o.repeats,
-        memory_method(reset), fmt::join(rows, ",\n"));
+        mode, o.impl, simd_target(), o.batch, o.heads, o.d, o.causal, o.threads, o.repeats, memory_method(reset),
+        fmt::join(rows, ",\n"));
     std::fflush(stdout);
     return;
   }
   fmt::print("qkv bench: {}{}, fp32, B={} H={} d={}, {} thread{}, impl {} (SIMD {}), median of {}\n", mode,
              o.causal ? " causal" : "", o.batch, o.heads, o.d, o.threads, o.threads == 1 ? "" : "s", o.impl,
-             attention_fused_target(), o.repeats);
+             simd_target(), o.repeats);
   fmt::print("memory: {}\n\n", memory_method(reset));
   fmt::print("{:>7}  {:>11}  {:>9}  {:>11}  {:>11}  {:>11}  {}\n", "T", "median ms", "GFLOP/s", "peak extra",
              "peak RSS", "tensors", "speedup against baselines (their ms)");
@@ -407,13 +407,13 @@ void run_decode_bench(const BenchOptions& o) {
         "\"heads\": {}, \"d\": {}, \"threads\": {}, \"repeats\": {}, \"triad_gbs\": {:.6g},\n  \"memory_method\": "
         "\"{}\",\n"
         "  \"results\": [\n{}\n  ]\n}}\n",
-        o.impl, attention_fused_target(), o.batch, heads, d, o.threads, o.repeats, triad, memory_method(reset),
+        o.impl, simd_target(), o.batch, heads, d, o.threads, o.repeats, triad, memory_method(reset),
         fmt::join(rows, ",\n"));
     std::fflush(stdout);
     return;
   }
   fmt::print("qkv bench: decode (Tq = 1), fp32, B={} H={} d={}, {} thread{}, impl {} (SIMD {}), median of {}\n",
-             o.batch, heads, d, o.threads, o.threads == 1 ? "" : "s", o.impl, attention_fused_target(), o.repeats);
+             o.batch, heads, d, o.threads, o.threads == 1 ? "" : "s", o.impl, simd_target(), o.repeats);
   fmt::print("roof: streaming triad a = b + s·c over 3 × {} arrays: {:.1f} GB/s\n", format_bytes(kTriadFloats * 4.0),
              triad);
   fmt::print("memory: {}\n\n", memory_method(reset));

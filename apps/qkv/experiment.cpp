@@ -3,14 +3,17 @@
 // then prints the tables. The experiments themselves live in experiments/, one file each.
 //
 // Everything that can be refused is refused before any work: an unknown name, a size out of range,
-// an --out that cannot be written (exit 2, one line). Ctrl-C during the run leaves DIR/NAME as it
+// an option the experiment does not take, a --corpus that cannot be read, an --out that cannot be
+// written (exit 2, one line). Ctrl-C during the run leaves DIR/NAME as it
 // was: outputs are staged in temporaries and renamed into place only once all are complete.
 
 #include <fmt/format.h>
 
 #include <CLI/CLI.hpp>
+#include <cstdint>
 #include <cstdio>
 #include <filesystem>
+#include <fstream>
 #include <memory>
 #include <string>
 #include <system_error>
@@ -33,8 +36,8 @@ struct CommandOptions {
 };
 
 std::vector<Experiment> all_experiments() {
-  return {scaling_experiment(), long_range_experiment(), parallel_experiment(), alignment_experiment(), coref_experiment(),
-          encoder_lm_experiment()};
+  return {scaling_experiment(),   long_range_experiment(), parallel_experiment(),
+          alignment_experiment(), coref_experiment(),      encoder_lm_experiment()};
 }
 
 std::string known_names() {
@@ -51,6 +54,9 @@ Experiment find_experiment(const std::string& name) {
 }
 
 void check_options(const Experiment& experiment, const ExperimentOptions& options) {
+  if (!options.sizes.empty() && experiment.sizes_meaning.empty()) {
+    throw ValueError(fmt::format("--sizes: experiment {} sweeps no sizes, so it takes no --sizes", experiment.name));
+  }
   for (const int64_t size : options.sizes) {
     if (size < experiment.min_size || size > experiment.max_size) {
       throw ValueError(fmt::format("--sizes: expected {} from {} to {} for experiment {}, got {}",
@@ -64,6 +70,23 @@ void check_options(const Experiment& experiment, const ExperimentOptions& option
     }
     if (*options.steps < 1 || *options.steps > kMaxSteps) {
       throw ValueError(fmt::format("--steps: expected 1 to {} training steps, got {}", kMaxSteps, *options.steps));
+    }
+  }
+  if (!options.corpus.empty()) {
+    if (!experiment.reads_corpus) {
+      throw ValueError(fmt::format("--corpus: experiment {} reads no text, so it takes no --corpus", experiment.name));
+    }
+    // A corpus that cannot be read is refused before DIR/NAME is created.
+    std::error_code ec;
+    if (!std::filesystem::is_regular_file(options.corpus, ec)) {
+      throw IoError(fmt::format("--corpus: {} is not a readable file", options.corpus.string()));
+    }
+    std::ifstream probe(options.corpus, std::ios::binary);
+    if (!probe) throw IoError(fmt::format("--corpus: cannot open {}", options.corpus.string()));
+    const std::uintmax_t size = std::filesystem::file_size(options.corpus, ec);
+    if (!ec && size < kMinCorpusCharacters) {
+      throw ValueError(fmt::format("--corpus: expected at least {} characters in {}, got {}", kMinCorpusCharacters,
+                                   options.corpus.string(), size));
     }
   }
 }
@@ -95,12 +118,18 @@ void run_experiment(const CommandOptions& command) {
 
   InterruptScope interrupt_scope;
   try {
+    ExtraFiles extra;
     ExperimentOptions options = command.experiment;
     options.directory = directory;
+    options.extra_files = &extra;
     const Report report = experiment.run(options);
     // Signals only raise a flag from here on, so the files are written whole even after a Ctrl-C.
+    // The report first: rendering its figures is what can still fail, and the extra files (models,
+    // heatmaps) stay as they were when it does.
     report.write(directory);
+    extra.commit();
     fmt::print("{}", report.tables_markdown());
+    for (const std::string& file : extra.names()) fmt::print("wrote {}\n", (directory / file).string());
     for (const std::string& file : report.file_names()) fmt::print("wrote {}\n", (directory / file).string());
     std::fflush(stdout);
   } catch (const Interrupted& e) {
@@ -113,8 +142,11 @@ void run_experiment(const CommandOptions& command) {
 std::string footer() {
   std::string text = "Experiments:\n";
   for (const Experiment& e : all_experiments()) {
-    text += fmt::format("  {:<11} {}\n  {:<11} --sizes: {}, {} to {}{}\n", e.name, e.summary, "", e.sizes_meaning,
-                        e.min_size, e.max_size, e.trains ? "; takes --steps" : "");
+    const std::string sizes = e.sizes_meaning.empty()
+                                  ? std::string("takes no --sizes")
+                                  : fmt::format("--sizes: {}, {} to {}", e.sizes_meaning, e.min_size, e.max_size);
+    text += fmt::format("  {:<11} {}\n  {:<11} {}{}{}\n", e.name, e.summary, "", sizes,
+                        e.trains ? "; takes --steps" : "", e.reads_corpus ? "; takes --corpus" : "");
   }
   text +=
       "\nEach writes DIR/NAME/results.md (table and settings), results.csv and PNG figures, and prints the\n"

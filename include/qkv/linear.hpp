@@ -8,10 +8,10 @@
 // Two implementations, the same semantics; linear_forward and linear_backward choose:
 //  - reference: plain loops, every dot product accumulated in float64; views may have any strides.
 //  - blocked (src/linear-inl.h): packed panels and a register-blocked SIMD micro-kernel (Highway,
-//    the best instruction set of the CPU chosen at run time), accumulating in T (float32 for float)
-//    in a fixed blocked order. Needs x, y, dy, dx to be rows at one stride with a contiguous last
-//    dim (a contiguous tensor, or a slice of its rows or of its columns) and w, dw to have
-//    contiguous rows. Its float error is that of a naive float32 loop or less: at most about
+//    the best instruction set of the CPU chosen at run time, see qkv/simd_target.hpp), accumulating
+//    in T (float32 for float) in a fixed blocked order. Needs x, y, dy, dx to be rows at one stride
+//    with a contiguous last dim (a contiguous tensor, or a slice of its rows or of its columns) and
+//    w, dw to have contiguous rows. Its float error is that of a naive float32 loop or less: at most about
 //    (depth + 2)·ε32·Σ|terms|, and over the rows (dW, db) it grows with 128 + rows/128 terms, not rows.
 // linear_forward and linear_backward run the blocked one when the views allow it and the layer has
 // at least 2^10 weights (In·Out; tiny layers keep the float64 loops), otherwise the reference. The
@@ -19,9 +19,6 @@
 // other rows of the call; both give results that are bit-identical for any thread count.
 
 #include <optional>
-#include <string>
-#include <string_view>
-#include <vector>
 
 #include "qkv/rng.hpp"
 #include "qkv/tensor.hpp"
@@ -63,18 +60,6 @@ template <class T>
 void linear_forward_blocked(const LinearParams<T>& params, TensorView<T> y);
 template <class T>
 void linear_backward_blocked(const LinearParams<T>& params, TensorView<const T> dy, const LinearGradients<T>& grads);
-
-// The instruction sets the blocked kernels were compiled for that this CPU can run, best first.
-std::vector<std::string> linear_targets();
-
-// The instruction set the next blocked call will run.
-std::string linear_target();
-
-// Makes the blocked kernels run `target` (a name from linear_targets()) until called again; an
-// empty name goes back to the best. Process-wide (Highway's target choice is shared by every
-// dispatched kernel) and not thread-safe: for tests and benchmarks. Throws ValueError naming the
-// available targets when `target` is not one of them.
-void linear_use_target(std::string_view target);
 
 // PyTorch's default for nn.Linear: w [Out, In] and b [Out] (when given) drawn from U(−1/√In, 1/√In),
 // w first, row by row. (kaiming_uniform_ with a = √5 yields exactly that bound for w.) With

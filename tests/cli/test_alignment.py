@@ -1,248 +1,224 @@
 """qkv experiment alignment --quick and qkv translate: the run writes well-formed outputs (results.md
-with its settings, CSVs with the expected columns and values in [0, 1], valid PNGs, SVG heatmaps with
-the gold cells outlined, three model files with a valid header and checksum) and prints its tables;
-`qkv translate` loads each saved model and prints a translation and an alignment grid whose columns
-are the source words; a corrupt, truncated, foreign or mismatched model file, an unknown word and a
-missing file are refused with exit code 2 and one line naming the problem."""
+with its settings, CSVs with the expected columns and values in [0, 1], accuracy by length bucket for
+all three models, valid PNGs, SVG heatmaps of three test sentences with the gold cells outlined,
+three model files in the documented layout) and prints its tables and progress; Ctrl-C in training
+leaves the earlier outputs, models included, as they were; `qkv translate` loads each saved model and
+prints a translation and an alignment grid whose columns are the source words; a corrupt, truncated,
+foreign or other-version model file, one of another kind or whose tensors do not fit its
+configuration, an unknown word and a missing file are refused with exit code 2 and one line naming
+the problem.
 
-import csv
+Run: QKV_BIN=build/release/apps/qkv /usr/bin/python3 tests/cli/test_alignment.py
+"""
+
 import math
 import os
 import re
 import struct
-import subprocess
 import sys
-import tempfile
-import time
 import zlib
-from pathlib import Path
 
-QKV = os.environ.get("QKV_BIN")
-# --quick must stay under a minute on 2 cores; twice that is a regression, not noise.
-QUICK_LIMIT_S = 120
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from cli_harness import ExperimentSuite, run_suite  # noqa: E402  (the harness sits beside this script)
 
-failures = []
-
-
-def fail(message):
-    failures.append(message)
-    print(f"FAIL: {message}", file=sys.stderr)
+SCORES = ["additive", "dot", "none"]
+HEATMAPS = [f"heatmap_{s}_{k}.png" for s in ("additive", "dot") for k in (1, 2, 3)]
+SENTENCE = "the big dog sees a small cat near the house"
 
 
-def run(*args, timeout=300):
-    """One OpenMP thread: tests run side by side on 2 cores; results do not depend on it."""
-    start = time.monotonic()
-    env = dict(os.environ, OMP_NUM_THREADS="1", NO_COLOR="1")
-    proc = subprocess.run([QKV, *args], capture_output=True, text=True, timeout=timeout, env=env)
-    return proc, time.monotonic() - start
+# ---- The model file layout of include/qkv/model_file.hpp, read and written independently of qkv.
+
+def parse_model(data):
+    """(kind, [(key, value)], [(name, dims, float32 bytes)]) of a model file's payload."""
+    (length,) = struct.unpack("<Q", data[12:20])
+    payload, pos = data[20 : 20 + length], 0
+
+    def take(count):
+        nonlocal pos
+        pos += count
+        return payload[pos - count : pos]
+
+    def string():
+        (n,) = struct.unpack("<I", take(4))
+        return take(n).decode()
+
+    kind = string()
+    entries = [(string(), string()) for _ in range(struct.unpack("<I", take(4))[0])]
+    tensors = []
+    for _ in range(struct.unpack("<I", take(4))[0]):
+        name = string()
+        dtype, rank = take(2)
+        if dtype != 1:
+            raise ValueError(f"tensor {name}: dtype {dtype}")
+        dims = struct.unpack(f"<{rank}Q", take(8 * rank))
+        tensors.append((name, dims, take(4 * math.prod(dims))))
+    if pos != len(payload):
+        raise ValueError(f"{len(payload) - pos} bytes after the last tensor")
+    return kind, entries, tensors
 
 
-def check_png(path):
-    """The PNG signature, chunks whose CRCs match, IHDR first and IEND last."""
-    data = path.read_bytes()
-    if not data.startswith(b"\x89PNG\r\n\x1a\n"):
-        return fail(f"{path.name}: not a PNG")
-    pos, kinds = 8, []
-    while pos + 8 <= len(data):
-        (length,) = struct.unpack(">I", data[pos : pos + 4])
-        kind = data[pos + 4 : pos + 8]
-        body = data[pos + 8 : pos + 8 + length]
-        (crc,) = struct.unpack(">I", data[pos + 8 + length : pos + 12 + length])
-        if zlib.crc32(kind + body) != crc:
-            return fail(f"{path.name}: chunk {kind!r} has a bad CRC")
-        kinds.append(kind)
-        pos += 12 + length
-    if not kinds or kinds[0] != b"IHDR" or kinds[-1] != b"IEND" or pos != len(data):
-        fail(f"{path.name}: malformed chunk list")
+def build_model(kind, entries, tensors):
+    def string(text):
+        return struct.pack("<I", len(text.encode())) + text.encode()
+
+    payload = string(kind) + struct.pack("<I", len(entries))
+    payload += b"".join(string(k) + string(v) for k, v in entries)
+    payload += struct.pack("<I", len(tensors))
+    for name, dims, values in tensors:
+        payload += string(name) + bytes([1, len(dims)]) + struct.pack(f"<{len(dims)}Q", *dims) + values
+    head = b"QKVMODEL" + struct.pack("<IQ", 1, len(payload)) + payload
+    return head + struct.pack("<I", zlib.crc32(head))
 
 
-def read_csv(path, columns, rows):
-    with path.open(newline="") as f:
-        table = list(csv.reader(f))
-    if not table or table[0] != columns:
-        fail(f"{path.name}: header {table[0] if table else None}, expected {columns}")
-        return []
-    body = [dict(zip(columns, row)) for row in table[1:]]
-    if len(body) != rows:
-        fail(f"{path.name}: {len(body)} rows, expected {rows}")
-    return body
-
-
-def check_share(where, text):
-    value = float(text)
-    if not (0.0 <= value <= 1.0):
-        fail(f"{where}: {value} is not a share in [0, 1]")
-
-
-def check_model_file(path):
-    """The documented layout: magic, version 1, payload length matching the size, CRC-32 at the end."""
+def model_file_problems(path):
+    """The documented layout: magic, version 1, payload length matching the size, zlib's CRC-32 at the end,
+    and a payload that this script's own reader parses and writes back byte for byte."""
     data = path.read_bytes()
     if data[:8] != b"QKVMODEL":
-        return fail(f"{path.name}: magic {data[:8]!r}")
+        return [f"{path.name}: magic {data[:8]!r}"]
     version, length = struct.unpack("<IQ", data[8:20])
     if version != 1 or len(data) != 20 + length + 4:
-        return fail(f"{path.name}: version {version}, payload {length}, size {len(data)}")
+        return [f"{path.name}: version {version}, payload {length}, size {len(data)}"]
     (stored,) = struct.unpack("<I", data[-4:])
     if zlib.crc32(data[:-4]) != stored:
-        fail(f"{path.name}: stored checksum {stored:#x} differs from zlib's {zlib.crc32(data[:-4]):#x}")
+        return [f"{path.name}: stored checksum {stored:#x} differs from zlib's {zlib.crc32(data[:-4]):#x}"]
+    try:
+        parsed = parse_model(data)
+    except (ValueError, struct.error) as e:
+        return [f"{path.name}: the payload does not parse: {e}"]
+    if parsed[0] != "seq2seq" or build_model(*parsed) != data:
+        return [f"{path.name}: kind {parsed[0]!r}, or the payload does not round-trip"]
+    return []
 
 
-def check_experiment(out):
-    proc, elapsed = run("experiment", "alignment", "--quick", "--out", str(out))
-    print(f"alignment --quick: {elapsed:.1f} s")
-    if proc.returncode != 0:
-        fail(f"alignment --quick exited {proc.returncode}: {proc.stderr.strip()[-800:]}")
+def check_experiment(t):
+    directory = t.quick_run("alignment", pngs=["accuracy_by_length.png", "loss.png", *HEATMAPS],
+                            csvs=["results.csv", "by_length.csv", "alignment_by_class.csv", "training.csv",
+                                  "validation.csv"],
+                            tables=["Results on the test split", "Accuracy by source length"])
+    if directory is None:
         return None
-    if elapsed > QUICK_LIMIT_S:
-        fail(f"alignment --quick took {elapsed:.0f} s (limit {QUICK_LIMIT_S} s)")
-    directory = out / "alignment"
-    for table in ["Results on the test split", "Accuracy by source length"]:
-        if table not in proc.stdout:
-            fail(f"stdout lacks the table {table!r}")
-
-    results = read_csv(directory / "results.csv", ["model", "parameters", "exact_match", "token_accuracy",
-                                                   "alignment_accuracy", "train_seconds", "train_cpu_seconds",
-                                                   "validation_loss"], 3)
-    if [r.get("model") for r in results] != ["additive", "dot", "none"]:
-        fail(f"results.csv models {[r.get('model') for r in results]}")
+    problems = []
+    results = t.read_csv(directory / "results.csv", ["model", "parameters", "exact_match", "token_accuracy",
+                                                     "alignment_accuracy", "train_seconds", "train_cpu_seconds",
+                                                     "validation_loss"], problems, rows=3)
+    if [r.get("model") for r in results] != SCORES:
+        problems.append(f"results.csv models {[r.get('model') for r in results]}")
+    t.shares("results.csv", results, ["exact_match", "token_accuracy"], problems)
+    t.shares("results.csv", [r for r in results if r["model"] != "none"], ["alignment_accuracy"], problems)
     for r in results:
-        for column in ["exact_match", "token_accuracy"]:
-            check_share(f"results.csv {r['model']} {column}", r[column])
-        if r["model"] == "none":
-            if r["alignment_accuracy"] != "n/a":
-                fail(f"the no-attention model has an alignment accuracy: {r['alignment_accuracy']}")
-        else:
-            check_share(f"results.csv {r['model']} alignment_accuracy", r["alignment_accuracy"])
-        if not (float(r["train_seconds"]) > 0 and float(r["train_cpu_seconds"]) > 0
-                and math.isfinite(float(r["validation_loss"]))):
-            fail(f"results.csv {r['model']}: time {r['train_seconds']}, loss {r['validation_loss']}")
+        if r["model"] == "none" and r["alignment_accuracy"] != "n/a":
+            problems.append(f"the no-attention model has an alignment accuracy: {r['alignment_accuracy']}")
+        if not (float(r["train_seconds"]) > 0 and float(r["train_cpu_seconds"]) > 0):
+            problems.append(f"results.csv {r['model']}: training time {r['train_seconds']} s")
+    t.check("alignment: results on the test split, all three models", problems)
 
-    by_length = read_csv(directory / "by_length.csv",
-                         ["source_length", "sentences", "additive_exact", "additive_token", "additive_alignment",
-                          "dot_exact", "dot_token", "dot_alignment", "none_exact", "none_token"], 4)
+    problems = []
+    by_length = t.read_csv(directory / "by_length.csv",
+                           ["source_length", "sentences", "additive_exact", "additive_token", "additive_alignment",
+                            "dot_exact", "dot_token", "dot_alignment", "none_exact", "none_token"], problems, rows=4)
     if [r.get("source_length") for r in by_length] != ["4–6", "7–9", "10–12", "13–15"]:
-        fail(f"by_length.csv buckets {[r.get('source_length') for r in by_length]}")
+        problems.append(f"by_length.csv buckets {[r.get('source_length') for r in by_length]}")
     if by_length and sum(int(r["sentences"]) for r in by_length) != 96:
-        fail("by_length.csv: the buckets do not add up to the 96 test sentences of --quick")
-    for r in by_length:
-        for column, value in r.items():
-            if column not in ("source_length", "sentences"):
-                check_share(f"by_length.csv {r['source_length']} {column}", value)
+        problems.append("by_length.csv: the buckets do not add up to the 96 test sentences of --quick")
+    t.shares("by_length.csv", by_length, [c for c in by_length[0] if c not in ("source_length", "sentences")]
+             if by_length else [], problems)
+    by_class = t.read_csv(directory / "alignment_by_class.csv", ["word_class", "words", "additive_alignment",
+                                                                 "dot_alignment"], problems, rows=6)
+    t.shares("alignment_by_class.csv", [r for r in by_class if int(r["words"]) > 0], ["additive_alignment"], problems)
+    t.check("alignment: accuracy by length bucket for all three models, alignment by word class", problems)
 
-    for name in ["accuracy_by_length.png", "loss.png"] + [f"heatmap_{s}_{k}.png" for s in ("additive", "dot")
-                                                          for k in (1, 2, 3)]:
-        if not (directory / name).is_file():
-            fail(f"{name} was not written")
-        else:
-            check_png(directory / name)
+    problems = []
     for k in (1, 2, 3):
         svg = directory / f"heatmap_additive_{k}.svg"
         if not svg.is_file():
-            fail(f"{svg.name} was not written")
+            problems.append(f"{svg.name} was not written")
             continue
         text = svg.read_text()
         marks = re.findall(r'<rect x="(\d+)" y="(\d+)" width="\d+" height="\d+" fill="none" stroke="#ff0000" '
                            r'stroke-width="2"><title>marked: ', text)
         if not text.rstrip().endswith("</svg>") or 'class="marks"' not in text or len(marks) < 4:
-            fail(f"{svg.name}: no gold-alignment outlines ({len(marks)} marks)")
+            problems.append(f"{svg.name}: no gold-alignment outlines ({len(marks)} marks)")
         # Each outline's 2 px stroke is centred one pixel inside a cell that the renderer drew.
         cells = set(re.findall(r'<rect x="(\d+)" y="(\d+)" width="\d+" height="\d+" fill="#', text))
         for x, y in marks:
             if (str(int(x) - 1), str(int(y) - 1)) not in cells:
-                fail(f"{svg.name}: the gold outline at ({x}, {y}) is not on a cell")
-    by_class = read_csv(directory / "alignment_by_class.csv", ["word_class", "words", "additive_alignment",
-                                                               "dot_alignment"], 6)
-    for r in by_class:
-        if int(r["words"]) > 0:
-            check_share(f"alignment_by_class.csv {r['word_class']}", r["additive_alignment"])
-    for name in ["training.csv", "validation.csv"]:
-        if not (directory / name).is_file():
-            fail(f"{name} was not written")
+                problems.append(f"{svg.name}: the gold outline at ({x}, {y}) is not on a cell")
     md = (directory / "results.md").read_text()
-    for part in ["## Settings", "qkv experiment alignment --quick --seed 0", "![", "heatmap_additive_1.png",
-                 "model_additive.qkvm", "```"]:
+    for part in ["heatmap_additive_1.svg", "model_additive.qkvm", "```"]:
         if part not in md:
-            fail(f"results.md lacks {part!r}")
-    for score in ["additive", "dot", "none"]:
-        check_model_file(directory / f"model_{score}.qkvm")
+            problems.append(f"results.md lacks {part!r}")
+    for score in SCORES:
+        problems += model_file_problems(directory / f"model_{score}.qkvm")
+    t.check("alignment: heatmaps with the gold alignment marked, model files in the documented layout", problems)
     return directory
 
 
-def check_translate(directory, scratch):
-    sentence = "the big dog sees a small cat near the house"
-    words = sentence.split()
+def check_translate(t, directory):
+    words = SENTENCE.split()
     for score in ["additive", "dot"]:
-        proc, elapsed = run("translate", "--model", str(directory / f"model_{score}.qkvm"), sentence)
-        if proc.returncode != 0:
-            fail(f"translate ({score}) exited {proc.returncode}: {proc.stderr.strip()}")
-            continue
-        lines = proc.stdout.splitlines()
+        result, seconds = t.timed(["translate", "--model", str(directory / f"model_{score}.qkvm"), SENTENCE])
+        problems = []
+        lines = result.stdout.splitlines()
         translation = [line for line in lines if line.startswith("translation: ")]
         if len(translation) != 1 or len(translation[0].split()) < 2:
-            fail(f"translate ({score}) printed no translation:\n{proc.stdout}")
+            problems.append("no translation printed")
         # The grid: a header naming every source word, then a row per output word, then the scale.
-        header = next((line for line in lines if all(w in line.split() for w in set(words))), None)
-        if header is None:
-            fail(f"translate ({score}): no grid header with the source words:\n{proc.stdout}")
+        if not any(all(w in line.split() for w in set(words)) for line in lines):
+            problems.append("no grid header with the source words")
         if not any(line.startswith("scale: ") for line in lines):
-            fail(f"translate ({score}): no legend line:\n{proc.stdout}")
-        if "\x1b[" in proc.stdout:
-            fail(f"translate ({score}) coloured its output under NO_COLOR")
-        print(f"translate ({score}): {elapsed:.2f} s")
-    proc, _ = run("translate", "--model", str(directory / "model_none.qkvm"), sentence)
-    if proc.returncode != 0 or "translation: " not in proc.stdout or "no attention" not in proc.stdout:
-        fail(f"translate (none) exited {proc.returncode}:\n{proc.stdout}{proc.stderr}")
+            problems.append("no legend line")
+        if "\x1b[" in result.stdout:
+            problems.append("coloured output under NO_COLOR")
+        if result.returncode != 0:
+            problems = [f"exit code {result.returncode}"]
+        t.check(f"translate with the {score} model ({seconds:.2f} s)", problems, result)
+    t.succeed("translate with the no-attention model", ["translate", "--model", str(directory / "model_none.qkvm"),
+                                                        SENTENCE],
+              lambda r: None if "translation: " in r.stdout and "no attention" in r.stdout else "no translation")
 
     good = (directory / "model_additive.qkvm").read_bytes()
+    kind, entries, tensors = parse_model(good)
     corrupt = bytearray(good)
     corrupt[len(good) // 2] ^= 0x40
     forged_version = bytearray(good)
     forged_version[8:12] = struct.pack("<I", 9)
     forged_version[-4:] = struct.pack("<I", zlib.crc32(bytes(forged_version[:-4])))
-    cases = {
-        "corrupt.qkvm": (bytes(corrupt), "checksum mismatch"),
-        "truncated.qkvm": (good[: len(good) - 100], "truncated"),
-        "foreign.qkvm": (b"\x93NUMPY\x01\x00v\x00{'descr': '<f4'}", "not a qkv model file"),
-        "version.qkvm": (bytes(forged_version), "format version 9"),
-        "empty.qkvm": (b"", "not a qkv model file"),
-    }
-    for name, (data, message) in cases.items():
-        path = scratch / name
-        path.write_bytes(data)
-        proc, _ = run("translate", "--model", str(path), sentence)
-        err = proc.stderr.strip()
-        if proc.returncode != 2 or message not in err or name not in err or len(err.splitlines()) != 1:
-            fail(f"translate --model {name}: exit {proc.returncode}, stderr {err!r}; expected 2 and {message!r}")
-    refusals = [
-        (["--model", str(scratch / "missing.qkvm"), sentence], "missing.qkvm"),
-        (["--model", str(directory / "model_additive.qkvm"), "the dog barks"], 'unknown word "barks"'),
-        (["--model", str(directory / "model_additive.qkvm"), "   "], "SENTENCE"),
-        (["--model", str(directory / "results.csv"), sentence], "not a qkv model file"),
+    wider = [(k, str(int(v) + 1) if k == "embedding" else v) for k, v in entries]
+    cases = [
+        ("corrupt.qkvm", bytes(corrupt), ["checksum mismatch"]),
+        ("truncated.qkvm", good[: len(good) - 100], ["truncated"]),
+        ("foreign.qkvm", b"\x93NUMPY\x01\x00v\x00{'descr': '<f4'}", ["not a qkv model file"]),
+        ("version.qkvm", bytes(forged_version), ["format version 9"]),
+        ("empty.qkvm", b"", ["not a qkv model file"]),
+        # Whole, checksummed files that do not fit: another kind, a configuration its tensors do not
+        # match, a tensor missing, a tensor too many.
+        ("kind.qkvm", build_model("language-model", entries, tensors), ["expected a seq2seq model"]),
+        ("config.qkvm", build_model(kind, wider, tensors), ["expected shape"]),
+        ("missing.qkvm", build_model(kind, entries, tensors[1:]), [f'no tensor "{tensors[0][0]}"']),
+        ("extra.qkvm", build_model(kind, entries, [*tensors, ("stray", (1,), b"\0\0\0\0")]), ['"stray"']),
     ]
-    for args, message in refusals:
-        proc, _ = run("translate", *args)
-        if proc.returncode != 2 or message not in proc.stderr:
-            fail(f"translate {args[1:]}: exit {proc.returncode}, stderr {proc.stderr.strip()!r}; expected {message!r}")
-    proc, _ = run("experiment", "alignment", "--sizes", "32,64", "--quick", "--out", str(scratch))
-    if proc.returncode != 2 or "--sizes" not in proc.stderr:
-        fail(f"alignment with two sizes: exit {proc.returncode}, stderr {proc.stderr.strip()!r}")
+    for name, data, mentions in cases:
+        with open(t.path(name), "wb") as f:
+            f.write(data)
+        t.refuse(f"translate refuses {name}", ["translate", "--model", name, SENTENCE], name, *mentions)
+    model = str(directory / "model_additive.qkvm")
+    t.refuse("translate refuses a missing file", ["translate", "--model", "nowhere.qkvm", SENTENCE], "nowhere.qkvm")
+    t.refuse("translate refuses an unknown word", ["translate", "--model", model, "the dog barks"],
+             'unknown word "barks"')
+    t.refuse("translate refuses an empty sentence", ["translate", "--model", model, "   "], "SENTENCE")
+    t.refuse("translate refuses a CSV as a model", ["translate", "--model", str(directory / "results.csv"), SENTENCE],
+             "not a qkv model file")
 
 
-def main():
-    if not QKV:
-        print("QKV_BIN is not set", file=sys.stderr)
-        return 1
-    with tempfile.TemporaryDirectory() as tmp:
-        tmp = Path(tmp)
-        directory = check_experiment(tmp / "out")
-        if directory is not None:
-            check_translate(directory, tmp)
-    if failures:
-        print(f"{len(failures)} failure(s)", file=sys.stderr)
-        return 1
-    print("ok")
-    return 0
+def checks(t):
+    directory = check_experiment(t)
+    if directory is not None:
+        check_translate(t, directory)
+        t.interrupt("Ctrl-C during alignment's training",
+                    ["experiment", "alignment", "--quick", "--steps", "100000", "--out", "out"], "out/alignment",
+                    "[alignment]")
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_suite(ExperimentSuite, "qkv_alignment_", checks))

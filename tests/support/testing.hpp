@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "qkv/rng.hpp"
+#include "qkv/simd_target.hpp"
 #include "qkv/tensor.hpp"
 
 namespace qkv::testing {
@@ -156,5 +157,15 @@ double dot(const Tensor<T>& a, const Tensor<T>& b) {
   for (int64_t i = 0; i < a.numel(); ++i) sum += static_cast<double>(a[i]) * static_cast<double>(b[i]);
   return sum;
 }
+
+// Runs the SIMD kernels on `target` ("" = the best) for the scope's life and restores the best
+// when it ends, even when a failed assertion ends it.
+class SimdTargetScope {
+ public:
+  explicit SimdTargetScope(const std::string& target = "") { use_simd_target(target); }
+  ~SimdTargetScope() { use_simd_target(""); }
+  SimdTargetScope(const SimdTargetScope&) = delete;
+  SimdTargetScope& operator=(const SimdTargetScope&) = delete;
+};
 
 }  // namespace qkv::testing

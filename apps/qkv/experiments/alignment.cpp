@@ -47,7 +47,6 @@
 #include "qkv/model_file.hpp"
 #include "qkv/parallel.hpp"
 #include "qkv/progress.hpp"
-#include "qkv/staged_files.hpp"
 #include "qkv/terminal_heatmap.hpp"
 #include "seq2seq.hpp"
 #include "toy_translation.hpp"
@@ -373,10 +372,7 @@ Report run_alignment(const ExperimentOptions& options) {
   eval_progress.done();
 
   Report report("Experiment: alignment (Bahdanau attention on a synthetic translation task)");
-  report.add_setting(
-      "command", fmt::format("qkv experiment alignment{} --seed {}{}{}", options.quick ? " --quick" : "", options.seed,
-                             options.sizes.empty() ? "" : " --sizes " + join_sizes(options.sizes),
-                             options.steps ? fmt::format(" --steps {}", *options.steps) : ""));
+  report.add_setting("command", command_line("alignment", options));
   report.add_setting("seed", fmt::format("{}", options.seed));
   report.add_setting("task",
                      fmt::format("synthetic translation, {} source and {} target words, sentences of {} to {} "
@@ -524,9 +520,9 @@ Report run_alignment(const ExperimentOptions& options) {
   loss_figure.panels = {loss, held_out};
   report.add_figure("Training and validation loss", loss_figure, "loss.png");
 
-  // Files a Report does not carry: heatmaps with the gold alignment, and the models. They are
-  // staged here and renamed into DIR/alignment together, just before the report's own files.
-  StagedFiles files;
+  // Files a Report does not carry: heatmaps with the gold alignment, and the models. The command
+  // renames them into DIR/alignment once the report's own files are in place.
+  ExtraFiles& files = *options.extra_files;
   std::string heatmap_text =
       "The heatmaps below show α under teacher forcing for three test sentences (rows: target "
       "words, each labelled with its gold source word after ←; columns: source words); the gold cells "
@@ -545,10 +541,8 @@ Report run_alignment(const ExperimentOptions& options) {
       heatmap.vmax = 1.0;
       heatmap.marked_cells = gold_cells(pair);
       const std::string stem = fmt::format("heatmap_{}_{}", score_name(models[k].score), c + 1);
-      files.stage(options.directory / (stem + ".png"),
-                  render_heatmap<float>(alpha.cview(), HeatmapFormat::png, heatmap));
-      files.stage(options.directory / (stem + ".svg"),
-                  render_heatmap<float>(alpha.cview(), HeatmapFormat::svg, heatmap));
+      files.stage(options.directory, stem + ".png", render_heatmap<float>(alpha.cview(), HeatmapFormat::png, heatmap));
+      files.stage(options.directory, stem + ".svg", render_heatmap<float>(alpha.cview(), HeatmapFormat::svg, heatmap));
       heatmap_text += fmt::format("![{}, sentence {}]({}.png) ([SVG]({}.svg))\n\n", model_label(models[k].score), c + 1,
                                   stem, stem);
       if (k == 0 && c == 0) {
@@ -565,7 +559,7 @@ Report run_alignment(const ExperimentOptions& options) {
   for (const TrainedModel& m : models) {
     const std::string description =
         fmt::format("qkv experiment alignment, {}, seed {}, {} steps", model_label(m.score), options.seed, s.steps);
-    files.stage(options.directory / model_file_name(m.score),
+    files.stage(options.directory, model_file_name(m.score),
                 encode_model_file(to_model_file(*m.model, language.source, language.target, description)));
   }
   report.add_paragraph("## Heatmaps\n\n" + heatmap_text);
@@ -574,7 +568,6 @@ Report run_alignment(const ExperimentOptions& options) {
       "translate --model {} \"the big dog sees a cat\"` translates a sentence and shows its alignment.",
       model_file_name(Score::additive), model_file_name(Score::scaled_dot), model_file_name(Score::none),
       model_file_name(Score::additive)));
-  files.commit();
   return report;
 }
 

@@ -12,6 +12,21 @@ namespace qkv::cli {
 
 std::string join_sizes(const std::vector<int64_t>& sizes) { return fmt::format("{}", fmt::join(sizes, ", ")); }
 
+std::string command_line(std::string_view name, const ExperimentOptions& options) {
+  std::string command =
+      fmt::format("qkv experiment {}{} --seed {}", name, options.quick ? " --quick" : "", options.seed);
+  // Commas without spaces: the list must stay one shell word.
+  if (!options.sizes.empty()) command += fmt::format(" --sizes {}", fmt::join(options.sizes, ","));
+  if (options.steps) command += fmt::format(" --steps {}", *options.steps);
+  if (!options.corpus.empty()) command += fmt::format(" --corpus {}", options.corpus.string());
+  return command;
+}
+
+void ExtraFiles::stage(const std::filesystem::path& directory, const std::string& name, std::string_view bytes) {
+  staged_.stage(directory / name, bytes);
+  names_.push_back(name);
+}
+
 double mean(const std::vector<double>& values) {
   if (values.empty()) return std::numeric_limits<double>::quiet_NaN();
   return std::accumulate(values.begin(), values.end(), 0.0) / static_cast<double>(values.size());

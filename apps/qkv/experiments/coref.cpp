@@ -40,7 +40,6 @@
 #include "qkv/heatmap.hpp"
 #include "qkv/progress.hpp"
 #include "qkv/rng.hpp"
-#include "qkv/staged_files.hpp"
 
 namespace qkv::cli {
 namespace {
@@ -48,7 +47,7 @@ namespace {
 enum Stream : uint64_t { kInitStream = 1, kTrainStream, kTestStream };
 
 // Noun roots: the first half masculine, the second feminine. Each has a singular and a plural word.
-constexpr std::array<const char*, 12> kRoots = {"king", "boy",   "man",   "father", "prince",   "uncle",
+constexpr std::array<const char*, 12> kRoots = {"king",  "boy",  "man",   "father", "prince",   "uncle",
                                                 "queen", "girl", "woman", "mother", "princess", "aunt"};
 constexpr std::array<const char*, 8> kFillers = {"later", "quietly", "again", "today", "soon", "very", "still", "then"};
 constexpr std::array<const char*, 4> kVerbs = {"smiled", "left", "laughed", "slept"};
@@ -189,8 +188,8 @@ struct Settings {
 constexpr int64_t kMaxLength = 24;
 
 // The probability of the right root at the pronoun of each sequence of a batch: logits [B, T, C].
-std::vector<double> answer_probabilities(const Tensor<float>& logits, const std::vector<Example>& examples, size_t begin,
-                                         std::vector<int64_t>* predictions = nullptr) {
+std::vector<double> answer_probabilities(const Tensor<float>& logits, const std::vector<Example>& examples,
+                                         size_t begin, std::vector<int64_t>* predictions = nullptr) {
   const int64_t batch = logits.shape()[0], length = logits.shape()[1], classes = logits.shape()[2];
   std::vector<double> out;
   for (int64_t b = 0; b < batch; ++b) {
@@ -220,8 +219,11 @@ Report run_coref(const ExperimentOptions& options) {
   const int64_t classes = static_cast<int64_t>(kRoots.size());
 
   Rng init(derive_seed(options.seed, kInitStream));
-  EncoderModel<float> model({.vocabulary = lex.size(), .classes = classes, .max_length = kMaxLength,
-                             .layers = s.layers, .block = {.dim = s.dim, .heads = s.heads, .ffn = s.ffn}},
+  EncoderModel<float> model({.vocabulary = lex.size(),
+                             .classes = classes,
+                             .max_length = kMaxLength,
+                             .layers = s.layers,
+                             .block = {.dim = s.dim, .heads = s.heads, .ffn = s.ffn}},
                             init);
   Adam<float> adam(model.parameters(), {.lr = s.lr, .max_grad_norm = s.max_grad_norm});
 
@@ -232,11 +234,11 @@ Report run_coref(const ExperimentOptions& options) {
     std::vector<Example> examples;
     for (int64_t b = 0; b < s.batch; ++b) examples.push_back(make_example(lex, train_rng));
     const Batch batch = make_batch(examples, 0, examples.size());
-    AttentionMask<float> mask{.allowed = batch.allowed.cview()};
+    AttentionMask<float> mask{.allowed = batch.allowed.cview(), .bias = {}};
     const Tensor<float> logits = model.forward(batch.ids.cview(), mask);
     CrossEntropyCache<float> ce;
-    const double loss = cross_entropy_forward<float>({.logits = logits.cview(), .targets = batch.targets.cview(),
-                                                      .ignore_index = -1}, ce);
+    const double loss = cross_entropy_forward<float>(
+        {.logits = logits.cview(), .targets = batch.targets.cview(), .ignore_index = -1}, ce);
     Tensor<float> dlogits(logits.shape());
     cross_entropy_backward<float>(ce, 1.0, dlogits.view());
     model.zero_grad();
@@ -260,14 +262,14 @@ Report run_coref(const ExperimentOptions& options) {
     const size_t end = std::min(test.size(), begin + chunk);
     const Batch batch = make_batch(test, begin, end);
     const int64_t bsz = batch.ids.shape()[0], length = batch.ids.shape()[1];
-    AttentionMask<float> mask{.allowed = batch.allowed.cview()};
+    AttentionMask<float> mask{.allowed = batch.allowed.cview(), .bias = {}};
     std::vector<Tensor<float>> alpha;
     std::vector<TensorView<float>> alpha_views;
     for (int64_t l = 0; l < s.layers; ++l) alpha.emplace_back(Shape{bsz, s.heads, length, length});
     for (Tensor<float>& a : alpha) alpha_views.push_back(a.view());
     std::vector<int64_t> predictions;
-    const std::vector<double> base = answer_probabilities(model.forward(batch.ids.cview(), mask, alpha_views), test,
-                                                          begin, &predictions);
+    const std::vector<double> base =
+        answer_probabilities(model.forward(batch.ids.cview(), mask, alpha_views), test, begin, &predictions);
     for (int64_t b = 0; b < bsz; ++b) {
       const Example& e = test[begin + static_cast<size_t>(b)];
       const bool right = predictions[static_cast<size_t>(b)] == e.referent_root;
@@ -296,7 +298,8 @@ Report run_coref(const ExperimentOptions& options) {
         std::vector<double> mean_row(static_cast<size_t>(length), 0.0);
         for (int64_t h = 0; h < s.heads; ++h) {
           const float* row = alpha[static_cast<size_t>(l)].data() + ((b * s.heads + h) * length + e.pronoun) * length;
-          for (int64_t t = 0; t < length; ++t) mean_row[static_cast<size_t>(t)] += row[t] / static_cast<double>(s.heads);
+          for (int64_t t = 0; t < length; ++t)
+            mean_row[static_cast<size_t>(t)] += row[t] / static_cast<double>(s.heads);
         }
         int64_t other = e.referent == 0 ? 1 : 0;
         for (int64_t t = 0; t < static_cast<int64_t>(e.ids.size()); ++t) {
@@ -326,13 +329,15 @@ Report run_coref(const ExperimentOptions& options) {
 
   Report report("Coreference: does the pronoun's attention row point at its referent?");
   report.add_setting("model", fmt::format("{} pre-LN encoder blocks, D = {}, {} heads, FFN {}, learned positions; {} "
-                                          "parameters", s.layers, s.dim, s.heads, s.ffn, model.parameter_count()));
+                                          "parameters",
+                                          s.layers, s.dim, s.heads, s.ffn, model.parameter_count()));
   report.add_setting("training", fmt::format("{} steps of {} fresh sentences, Adam lr {}, clip {}", s.steps, s.batch,
                                              s.lr, s.max_grad_norm));
   report.add_setting("task", fmt::format("name the referent among {} noun roots; cue: gender or number; 4 templates, "
                                          "0-5 fillers; {} test sentences",
                                          classes, s.test));
   report.add_setting("seed", fmt::format("{}", options.seed));
+  report.add_setting("command", command_line("coref", options));
 
   Table accuracy({{"split", "{}"}, {"sentences", "{}"}, {"accuracy", "{:.4f}"}});
   int64_t right = 0;
@@ -345,15 +350,18 @@ Report run_coref(const ExperimentOptions& options) {
   }
   const std::array<const char*, 3> bucket_names = {"distance <= 4", "distance 5-8", "distance >= 9"};
   for (size_t k = 0; k < 3; ++k) {
-    accuracy.add_row({std::string(bucket_names[k]), bucket_total[k],
-                      bucket_total[k] ? static_cast<double>(bucket_right[k]) / static_cast<double>(bucket_total[k])
-                                      : NAN});
+    accuracy.add_row(
+        {std::string(bucket_names[k]), bucket_total[k],
+         bucket_total[k] ? static_cast<double>(bucket_right[k]) / static_cast<double>(bucket_total[k]) : NAN});
   }
-  report.add_table(fmt::format("Test accuracy (chance: 1/2 if the model only knew the two candidates, 1/{} if not)",
-                               classes),
-                   std::move(accuracy), "results.csv");
+  report.add_table(
+      fmt::format("Test accuracy (chance: 1/2 if the model only knew the two candidates, 1/{} if not)", classes),
+      std::move(accuracy), "results.csv");
 
-  Table attention({{"layer", "{}"}, {"head", "{}"}, {"alpha_referent", "{:.3f}"}, {"alpha_other_candidate", "{:.3f}"},
+  Table attention({{"layer", "{}"},
+                   {"head", "{}"},
+                   {"alpha_referent", "{:.3f}"},
+                   {"alpha_other_candidate", "{:.3f}"},
                    {"referent_is_argmax", "{:.3f}"}});
   for (int64_t l = 0; l < s.layers; ++l) {
     for (int64_t h = 0; h < s.heads; ++h) {
@@ -373,17 +381,19 @@ Report run_coref(const ExperimentOptions& options) {
     const AblationStats& a = ablation[static_cast<size_t>(l)];
     ablation_table.add_row({l, a.referent_drop / n, a.other_drop / n, a.referent_more_attended / n, a.agree / n});
   }
-  report.add_table("Value ablation: mean drop in p(right referent), and how often the more-attended token is the one "
-                   "whose removal hurts more",
-                   std::move(ablation_table), "ablation.csv");
+  report.add_table(
+      "Value ablation: mean drop in p(right referent), and how often the more-attended token is the one "
+      "whose removal hurts more",
+      std::move(ablation_table), "ablation.csv");
 
   Table training({{"step", "{}"}, {"loss", "{:.4f}"}});
   for (size_t i = 0; i < losses.size(); ++i) training.add_row({static_cast<int64_t>(i + 1), losses[i]});
   report.add_data("Training loss per step", std::move(training), "training.csv");
 
-  StagedFiles files;
-  std::string text = "Heatmaps of three test sentences: every head of the last layer (rows: queries, columns: keys); "
-                     "the pronoun's row is the one to read.\n\n";
+  ExtraFiles& files = *options.extra_files;
+  std::string text =
+      "Heatmaps of three test sentences: every head of the last layer (rows: queries, columns: keys); "
+      "the pronoun's row is the one to read.\n\n";
   for (size_t k = 0; k < 3 && k < test.size(); ++k) {
     const Batch batch = make_batch(test, k, k + 1);
     const int64_t length = batch.ids.shape()[1];
@@ -395,17 +405,16 @@ Report run_coref(const ExperimentOptions& options) {
     HeatmapOptions heatmap;
     for (int64_t id : test[k].ids) heatmap.row_labels.push_back(lex.word(id));
     heatmap.col_labels = heatmap.row_labels;
-    heatmap.title = fmt::format("last layer; \"{}\" refers to \"{}\"", lex.word(test[k].ids[static_cast<size_t>(test[k].pronoun)]),
-                                lex.word(test[k].ids[static_cast<size_t>(test[k].referent)]));
+    heatmap.title =
+        fmt::format("last layer; \"{}\" refers to \"{}\"", lex.word(test[k].ids[static_cast<size_t>(test[k].pronoun)]),
+                    lex.word(test[k].ids[static_cast<size_t>(test[k].referent)]));
     heatmap.vmin = 0.0;
     heatmap.vmax = 1.0;
     const std::string name = fmt::format("heatmap_{}.png", k + 1);
-    files.stage(options.directory / name,
-                render_heatmap<float>(alpha.back().cview(), HeatmapFormat::png, heatmap));
+    files.stage(options.directory, name, render_heatmap<float>(alpha.back().cview(), HeatmapFormat::png, heatmap));
     text += fmt::format("![sentence {}]({})\n\n", k + 1, name);
   }
   report.add_paragraph(text);
-  files.commit();
   return report;
 }
 
@@ -414,9 +423,7 @@ Report run_coref(const ExperimentOptions& options) {
 Experiment coref_experiment() {
   return {.name = "coref",
           .summary = "a pronoun's attention row, its referent, and value ablation (weights vs explanations)",
-          .sizes_meaning = "unused",
-          .min_size = 1,
-          .max_size = 1,
+          .sizes_meaning = "",
           .trains = true,
           .run = run_coref};
 }

@@ -17,7 +17,7 @@
 //
 // What the numbers mean:
 //   results.csv   per model: parameters, validation bits per character, training tokens/s, seconds
-//   training.csv  the training loss (bits per character) per step, both models
+//   training.csv  the training loss (bits per character) per step, both models; training.png its plot
 //   samples in results.md, each started from the same prompt
 
 #include <fmt/format.h>
@@ -27,8 +27,8 @@
 #include <chrono>
 #include <cmath>
 #include <fstream>
-#include <memory>
 #include <iterator>
+#include <memory>
 #include <numbers>
 #include <string>
 #include <vector>
@@ -60,7 +60,9 @@ std::string generated_corpus(int64_t characters, uint64_t seed) {
   const std::array<const char*, 5> intransitive = {"sleeps", "runs", "sings", "waits", "smiles"};
   const std::array<const char*, 5> places = {"on the mat", "in the garden", "by the river", "at home", "near the hill"};
   Rng rng(seed);
-  const auto pick = [&](const auto& list) { return std::string(list[static_cast<size_t>(draw(rng, std::ssize(list)))]); };
+  const auto pick = [&](const auto& list) {
+    return std::string(list[static_cast<size_t>(draw(rng, std::ssize(list)))]);
+  };
   // Every draw is a statement of its own: the order of the operands of + is unspecified, and the
   // corpus must not depend on the compiler.
   const auto noun_phrase = [&] {
@@ -109,8 +111,9 @@ Corpus load_corpus(const ExperimentOptions& options) {
     text.assign(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
     c.source = options.corpus.string();
   }
-  if (text.size() < 1000) {
-    throw ValueError(fmt::format("--corpus: expected at least 1000 characters, got {}", text.size()));
+  if (text.size() < kMinCorpusCharacters) {
+    throw ValueError(
+        fmt::format("--corpus: expected at least {} characters, got {}", kMinCorpusCharacters, text.size()));
   }
   std::array<bool, 256> seen{};
   for (char ch : text) seen[static_cast<unsigned char>(ch)] = true;
@@ -118,72 +121,79 @@ Corpus load_corpus(const ExperimentOptions& options) {
     if (seen[static_cast<size_t>(v)]) c.alphabet.push_back(static_cast<char>(v));
   }
   std::array<int64_t, 256> id{};
-  for (size_t k = 0; k < c.alphabet.size(); ++k) id[static_cast<unsigned char>(c.alphabet[k])] = static_cast<int64_t>(k);
+  for (size_t k = 0; k < c.alphabet.size(); ++k)
+    id[static_cast<unsigned char>(c.alphabet[k])] = static_cast<int64_t>(k);
   const size_t split = text.size() - text.size() / 10;
-  for (size_t n = 0; n < text.size(); ++n) (n < split ? c.train : c.validation).push_back(id[static_cast<unsigned char>(text[n])]);
+  for (size_t n = 0; n < text.size(); ++n)
+    (n < split ? c.train : c.validation).push_back(id[static_cast<unsigned char>(text[n])]);
   return c;
 }
 
-// A language model over windows: ids [B, T] → logits [B, T, V], then backward from dlogits.
+// A language model over windows: ids [B, T] → logits [B, T, V], then backward from dlogits. The
+// runs use float; tests/test_experiment_lm.cpp checks the backward in double.
+template <class T>
 class LanguageModel {
  public:
   virtual ~LanguageModel() = default;
-  virtual Tensor<float> forward(const Tensor<int64_t>& ids) = 0;
-  virtual void backward(const Tensor<float>& dlogits) = 0;
-  virtual std::vector<ParameterRef<float>> parameters() = 0;
+  virtual Tensor<T> forward(const Tensor<int64_t>& ids) = 0;
+  // dlogits [B, T, V] of the last forward → every parameter's gradient += its share.
+  virtual void backward(const Tensor<T>& dlogits) = 0;
+  virtual std::vector<ParameterRef<T>> parameters() = 0;
 };
 
-class AttentionLm : public LanguageModel {
+template <class T>
+class AttentionLm : public LanguageModel<T> {
  public:
   AttentionLm(const EncoderModelConfig& config, Rng& rng) : model_(config, rng) {}
-  Tensor<float> forward(const Tensor<int64_t>& ids) override { return model_.forward(ids.cview()); }
-  void backward(const Tensor<float>& dlogits) override { model_.backward(dlogits.cview()); }
-  std::vector<ParameterRef<float>> parameters() override { return model_.parameters(); }
+  Tensor<T> forward(const Tensor<int64_t>& ids) override { return model_.forward(ids.cview()); }
+  void backward(const Tensor<T>& dlogits) override { model_.backward(dlogits.cview()); }
+  std::vector<ParameterRef<T>> parameters() override { return model_.parameters(); }
 
  private:
-  EncoderModel<float> model_;
+  EncoderModel<T> model_;
 };
 
 // Embedding [V, E] → GRU (E → H) → head [V, H] at every position.
-class GruLm : public LanguageModel {
+template <class T>
+class GruLm : public LanguageModel<T> {
  public:
   GruLm(int64_t vocabulary, int64_t embed, int64_t hidden, Rng& rng)
       : embedding_({.num_embeddings = vocabulary, .dim = embed}, rng),
         gru_({.input_size = embed, .hidden_size = hidden}, rng),
         head_w_(Shape{vocabulary, hidden}),
         head_b_(Shape{vocabulary}) {
-    linear_init<float>(head_w_.value.view(), head_b_.value.view(), rng);
+    linear_init<T>(head_w_.value.view(), head_b_.value.view(), rng);
   }
-  Tensor<float> forward(const Tensor<int64_t>& ids) override {
+  Tensor<T> forward(const Tensor<int64_t>& ids) override {
     x_ = embedding_.forward(ids.cview(), embedding_cache_);
     h_ = gru_.forward({.x = x_.cview()}, gru_cache_).y;
-    Tensor<float> logits(Shape{ids.shape()[0], ids.shape()[1], head_w_.value.shape()[0]});
-    linear_forward<float>({.x = h_.cview(), .w = head_w_.value.cview(), .b = head_b_.value.cview()}, logits.view());
+    Tensor<T> logits(Shape{ids.shape()[0], ids.shape()[1], head_w_.value.shape()[0]});
+    linear_forward<T>({.x = h_.cview(), .w = head_w_.value.cview(), .b = head_b_.value.cview()}, logits.view());
     return logits;
   }
-  void backward(const Tensor<float>& dlogits) override {
-    Tensor<float> dh(h_.shape());
-    linear_backward<float>({.x = h_.cview(), .w = head_w_.value.cview(), .b = head_b_.value.cview()}, dlogits.cview(),
-                           {.dx = dh.view(), .dw = head_w_.grad.view(), .db = head_b_.grad.view()});
-    Tensor<float> dx(x_.shape());
+  void backward(const Tensor<T>& dlogits) override {
+    Tensor<T> dh(h_.shape());
+    linear_backward<T>({.x = h_.cview(), .w = head_w_.value.cview(), .b = head_b_.value.cview()}, dlogits.cview(),
+                       {.dx = dh.view(), .dw = head_w_.grad.view(), .db = head_b_.grad.view()});
+    Tensor<T> dx(x_.shape());
     gru_.backward(gru_cache_, {.dy = dh.cview()}, {.dx = dx.view()});
     embedding_.backward(embedding_cache_, dx.cview());
   }
-  std::vector<ParameterRef<float>> parameters() override {
-    std::vector<ParameterRef<float>> out = embedding_.parameters();
-    for (ParameterRef<float>& p : gru_.parameters()) out.push_back(p);
+  std::vector<ParameterRef<T>> parameters() override {
+    std::vector<ParameterRef<T>> out = embedding_.parameters();
+    for (ParameterRef<T>& p : gru_.parameters()) out.push_back(p);
     out.push_back(head_w_.ref("head.weight"));
     out.push_back(head_b_.ref("head.bias"));
     return out;
   }
 
  private:
-  Embedding<float> embedding_;
-  EmbeddingCache<float> embedding_cache_;
-  Gru<float> gru_;
-  GruCache<float> gru_cache_;
-  Parameter<float> head_w_, head_b_;
-  Tensor<float> x_, h_;
+  Embedding<T> embedding_;
+  EmbeddingCache<T> embedding_cache_;
+  Gru<T> gru_;
+  GruCache<T> gru_cache_;
+  Parameter<T> head_w_, head_b_;
+  Tensor<T> x_, h_;  // the forward's embeddings [B, T, E] and GRU states [B, T, H], for backward
 };
 
 int64_t count(const std::vector<ParameterRef<float>>& params) {
@@ -207,7 +217,8 @@ std::pair<Tensor<int64_t>, Tensor<int64_t>> windows(const std::vector<int64_t>& 
 }
 
 // Bits per character over consecutive, non-overlapping windows of the validation text.
-double validation_bits(LanguageModel& model, const std::vector<int64_t>& text, int64_t length, int64_t max_windows) {
+double validation_bits(LanguageModel<float>& model, const std::vector<int64_t>& text, int64_t length,
+                       int64_t max_windows) {
   const int64_t available = (static_cast<int64_t>(text.size()) - 1) / length;
   const int64_t n = std::min(available, max_windows);
   double total = 0.0;
@@ -225,7 +236,7 @@ double validation_bits(LanguageModel& model, const std::vector<int64_t>& text, i
 }
 
 // `characters` drawn at temperature 0.8 after `prompt`, each from the last `length` characters.
-std::string sample(LanguageModel& model, const Corpus& corpus, const std::string& prompt, int64_t characters,
+std::string sample(LanguageModel<float>& model, const Corpus& corpus, const std::string& prompt, int64_t characters,
                    int64_t length, Rng& rng) {
   std::vector<int64_t> ids;
   for (char ch : prompt) {
@@ -279,13 +290,16 @@ Report run_encoder_lm(const ExperimentOptions& options) {
   std::array<Result, 2> results;
   for (size_t m = 0; m < results.size(); ++m) {
     Rng init(derive_seed(options.seed, kInitStream, m));
-    std::unique_ptr<LanguageModel> model;
+    std::unique_ptr<LanguageModel<float>> model;
     if (m == 0) {
-      model = std::make_unique<GruLm>(vocabulary, dim, 128, init);
+      model = std::make_unique<GruLm<float>>(vocabulary, dim, 128, init);
       results[m].name = "GRU (E 64, H 128)";
     } else {
-      model = std::make_unique<AttentionLm>(
-          EncoderModelConfig{.vocabulary = vocabulary, .classes = vocabulary, .max_length = length, .layers = 2,
+      model = std::make_unique<AttentionLm<float>>(
+          EncoderModelConfig{.vocabulary = vocabulary,
+                             .classes = vocabulary,
+                             .max_length = length,
+                             .layers = 2,
                              .block = {.dim = dim, .heads = 4, .ffn = 4 * dim, .causal = true}},
           init);
       results[m].name = "causal attention (2 blocks, D 64, 4 heads)";
@@ -322,11 +336,12 @@ Report run_encoder_lm(const ExperimentOptions& options) {
   Report report("Character-level language model: GRU against causal self-attention");
   report.add_setting("corpus", fmt::format("{}: {} training and {} validation characters, alphabet of {}",
                                            corpus.source, corpus.train.size(), corpus.validation.size(), vocabulary));
-  report.add_setting("training", fmt::format("{} steps of {} windows of {} characters, Adam lr 0.003, clip 1", steps,
-                                             batch, length));
-  report.add_setting("validation", fmt::format("up to {} non-overlapping windows of {} characters", max_windows,
-                                               length));
+  report.add_setting(
+      "training", fmt::format("{} steps of {} windows of {} characters, Adam lr 0.003, clip 1", steps, batch, length));
+  report.add_setting("validation",
+                     fmt::format("up to {} non-overlapping windows of {} characters", max_windows, length));
   report.add_setting("seed", fmt::format("{}", options.seed));
+  report.add_setting("command", command_line("encoder-lm", options));
   Table table({{"model", "{}"},
                {"parameters", "{}"},
                {"validation_bits_per_char", "{:.3f}"},
@@ -341,6 +356,25 @@ Report run_encoder_lm(const ExperimentOptions& options) {
     training.add_row({static_cast<int64_t>(i + 1), results[0].losses[i], results[1].losses[i]});
   }
   report.add_data("Training loss (bits per character) per step", std::move(training), "training.csv");
+  // The per-step loss of one batch is noisy; a running mean shows the trend of each model.
+  const int64_t window = std::max<int64_t>(1, steps / 20);
+  PlotPanel curves = make_panel("Character-level language model, training loss", "step",
+                                fmt::format("bits per character (running mean of {} steps)", window));
+  curves.legend = LegendPosition::top_right;
+  std::vector<double> step_axis;
+  for (int64_t i = 1; i <= steps; ++i) step_axis.push_back(static_cast<double>(i));
+  for (const Result& r : results) {
+    PlotSeries curve = measured(r.name, step_axis, running_mean(r.losses, window));
+    curve.markers = false;
+    curves.series.push_back(std::move(curve));
+  }
+  for (const Result& r : results) {
+    curves.series.push_back(
+        reference(fmt::format("{}, validation", r.name), step_axis, std::vector<double>(step_axis.size(), r.bits)));
+  }
+  Figure figure;
+  figure.panels = {curves};
+  report.add_figure("Training loss against step (dashed: validation after training)", figure, "training.png");
   std::string text = fmt::format("Samples, temperature 0.8, after the prompt \"{}\":\n\n", prompt);
   for (const Result& r : results) text += fmt::format("**{}**\n\n```\n{}{}\n```\n\n", r.name, prompt, r.sample);
   report.add_paragraph(text);
@@ -352,10 +386,9 @@ Report run_encoder_lm(const ExperimentOptions& options) {
 Experiment encoder_lm_experiment() {
   return {.name = "encoder-lm",
           .summary = "a character-level language model: GRU against causal self-attention",
-          .sizes_meaning = "unused",
-          .min_size = 1,
-          .max_size = 1,
+          .sizes_meaning = "",
           .trains = true,
+          .reads_corpus = true,
           .run = run_encoder_lm};
 }
 

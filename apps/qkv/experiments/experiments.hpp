@@ -19,8 +19,24 @@
 
 #include "qkv/plot.hpp"
 #include "qkv/report.hpp"
+#include "qkv/staged_files.hpp"
 
 namespace qkv::cli {
+
+// Files an experiment writes beside its Report (heatmaps with marks, trained models). The command
+// renames them into DIR/NAME only after the Report's own files are in place, so a run that fails or
+// is interrupted before that leaves every file of DIR/NAME as it was.
+class ExtraFiles {
+ public:
+  // Stages `bytes` for DIR/NAME/`name`; IoError naming the file when it cannot be staged.
+  void stage(const std::filesystem::path& directory, const std::string& name, std::string_view bytes);
+  void commit() { staged_.commit(); }
+  const std::vector<std::string>& names() const { return names_; }
+
+ private:
+  StagedFiles staged_;
+  std::vector<std::string> names_;
+};
 
 struct ExperimentOptions {
   bool quick = false;            // --quick: a small version that finishes in well under a minute
@@ -28,20 +44,24 @@ struct ExperimentOptions {
   std::vector<int64_t> sizes;    // --sizes: the swept sizes; empty for the experiment's defaults
   std::optional<int64_t> steps;  // --steps: training steps, for the experiments that train
   // DIR/NAME, set by the command: where an experiment stages files that a Report does not carry
-  // (trained models), committed before the Report's own files are written.
+  // (trained models, marked heatmaps) through extra_files.
   std::filesystem::path directory;
-  std::filesystem::path corpus;  // --corpus: a text file for encoder-lm; empty for its generated corpus
+  std::filesystem::path corpus;       // --corpus: a text file for encoder-lm; empty for its generated corpus
+  ExtraFiles* extra_files = nullptr;  // set by the command: where files beyond the Report's are staged
 };
 
 struct Experiment {
   std::string_view name;
   std::string_view summary;
-  // What --sizes sets for this experiment ("d, the dimension of q and k"), and its bounds.
+  // What --sizes sets for this experiment ("d, the dimension of q and k"), and its bounds; empty
+  // for an experiment that takes no --sizes.
   std::string_view sizes_meaning;
   int64_t min_size = 1;
   int64_t max_size = 1;
   // Whether --steps applies (the experiment trains a model).
   bool trains = false;
+  // Whether --corpus applies (the experiment reads a text file).
+  bool reads_corpus = false;
   Report (*run)(const ExperimentOptions& options) = nullptr;
 };
 
@@ -54,11 +74,17 @@ Experiment encoder_lm_experiment();
 
 // The most training steps --steps accepts.
 inline constexpr int64_t kMaxSteps = 100000;
+// The shortest --corpus that leaves a validation tenth longer than one window.
+inline constexpr uint64_t kMinCorpusCharacters = 1000;
 
 // ---- Helpers shared by the experiments ---------------------------------------------------------
 
 // "4, 16, 64"
 std::string join_sizes(const std::vector<int64_t>& sizes);
+
+// The command that repeats a run with these options, for results.md: "qkv experiment NAME --quick
+// --seed 0 --sizes 4,16 --steps 5 --corpus FILE" (only the options that were given).
+std::string command_line(std::string_view name, const ExperimentOptions& options);
 
 // The mean and the median of samples; NaN for no samples.
 double mean(const std::vector<double>& values);

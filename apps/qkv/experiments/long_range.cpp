@@ -236,9 +236,7 @@ Report run_long_range(const ExperimentOptions& options) {
   const int64_t embedding_params = (s.vocabulary + 2) * s.dim;
 
   Report report("Experiment: long-range (marked-token retrieval, GRU against one attention layer)");
-  report.add_setting(
-      "command", fmt::format("qkv experiment long-range{} --seed {}{}", options.quick ? " --quick" : "", options.seed,
-                             options.sizes.empty() ? "" : " --sizes " + join_sizes(s.lengths)));
+  report.add_setting("command", command_line("long-range", options));
   report.add_setting("seed", fmt::format("{}", options.seed));
   report.add_setting("sequence lengths T", join_sizes(s.lengths));
   report.add_setting("task", fmt::format("T tokens from a vocabulary of {}, one marked by an input flag; answer the "

@@ -183,9 +183,7 @@ Report run_parallel(const ExperimentOptions& options) {
   progress.done();
 
   Report report("Experiment: parallel (RNN against self-attention, forward + backward time)");
-  report.add_setting("command",
-                     fmt::format("qkv experiment parallel{} --seed {}{}", options.quick ? " --quick" : "", options.seed,
-                                 options.sizes.empty() ? "" : " --sizes " + join_sizes(s.lengths)));
+  report.add_setting("command", command_line("parallel", options));
   report.add_setting("seed", fmt::format("{}", options.seed));
   report.add_setting("sequence lengths T", join_sizes(s.lengths));
   report.add_setting("width D", fmt::format("{}", s.dim));

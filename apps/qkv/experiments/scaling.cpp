@@ -380,9 +380,7 @@ Report run_scaling(const ExperimentOptions& options) {
   runs.push_back(train(s, "unscaled", unscaled, options.seed));
 
   Report report("Experiment: scaling (why divide the scores by √d)");
-  report.add_setting("command",
-                     fmt::format("qkv experiment scaling{} --seed {}{}", options.quick ? " --quick" : "", options.seed,
-                                 options.sizes.empty() ? "" : " --sizes " + join_sizes(s.dims)));
+  report.add_setting("command", command_line("scaling", options));
   report.add_setting("seed", fmt::format("{}", options.seed));
   report.add_setting("d (part 1)", join_sizes(s.dims));
   report.add_setting("q·k pairs per d", fmt::format("{}", s.variance_samples));

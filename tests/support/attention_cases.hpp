@@ -1,0 +1,175 @@
+#pragma once
+// Attention problems shared by the reference and fused attention tests: a case's sizes, its random
+// float64 tensors and masks, the views a call takes, and the formula computed as it reads (in
+// float64 for the exact answer, in float32 for the naive error the tolerance rule is a multiple of).
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <optional>
+#include <vector>
+
+#include "qkv/attention.hpp"
+#include "qkv/rng.hpp"
+#include "qkv/tensor.hpp"
+#include "testing.hpp"
+
+namespace qkv::testing {
+
+// The sizes of one problem: q [B, H, Tq, Dk], k [B, H, Tk, Dk], v [B, H, Tk, Dv].
+struct AttentionCase {
+  int64_t b = 1, h = 1, tq = 5, tk = 7, dk = 4, dv = 3;
+  bool causal = false;
+};
+
+// Everything one call needs, in float64: q, k, v usually contiguous [B, H, T, D]; masks in any
+// shape that broadcasts to [B, H, Tq, Tk].
+struct AttentionProblem {
+  Tensor<double> q, k, v;
+  std::optional<Tensor<uint8_t>> allowed = std::nullopt;
+  std::optional<Tensor<double>> bias = std::nullopt;
+  bool causal = false;
+  std::optional<double> scale = std::nullopt;  // 1/sqrt(Dk) when absent
+
+  Shape scores() const { return {q.shape()[0], q.shape()[1], q.shape()[2], k.shape()[2]}; }
+};
+
+// q, k and v drawn from N(0, 1); no mask beyond the case's causal flag.
+inline AttentionProblem random_problem(const AttentionCase& c, uint64_t seed) {
+  Rng rng(seed);
+  AttentionProblem p;
+  p.q = random_tensor<double>({c.b, c.h, c.tq, c.dk}, rng);
+  p.k = random_tensor<double>({c.b, c.h, c.tk, c.dk}, rng);
+  p.v = random_tensor<double>({c.b, c.h, c.tk, c.dv}, rng);
+  p.causal = c.causal;
+  return p;
+}
+
+// A random boolean mask of `shape` that allows about `keep` of the keys.
+inline Tensor<uint8_t> random_mask(const Shape& shape, double keep, uint64_t seed) {
+  Rng rng(seed);
+  Tensor<uint8_t> m(shape);
+  for (int64_t i = 0; i < m.numel(); ++i) m[i] = rng.uniform() < keep ? 1 : 0;
+  return m;
+}
+
+// dO for a [B, H, Tq, Dk] problem: [B, H, Tq, Dv] drawn from N(0, 1).
+inline Tensor<double> random_dout(const AttentionProblem& p, uint64_t seed) {
+  Rng rng(seed);
+  return random_tensor<double>({p.q.shape()[0], p.q.shape()[1], p.q.shape()[2], p.v.shape()[3]}, rng);
+}
+
+// The problem's tensors in type T and the AttentionParams viewing them; lives as long as its views.
+template <class T>
+struct AttentionOperands {
+  Tensor<T> q, k, v;
+  std::optional<Tensor<T>> bias;
+  const AttentionProblem* problem;
+
+  explicit AttentionOperands(const AttentionProblem& p)
+      : q(cast<T>(p.q)), k(cast<T>(p.k)), v(cast<T>(p.v)), problem(&p) {
+    if (p.bias) bias = cast<T>(*p.bias);
+  }
+  AttentionParams<T> params() const {
+    AttentionParams<T> a{.q = q.view(), .k = k.view(), .v = v.view(), .scale = problem->scale, .mask = {}};
+    a.mask.causal = problem->causal;
+    if (problem->allowed) a.mask.allowed = problem->allowed->view();
+    if (bias) a.mask.bias = bias->view();
+    return a;
+  }
+};
+
+// out [B, H, Tq, Dv], weights [B, H, Tq, Tk], lse [B, H, Tq] and, when a dO was given, the
+// gradients of L = <dO, out> (dbias in the bias's own shape).
+template <class T>
+struct NaiveAttention {
+  Tensor<T> out, weights, lse, dq, dk, dv, dbias;
+};
+
+// The whole computation for a [B, H, T, D] problem written as the formula reads, in type T (float:
+// the "naive float32" of the tolerance rule; double: an implementation independent of src/):
+// materialised scores, sequential sums, std::exp. An empty `dout` (numel 0) computes the forward
+// only. With `absolute`, the gradients sum the absolute values of their terms (|P dO|, |dS k|,
+// |dS q|, |dS|): the size of what a relative error of P would perturb.
+template <class T>
+NaiveAttention<T> naive_attention(const AttentionProblem& p, const Tensor<double>& dout_d, bool absolute = false) {
+  const AttentionOperands<T> ops(p);
+  const int64_t B = p.q.shape()[0], H = p.q.shape()[1], Tq = p.q.shape()[2], Tk = p.k.shape()[2], Dk = p.q.shape()[3],
+                Dv = p.v.shape()[3];
+  const T scale = static_cast<T>(p.scale.value_or(1.0 / std::sqrt(static_cast<double>(Dk))));
+  const TensorView<const T> q = ops.q.view(), k = ops.k.view(), v = ops.v.view();
+  const Tensor<T> dout_t = cast<T>(dout_d);
+  const TensorView<const T> dout = dout_t.view();
+  NaiveAttention<T> r{Tensor<T>({B, H, Tq, Dv}),
+                      Tensor<T>({B, H, Tq, Tk}),
+                      Tensor<T>({B, H, Tq}),
+                      Tensor<T>(p.q.shape()),
+                      Tensor<T>(p.k.shape()),
+                      Tensor<T>(p.v.shape()),
+                      p.bias ? Tensor<T>(p.bias->shape()) : Tensor<T>()};
+  const Shape scores = p.scores();
+  std::optional<TensorView<const uint8_t>> allowed;
+  if (p.allowed) allowed = broadcast_to(p.allowed->view(), scores, "allowed");
+  std::optional<TensorView<const T>> bias;
+  std::optional<TensorView<T>> dbias;
+  if (p.bias) {
+    bias = broadcast_to(ops.bias->view(), scores, "bias");
+    dbias = broadcast_to(r.dbias.view(), scores, "dbias");
+  }
+  const T inf = std::numeric_limits<T>::infinity();
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t h = 0; h < H; ++h)
+      for (int64_t i = 0; i < Tq; ++i) {
+        std::vector<T> s(static_cast<size_t>(Tk), -inf);
+        for (int64_t j = 0; j < Tk; ++j) {
+          if (p.causal && j > i + Tk - Tq) continue;
+          if (allowed && (*allowed)(b, h, i, j) == 0) continue;
+          T dot = 0;
+          for (int64_t d = 0; d < Dk; ++d) dot += q(b, h, i, d) * k(b, h, j, d);
+          s[static_cast<size_t>(j)] = scale * dot + (bias ? (*bias)(b, h, i, j) : T{0});
+        }
+        T m = -inf;
+        for (T x : s) m = std::max(m, x);
+        if (m == -inf) {
+          r.lse.view()(b, h, i) = -inf;
+          continue;
+        }
+        T z = 0;
+        for (T x : s) z += std::exp(x - m);
+        r.lse.view()(b, h, i) = m + std::log(z);
+        std::vector<T> prob(s.size());
+        for (size_t j = 0; j < s.size(); ++j) prob[j] = std::exp(s[j] - m) / z;
+        for (int64_t j = 0; j < Tk; ++j) {
+          r.weights.view()(b, h, i, j) = prob[static_cast<size_t>(j)];
+          for (int64_t d = 0; d < Dv; ++d) r.out.view()(b, h, i, d) += prob[static_cast<size_t>(j)] * v(b, h, j, d);
+        }
+        if (dout_d.numel() == 0) continue;
+        T row_dot = 0;  // D_i
+        for (int64_t d = 0; d < Dv; ++d) row_dot += dout(b, h, i, d) * r.out.view()(b, h, i, d);
+        auto term = [&](T x) { return absolute ? std::abs(x) : x; };
+        for (int64_t j = 0; j < Tk; ++j) {
+          const T pij = prob[static_cast<size_t>(j)];
+          T dp = 0;
+          for (int64_t d = 0; d < Dv; ++d) {
+            dp += dout(b, h, i, d) * v(b, h, j, d);
+            r.dv.view()(b, h, j, d) += pij * term(dout(b, h, i, d));
+          }
+          const T ds = term(pij * (dp - row_dot));
+          for (int64_t d = 0; d < Dk; ++d) {
+            r.dq.view()(b, h, i, d) += term(scale) * ds * term(k(b, h, j, d));
+            r.dk.view()(b, h, j, d) += term(scale) * ds * term(q(b, h, i, d));
+          }
+          if (dbias) (*dbias)(b, h, i, j) += ds;
+        }
+      }
+  return r;
+}
+
+// The forward of naive_attention alone.
+template <class T>
+NaiveAttention<T> naive_attention_forward(const AttentionProblem& p) {
+  return naive_attention<T>(p, Tensor<double>(Shape{0}));
+}
+
+}  // namespace qkv::testing
