@@ -43,7 +43,9 @@
 // Qᵀ [Dk][Br] is packed once per task, so the score tile is computed transposed, Sᵀ [Bc][Br] =
 // K·Qᵀ: the vectors run along queries, which turns the online softmax into plain lane-wise
 // Max/Exp/Add across the Bc rows (no horizontal reductions) and needs no per-block repacking of K.
-// O [Br][Dv] += P·V (P read from Sᵀ by strides) then reads V rows straight from the input.
+// The output is kept transposed too, Oᵀ [Dv][Br] += Vᵀ·Pᵀ: Pᵀ's rows (in L1, just written) are
+// the vectors and V's elements, read straight from the input, the broadcasts; the rescaling by
+// exp(m_old − m_new) is then lane-wise as well.
 // Causal: key blocks entirely above the diagonal of the query block are never visited; the
 // heaviest (last) query blocks are handed out first so that causal work balances.
 //
@@ -480,28 +482,37 @@ bool TileVisible(const Inputs<T>& in, int64_t q0, size_t nq, int64_t j0) {
   return !in.causal || j0 <= q0 + static_cast<int64_t>(nq) - 1 + in.tk - in.tq;
 }
 
+// Whether every pair of queries [q0, q0 + nq) and keys [j0, j0 + nk) is visible under causality.
+template <class T>
+bool TileFullyVisible(const Inputs<T>& in, int64_t q0, int64_t j0, size_t nk) {
+  return !in.causal || j0 + static_cast<int64_t>(nk) - 1 <= q0 + in.tk - in.tq;
+}
+
 // ---- Forward ---------------------------------------------------------------------------------------
 
 template <class T>
 struct ForwardScratch {
-  size_t acc_row;   // Dv rounded up to whole vectors
-  Buffer<T> qt;     // [Dk][Br]      Qᵀ of the query block (scores come out as Sᵀ, queries along vectors)
-  Buffer<T> st;     // [Bc][Br]      Sᵀ of one key block, then exp(Sᵀ − m)
-  Buffer<T> acc;    // [Br][Dv_pad]  o, the unnormalised output rows
-  Buffer<T> max;    // [Br]          m, running max
-  Buffer<T> sum;    // [Br]          l, running sum
-  Buffer<T> corr;   // [Br]          exp(m_old − m_new) of the last key block
-  Buffer<T> panel;  // [Bc][N]       V's last partial column vector
+  size_t few_row;   // Dv rounded up to whole vectors
+  Buffer<T> qt;     // [Dk][Br]       Qᵀ of the query block (scores come out as Sᵀ, queries along vectors)
+  Buffer<T> st;     // [Bc][Br]       Sᵀ of one key block, then exp(Sᵀ − m)
+  Buffer<T> acc;    // [Dv][Br]       oᵀ, the unnormalised outputs, queries along vectors like Sᵀ
+  Buffer<T> few;    // [4][Dv_pad]    o of AttendFewQueries, one row per query
+  Buffer<T> max;    // [Br]           m, running max
+  Buffer<T> sum;    // [Br]           l, running sum
+  Buffer<T> corr;   // [Br]           exp(m_old − m_new) of the last key block
 
-  ForwardScratch(size_t dk, size_t dv_pad, size_t lanes)
-      : acc_row(dv_pad),
+  ForwardScratch(size_t dk, size_t dv, size_t dv_pad)
+      : few_row(dv_pad),
         qt(Allocate<T>(dk * kQueryBlock)),
         st(Allocate<T>(kKeyBlock * kQueryBlock)),
-        acc(Allocate<T>(kQueryBlock * acc_row)),
+        acc(Allocate<T>(dv * kQueryBlock)),
+        few(Allocate<T>(kFewQueries * dv_pad)),
         max(Allocate<T>(kQueryBlock)),
         sum(Allocate<T>(kQueryBlock)),
-        corr(Allocate<T>(kQueryBlock)),
-        panel(Allocate<T>(kKeyBlock * lanes)) {}
+        corr(Allocate<T>(kQueryBlock)) {}
+
+  // o(i, c): the unnormalised output of query i of the block, column c.
+  T output(size_t i, size_t c) const { return acc[c * kQueryBlock + i]; }
 };
 
 // Turns the raw Sᵀ tile [nk][nq_pad] into exp(s − m') in place and advances the running max and
@@ -512,14 +523,31 @@ HWY_INLINE void OnlineSoftmaxStep(D d, const Inputs<T>& in, int64_t b, int64_t h
   const size_t N = hn::Lanes(d);
   const size_t ld = RoundUp(nq, N);
   const hn::Vec<D> neg_inf = hn::Set(d, -std::numeric_limits<T>::infinity());
+  const hn::Vec<D> scale = hn::Set(d, in.scale);
+  // With no bias or mask and every pair of the tile visible, a score is just scale·(q·k). The
+  // first pass then only needs the largest raw product: for scale > 0 rounding is monotonic, so
+  // max_j round(scale·x_j) = round(scale·max_j x_j) exactly, and the second pass scales each
+  // product as Scores would. Same scores, one multiply and one store fewer per element.
+  const bool plain = !in.bias && !in.allowed && in.scale > 0 && TileFullyVisible(in, q0, j0, nk);
   for (size_t i = 0; i < ld; i += N) {
     T* HWY_RESTRICT col = s.st.get() + i;
-    LaneRun run{.i = q0 + static_cast<int64_t>(i), .j = j0, .di = 1, .dj = 0, .count = std::min(N, nq - i)};
     hn::Vec<D> block_max = neg_inf;
-    for (size_t j = 0; j < nk; ++j, ++run.j) {
-      const hn::Vec<D> x = Scores(d, in, b, h, run, hn::Load(d, col + j * ld));
-      hn::Store(x, d, col + j * ld);
-      block_max = hn::Max(block_max, x);
+    if (plain) {
+      hn::Vec<D> max1 = neg_inf;  // two chains, for twice the throughput of a chain of Max
+      size_t j = 0;
+      for (; j + 2 <= nk; j += 2) {
+        block_max = hn::Max(block_max, hn::Load(d, col + j * ld));
+        max1 = hn::Max(max1, hn::Load(d, col + (j + 1) * ld));
+      }
+      if (j < nk) block_max = hn::Max(block_max, hn::Load(d, col + j * ld));
+      block_max = hn::Mul(hn::Max(block_max, max1), scale);
+    } else {
+      LaneRun run{.i = q0 + static_cast<int64_t>(i), .j = j0, .di = 1, .dj = 0, .count = std::min(N, nq - i)};
+      for (size_t j = 0; j < nk; ++j, ++run.j) {
+        const hn::Vec<D> x = Scores(d, in, b, h, run, hn::Load(d, col + j * ld));
+        hn::Store(x, d, col + j * ld);
+        block_max = hn::Max(block_max, x);
+      }
     }
     const hn::Vec<D> old_max = hn::Load(d, s.max.get() + i);
     const hn::Vec<D> new_max = hn::Max(old_max, block_max);
@@ -531,7 +559,8 @@ HWY_INLINE void OnlineSoftmaxStep(D d, const Inputs<T>& in, int64_t b, int64_t h
     for (size_t c0 = 0; c0 < nk; c0 += kDepthChunk) {
       hn::Vec<D> chunk_sum = hn::Zero(d);
       for (size_t j = c0; j < std::min(nk, c0 + kDepthChunk); ++j) {
-        const hn::Vec<D> p = SoftmaxExp(d, hn::Sub(hn::Load(d, col + j * ld), shift));
+        const hn::Vec<D> x = hn::Load(d, col + j * ld);
+        const hn::Vec<D> p = SoftmaxExp(d, hn::Sub(plain ? hn::Mul(x, scale) : x, shift));
         hn::Store(p, d, col + j * ld);
         chunk_sum = hn::Add(chunk_sum, p);
       }
@@ -599,14 +628,16 @@ HWY_INLINE void AccumulateWeightedRows(D d, const fused::RowsView<const T>& v, i
 // vector for Scores and the exponential, and the block max and sum are reductions across lanes.
 // Every key is used by at most nq queries, so memory, not arithmetic, sets the pace: the kernel
 // does little more per key than load k and v once. Leaves m, l and o in the scratch like
-// AttendQueryBlock.
+// AttendQueryBlock; o is summed in rows and transposed at the end.
 template <class D, class T = hn::TFromD<D>>
 void AttendFewQueries(D d, const Inputs<T>& in, int64_t b, int64_t h, int64_t q0, size_t nq, int64_t key_begin,
                       int64_t key_end, ForwardScratch<T>& s) {
   const size_t N = hn::Lanes(d);
   const size_t dk = ToSize(in.dk);
   const hn::Vec<D> neg_inf = hn::Set(d, -std::numeric_limits<T>::infinity());
+  const size_t dv = ToSize(in.dv);
   T* HWY_RESTRICT p = s.st.get();
+  std::fill(s.few.get(), s.few.get() + nq * s.few_row, T{0});
   for (int64_t j0 = key_begin; j0 < key_end; j0 += static_cast<int64_t>(N)) {
     const size_t nk = ToSize(std::min<int64_t>(static_cast<int64_t>(N), key_end - j0));
     for (size_t i = 0; i < nq; ++i) {
@@ -625,8 +656,11 @@ void AttendFewQueries(D d, const Inputs<T>& in, int64_t b, int64_t h, int64_t q0
       hn::StoreU(weights, d, p);
       s.sum[i] = s.sum[i] * corr + hn::GetLane(hn::SumOfLanes(d, weights));
       s.max[i] = new_max;
-      AccumulateWeightedRows(d, in.v, b, h, j0, nk, p, corr, ToSize(in.dv), s.acc.get() + i * s.acc_row);
+      AccumulateWeightedRows(d, in.v, b, h, j0, nk, p, corr, dv, s.few.get() + i * s.few_row);
     }
+  }
+  for (size_t i = 0; i < nq; ++i) {
+    for (size_t c = 0; c < dv; ++c) s.acc[c * kQueryBlock + i] = s.few[i * s.few_row + c];
   }
 }
 
@@ -638,10 +672,9 @@ void AttendQueryBlock(D d, const Inputs<T>& in, int64_t b, int64_t h, int64_t q0
   const size_t N = hn::Lanes(d);
   const size_t ld = RoundUp(nq, N);
   const size_t dv = ToSize(in.dv);
-  const size_t acc_row = s.acc_row;
   std::fill(s.max.get(), s.max.get() + ld, -std::numeric_limits<T>::infinity());
   std::fill(s.sum.get(), s.sum.get() + ld, T{0});
-  std::fill(s.acc.get(), s.acc.get() + nq * acc_row, T{0});
+  std::fill(s.acc.get(), s.acc.get() + dv * kQueryBlock, T{0});
   // Causal: the last query of the block sees keys j < q0 + nq + Tk − Tq; later blocks are skipped.
   if (in.causal) key_end = std::min(key_end, q0 + static_cast<int64_t>(nq) + in.tk - in.tq);
   if (nq <= kFewQueries) {
@@ -672,24 +705,28 @@ void AttendQueryBlock(D d, const Inputs<T>& in, int64_t b, int64_t h, int64_t q0
                           .depth = ToSize(in.dk)},
                   ld / N);
     OnlineSoftmaxStep(d, in, b, h, q0, nq, j0, nk, s);
-    for (size_t i = 0; i < nq; ++i) {
-      const T corr = s.corr[i];
-      if (corr == T{1}) continue;
-      T* HWY_RESTRICT row = s.acc.get() + i * acc_row;
-      for (size_t c = 0; c < acc_row; c += N) hn::Store(hn::Mul(hn::Load(d, row + c), hn::Set(d, corr)), d, row + c);
+    for (size_t i = 0; i < ld; i += N) {
+      const hn::Vec<D> corr = hn::Load(d, s.corr.get() + i);
+      if (hn::AllTrue(d, hn::Eq(corr, hn::Set(d, T{1})))) continue;
+      for (size_t c = 0; c < dv; ++c) {
+        T* HWY_RESTRICT at = s.acc.get() + c * kQueryBlock + i;
+        hn::Store(hn::Mul(hn::Load(d, at), corr), d, at);
+      }
     }
-    // o [nq][Dv] += P · V, with P(i, j) = Sᵀ[j][i]
-    MatMulCols<true>(d,
-                     Gemm<T>{.a = s.st.get(),
-                             .a_row = 1,
-                             .a_depth = ld,
-                             .b = in.v.row(b, h, j0),
-                             .b_row = ToSize(in.v.row_stride),
-                             .c = s.acc.get(),
-                             .c_row = acc_row,
-                             .rows = nq,
-                             .depth = nk},
-                     dv, s.panel.get());
+    // oᵀ [Dv][nq] += Vᵀ · Pᵀ: V's elements are broadcast, each once per key block, and the vectors
+    // come from Pᵀ, which the softmax step has just left in L1; the other way round (o += P·V,
+    // vectors of V rows) reads every V row once per 4 queries.
+    MatMul<true>(d,
+                 Gemm<T>{.a = in.v.row(b, h, j0),
+                         .a_row = 1,
+                         .a_depth = ToSize(in.v.row_stride),
+                         .b = s.st.get(),
+                         .b_row = ld,
+                         .c = s.acc.get(),
+                         .c_row = kQueryBlock,
+                         .rows = dv,
+                         .depth = nk},
+                 ld / N);
   }
 }
 
@@ -711,9 +748,10 @@ void WriteOutputs(const ForwardParams<T>& p, int64_t b, int64_t h, int64_t q0, s
   for (size_t i = 0; i < nq; ++i) {
     const int64_t qi = q0 + static_cast<int64_t>(i);
     T* out = p.out.row(b, h, qi);
-    const T* acc = s.acc.get() + i * s.acc_row;
     const bool empty = s.max[i] == -std::numeric_limits<T>::infinity();
-    for (int64_t c = 0; c < p.in.dv; ++c) out[c * p.out.col_stride] = empty ? T{0} : acc[c] / s.sum[i];
+    for (size_t c = 0; c < ToSize(p.in.dv); ++c) {
+      out[static_cast<int64_t>(c) * p.out.col_stride] = empty ? T{0} : s.output(i, c) / s.sum[i];
+    }
     const double lse = empty ? -std::numeric_limits<double>::infinity()
                              : static_cast<double>(s.max[i]) + std::log(static_cast<double>(s.sum[i]));
     WriteLse(p, b, h, qi, lse);
@@ -739,12 +777,12 @@ template <class D, class T = hn::TFromD<D>>
 void ForwardDecode(D d, const ForwardParams<T>& p, int64_t chunks, std::vector<ForwardScratch<T>>& scratch) {
   const Inputs<T>& in = p.in;
   const size_t nq = ToSize(in.tq);
-  const size_t acc_row = scratch[0].acc_row;
+  const size_t dv = ToSize(in.dv);
   const int64_t chunk_len =
       static_cast<int64_t>(RoundUp(ToSize((in.tk + chunks - 1) / chunks), kKeyBlock));  // whole key blocks
   const int64_t heads = in.heads_total();
   const size_t parts = ToSize(heads * chunks);
-  std::vector<T> part_max(parts * nq), part_sum(parts * nq), part_acc(parts * nq * acc_row);
+  std::vector<T> part_max(parts * nq), part_sum(parts * nq), part_acc(parts * nq * dv);
   parallel_for(
       heads * chunks,
       [&](int64_t task, int worker) HWY_ATTR {
@@ -757,8 +795,9 @@ void ForwardDecode(D d, const ForwardParams<T>& p, int64_t chunks, std::vector<F
         const size_t part = ToSize(task);
         std::copy(s.max.get(), s.max.get() + nq, part_max.begin() + static_cast<ptrdiff_t>(part * nq));
         std::copy(s.sum.get(), s.sum.get() + nq, part_sum.begin() + static_cast<ptrdiff_t>(part * nq));
-        std::copy(s.acc.get(), s.acc.get() + nq * acc_row,
-                  part_acc.begin() + static_cast<ptrdiff_t>(part * nq * acc_row));
+        for (size_t i = 0; i < nq; ++i) {
+          for (size_t c = 0; c < dv; ++c) part_acc[(part * nq + i) * dv + c] = s.output(i, c);
+        }
       },
       ThreadLimit(in));
   parallel_for(
@@ -784,7 +823,7 @@ void ForwardDecode(D d, const ForwardParams<T>& p, int64_t chunks, std::vector<F
           for (int64_t col = 0; col < in.dv; ++col) {
             double value = 0;
             for (int64_t c = 0; c < chunks; ++c)
-              value += weight[ToSize(c)] * static_cast<double>(part_acc[at(c) * acc_row + ToSize(col)]);
+              value += weight[ToSize(c)] * static_cast<double>(part_acc[at(c) * dv + ToSize(col)]);
             out[col * p.out.col_stride] = static_cast<T>(value / sum);
           }
           WriteLse(p, b, h, static_cast<int64_t>(i), max + std::log(sum));
@@ -801,7 +840,7 @@ void ForwardImpl(const ForwardParams<T>& p) {
   const size_t dv_pad = RoundUp(ToSize(in.dv), N);
   std::vector<ForwardScratch<T>> scratch;
   scratch.reserve(ToSize(max_workers()));
-  for (int w = 0; w < max_workers(); ++w) scratch.emplace_back(ToSize(in.dk), dv_pad, N);
+  for (int w = 0; w < max_workers(); ++w) scratch.emplace_back(ToSize(in.dk), ToSize(in.dv), dv_pad);
 
   const int64_t chunks = DecodeChunks(in);
   if (chunks > 1) {

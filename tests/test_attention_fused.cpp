@@ -312,6 +312,33 @@ TEST(AttentionFused, DecodeSplitMatchesReference) {
   }
 }
 
+TEST(AttentionFused, FewQueriesWithMasksBiasAndCausalityMatchReference) {
+  // Blocks of ≤ 4 queries take the forward's keys-along-lanes kernel: each Tq from 1 to 4, Tk under
+  // and over one vector of keys and not a multiple of it, Dk and Dv with partial vectors, a bias
+  // over keys, a boolean mask and causality, all at once. Forward only: the backward has no such
+  // kernel, and its tiny-Tk cases are the other tests'.
+  uint64_t seed = 950;
+  for (int64_t tq = 1; tq <= 4; ++tq) {
+    for (const int64_t tk : {int64_t{3}, int64_t{37}, int64_t{1000}}) {
+      for (const bool masked : {false, true}) {
+        SCOPED_TRACE(fmt::format("Tq={} Tk={} masked={}", tq, tk, masked));
+        Problem p = random_problem({1, 2, tq, tk, 17, 21, masked}, seed);
+        if (masked) {
+          Rng rng(seed + 1);
+          p.bias = random_tensor<double>({1, 2, 1, tk}, rng);
+          p.allowed = random_mask({1, 2, tq, tk}, 0.7, seed + 2);
+        }
+        const testing::NaiveAttention<float> naive = testing::naive_attention<float>(p, random_dout(p, seed + 3));
+        const Forward want = reference_forward(p);
+        const Forward got = run_forward<float>(p, AttentionImpl::fused);
+        EXPECT_TRUE(all_close("out", got.out, want.out, testing::tolerance_from_naive(naive.out, want.out)));
+        EXPECT_TRUE(all_close("lse", got.lse, want.lse, testing::tolerance_from_naive(naive.lse, want.lse)));
+        seed += 4;
+      }
+    }
+  }
+}
+
 TEST(AttentionFused, DecodeMergesChunksThatSawNoKey) {
   // Tk = 4096 is split into chunks of a few hundred keys. Row 0 sees only the last 10 keys, so
   // every other chunk's partial has lse −inf and must weigh exactly 0; row 1 sees only key 0;
