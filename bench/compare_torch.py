@@ -224,7 +224,8 @@ def main():
     if fwdbwd_one:
         print(f"  qkv forward+backward {args.threads} threads vs 1: {fwdbwd_one['speedup']:.2f}x")
     print(f"decode: {decode['median_ms']:.2f} ms, {decode['gbs']:.1f} GB/s of K and V; "
-          f"triad {decode_run['triad_gbs']:.1f} GB/s")
+          f"triad {decode_run['triad_gbs']:.1f} GB/s ({100 * decode['triad_fraction']:.0f}%), "
+          f"read stream alone {decode_run['read_gbs']:.1f} GB/s ({100 * decode['read_fraction']:.0f}%)")
     print(f"memory: peak RSS {memory['peak_rss_bytes'] / gib:.3f} GiB, peak extra {memory['peak_extra_bytes'] / gib:.3f}"
           f" GiB, inputs+outputs+grads {memory['tensor_bytes'] / gib:.3f} GiB, {memory['median_ms'] / 1e3:.1f} s\n")
 

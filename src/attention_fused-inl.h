@@ -585,26 +585,55 @@ HWY_INLINE T RowDot(D d, const T* HWY_RESTRICT q, const T* HWY_RESTRICT k, size_
   return dot;
 }
 
-// o_row ← corr·o_row + Σ_j p[j]·v_j over the block's nk keys, a group of up to 4 column vectors at
+// RowDot for four keys at once: four independent chains of multiply-adds, and q loaded once for
+// all four, so that a key's reduction does not hold up the loads of the next.
+template <class D, class T = hn::TFromD<D>>
+HWY_INLINE void RowDot4(D d, const T* HWY_RESTRICT q, const T* HWY_RESTRICT k0, const T* HWY_RESTRICT k1,
+                        const T* HWY_RESTRICT k2, const T* HWY_RESTRICT k3, size_t cols, T* HWY_RESTRICT dots) {
+  const size_t N = hn::Lanes(d);
+  hn::Vec<D> a0 = hn::Zero(d), a1 = hn::Zero(d), a2 = hn::Zero(d), a3 = hn::Zero(d);
+  size_t c = 0;
+  for (; c + N <= cols; c += N) {
+    const hn::Vec<D> qc = hn::LoadU(d, q + c);
+    a0 = hn::MulAdd(qc, hn::LoadU(d, k0 + c), a0);
+    a1 = hn::MulAdd(qc, hn::LoadU(d, k1 + c), a1);
+    a2 = hn::MulAdd(qc, hn::LoadU(d, k2 + c), a2);
+    a3 = hn::MulAdd(qc, hn::LoadU(d, k3 + c), a3);
+  }
+  T t0 = hn::GetLane(hn::SumOfLanes(d, a0)), t1 = hn::GetLane(hn::SumOfLanes(d, a1));
+  T t2 = hn::GetLane(hn::SumOfLanes(d, a2)), t3 = hn::GetLane(hn::SumOfLanes(d, a3));
+  for (; c < cols; ++c) {
+    t0 += q[c] * k0[c];
+    t1 += q[c] * k1[c];
+    t2 += q[c] * k2[c];
+    t3 += q[c] * k3[c];
+  }
+  dots[0] = t0;
+  dots[1] = t1;
+  dots[2] = t2;
+  dots[3] = t3;
+}
+
+// o_row ← corr·o_row + Σ_j p[j]·v_j over the block's nk keys, a group of up to 2·kTileVectors column vectors at
 // a time: the block's sum starts from zero in registers (blocked summation, as TileUpdate's) and
 // the rescaling of the older sum rides on the same multiply-add.
 template <class D, class T = hn::TFromD<D>>
 HWY_INLINE void AccumulateWeightedRows(D d, const fused::RowsView<const T>& v, int64_t b, int64_t h, int64_t j0,
                                        size_t nk, const T* HWY_RESTRICT p, T corr, size_t cols,
                                        T* HWY_RESTRICT o_row) {
-  constexpr size_t kGroup = 4;
+  constexpr size_t kGroup = 2 * kTileVectors;
   const size_t N = hn::Lanes(d);
   const hn::Vec<D> factor = hn::Set(d, corr);
   size_t c = 0;
   for (; c + N <= cols; c += kGroup * N) {
     const size_t group = std::min(kGroup, (cols - c) / N);
     hn::Vec<D> sum[kGroup];
-    HWY_UNROLL(4)
+    HWY_UNROLL(8)
     for (size_t g = 0; g < kGroup; ++g) sum[g] = hn::Zero(d);
     for (size_t j = 0; j < nk; ++j) {
       const T* HWY_RESTRICT vj = v.row(b, h, j0 + static_cast<int64_t>(j)) + c;
       const hn::Vec<D> pj = hn::Set(d, p[j]);
-      HWY_UNROLL(4)
+      HWY_UNROLL(8)
       for (size_t g = 0; g < kGroup; ++g) {
         if (g < group) sum[g] = hn::MulAdd(pj, hn::LoadU(d, vj + g * N), sum[g]);
       }
@@ -643,7 +672,13 @@ void AttendFewQueries(D d, const Inputs<T>& in, int64_t b, int64_t h, int64_t q0
     for (size_t i = 0; i < nq; ++i) {
       const int64_t qi = q0 + static_cast<int64_t>(i);
       const T* HWY_RESTRICT q = in.q.row(b, h, qi);
-      for (size_t j = 0; j < nk; ++j) p[j] = RowDot(d, q, in.k.row(b, h, j0 + static_cast<int64_t>(j)), dk);
+      size_t j = 0;
+      for (; j + 4 <= nk; j += 4) {
+        const T* k0 = in.k.row(b, h, j0 + static_cast<int64_t>(j));
+        const int64_t rs = in.k.row_stride;
+        RowDot4(d, q, k0, k0 + rs, k0 + 2 * rs, k0 + 3 * rs, dk, p + j);
+      }
+      for (; j < nk; ++j) p[j] = RowDot(d, q, in.k.row(b, h, j0 + static_cast<int64_t>(j)), dk);
       const LaneRun run{.i = qi, .j = j0, .di = 0, .dj = 1, .count = nk};
       const hn::Vec<D> scores =
           hn::IfThenElse(hn::FirstN(d, nk), Scores(d, in, b, h, run, hn::LoadU(d, p)), neg_inf);

@@ -30,6 +30,7 @@
 #include <fstream>
 #include <functional>
 #include <memory>
+#include <numeric>
 #include <optional>
 #include <string>
 #include <vector>
@@ -363,20 +364,48 @@ double triad_gbs(int repeats) {
   return 3.0 * static_cast<double>(kTriadFloats) * sizeof(float) * 1e-9 / (t.median_ms * 1e-3);
 }
 
+// Reading alone, the traffic of decode: an integer sum (which the compiler vectorises, unlike a
+// float one) over as many bytes as the triad's three arrays. On some machines a pure read stream
+// is slower than the triad's mix of reads and writes; decode's K and V are such a stream.
+double read_gbs(int repeats) {
+  const int64_t n = 3 * kTriadFloats;
+  check_allocation_fits(static_cast<double>(n) * sizeof(uint32_t), "qkv bench --decode's read stream");
+  std::vector<uint32_t> x(static_cast<size_t>(n), 1);
+  const int64_t chunks = 256;
+  std::vector<uint32_t> sums(static_cast<size_t>(chunks));
+  const Timing t = time_call(
+      [&] {
+        parallel_for(chunks, [&](int64_t chunk, int /*worker*/) {
+          const auto begin = static_cast<size_t>(chunk * n / chunks);
+          const auto end = static_cast<size_t>((chunk + 1) * n / chunks);
+          uint32_t sum = 0;
+          for (size_t i = begin; i < end; ++i) sum += x[i];
+          sums[static_cast<size_t>(chunk)] = sum;
+        });
+      },
+      repeats);
+  if (std::reduce(sums.begin(), sums.end(), uint64_t{0}) != static_cast<uint64_t>(n)) {
+    throw ResourceError("qkv bench: the read stream summed wrongly");
+  }
+  return static_cast<double>(n) * sizeof(uint32_t) * 1e-9 / (t.median_ms * 1e-3);
+}
+
 void run_decode_bench(const BenchOptions& o) {
   const AttentionImpl impl = parse_impl(o.impl);
   const std::vector<int64_t> sizes = o.t_option->count() > 0 ? o.t : std::vector<int64_t>{kDecodeTk};
   const int64_t heads = o.heads_option->count() > 0 ? o.heads : kDecodeHeads;
   const int64_t d = o.d_option->count() > 0 ? o.d : kDecodeDim;
   set_max_workers(o.threads);
-  Progress progress("[bench] decode", std::ssize(sizes) + 1, "runs");
+  Progress progress("[bench] decode", std::ssize(sizes) + 2, "runs");
   progress.update(0, "streaming triad");
   const double triad = triad_gbs(o.repeats);
+  progress.update(1, "read stream");
+  const double read = read_gbs(o.repeats);
   std::vector<Result> results;
   for (const int64_t tk : sizes) {
     const double bytes = Problem::bytes(o.batch, heads, 1, tk, d, false);
     check_allocation_fits(bytes, fmt::format("qkv bench --decode at Tk = {}", tk));
-    progress.update(std::ssize(results) + 1, fmt::format("Tk={} {}", tk, o.impl));
+    progress.update(std::ssize(results) + 2, fmt::format("Tk={} {}", tk, o.impl));
     Problem p(o.batch, heads, 1, tk, d, false);
     Result r{.tq = 1,
              .tk = tk,
@@ -399,15 +428,17 @@ void run_decode_bench(const BenchOptions& o) {
     std::vector<std::string> rows;
     for (const Result& r : results) {
       rows.push_back(fmt::format(
-          R"(    {{"Tq": 1, "Tk": {}, "flops": {:.6g}, "tensor_bytes": {:.0f}, {}, "gbs": {:.6g}, "triad_fraction": {:.6g}}})",
-          r.tk, r.flops, r.tensor_bytes, json_timing(r.timing, r.flops), kv_gbs(r), kv_gbs(r) / triad));
+          R"(    {{"Tq": 1, "Tk": {}, "flops": {:.6g}, "tensor_bytes": {:.0f}, {}, "gbs": {:.6g}, "triad_fraction": {:.6g}, )"
+          R"("read_fraction": {:.6g}}})",
+          r.tk, r.flops, r.tensor_bytes, json_timing(r.timing, r.flops), kv_gbs(r), kv_gbs(r) / triad, kv_gbs(r) / read));
     }
     fmt::print(
         "{{\n  \"mode\": \"decode\", \"impl\": \"{}\", \"simd\": \"{}\", \"dtype\": \"float32\", \"batch\": {}, "
-        "\"heads\": {}, \"d\": {}, \"threads\": {}, \"repeats\": {}, \"triad_gbs\": {:.6g},\n  \"memory_method\": "
+        "\"heads\": {}, \"d\": {}, \"threads\": {}, \"repeats\": {}, \"triad_gbs\": {:.6g}, \"read_gbs\": {:.6g},\n  "
+        "\"memory_method\": "
         "\"{}\",\n"
         "  \"results\": [\n{}\n  ]\n}}\n",
-        o.impl, simd_target(), o.batch, heads, d, o.threads, o.repeats, triad, memory_method(reset),
+        o.impl, simd_target(), o.batch, heads, d, o.threads, o.repeats, triad, read, memory_method(reset),
         fmt::join(rows, ",\n"));
     std::fflush(stdout);
     return;
@@ -416,13 +447,14 @@ void run_decode_bench(const BenchOptions& o) {
              o.batch, heads, d, o.threads, o.threads == 1 ? "" : "s", o.impl, simd_target(), o.repeats);
   fmt::print("roof: streaming triad a = b + s·c over 3 × {} arrays: {:.1f} GB/s\n", format_bytes(kTriadFloats * 4.0),
              triad);
+  fmt::print("      read stream alone over {}: {:.1f} GB/s\n", format_bytes(kTriadFloats * 12.0), read);
   fmt::print("memory: {}\n\n", memory_method(reset));
-  fmt::print("{:>7}  {:>11}  {:>9}  {:>9}  {:>9}  {:>11}\n", "Tk", "median ms", "GB/s K+V", "of triad", "GFLOP/s",
-             "peak extra");
+  fmt::print("{:>7}  {:>11}  {:>9}  {:>9}  {:>9}  {:>9}  {:>11}\n", "Tk", "median ms", "GB/s K+V", "of triad",
+             "of read", "GFLOP/s", "peak extra");
   for (const Result& r : results) {
-    fmt::print("{:>7}  {:>11.3f}  {:>9.1f}  {:>8.0f}%  {:>9.1f}  {:>11}\n", r.tk, r.timing.median_ms, kv_gbs(r),
-               100.0 * kv_gbs(r) / triad, r.flops * 1e-9 / (r.timing.median_ms * 1e-3),
-               format_bytes(r.timing.extra_bytes));
+    fmt::print("{:>7}  {:>11.3f}  {:>9.1f}  {:>8.0f}%  {:>8.0f}%  {:>9.1f}  {:>11}\n", r.tk, r.timing.median_ms,
+               kv_gbs(r), 100.0 * kv_gbs(r) / triad, 100.0 * kv_gbs(r) / read,
+               r.flops * 1e-9 / (r.timing.median_ms * 1e-3), format_bytes(r.timing.extra_bytes));
   }
   std::fflush(stdout);
 }

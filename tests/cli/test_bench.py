@@ -70,8 +70,9 @@ def check_decode():
     check(done.returncode == 0, f"bench --decode exits 0, got {done.returncode}: {done.stderr}")
     report = json.loads(done.stdout)
     r = report["results"][0]
-    check(report["mode"] == "decode" and report["triad_gbs"] > 0, f"decode report: {report}")
-    check(r["Tq"] == 1 and r["Tk"] == 256 and r["gbs"] > 0 and r["triad_fraction"] > 0, f"decode result: {r}")
+    check(report["mode"] == "decode" and report["triad_gbs"] > 0 and report["read_gbs"] > 0, f"decode report: {report}")
+    check(r["Tq"] == 1 and r["Tk"] == 256 and r["gbs"] > 0 and r["triad_fraction"] > 0 and r["read_fraction"] > 0,
+          f"decode result: {r}")
 
 
 def check_refusals():
