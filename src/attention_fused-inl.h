@@ -1125,28 +1125,7 @@ class BackwardKernel {
       const size_t nq = ToSize(std::min(static_cast<int64_t>(kQueryBlock), in_.tq - q0));
       if (!TileVisible(in_, q0, nq, j0)) continue;
       // S [nq][ld] = Q·Kᵀ and dP = dO·Vᵀ
-      MatMul<false>(d,
-                    Gemm<T>{.a = in_.q.row(b, h, q0),
-                            .a_row = ToSize(in_.q.row_stride),
-                            .a_depth = 1,
-                            .b = s.kt.get(),
-                            .b_row = ld,
-                            .c = s.p.get(),
-                            .c_row = ld,
-                            .rows = nq,
-                            .depth = dk_},
-                    ld / N_);
-      MatMul<false>(d,
-                    Gemm<T>{.a = p_.dout.row(b, h, q0),
-                            .a_row = ToSize(p_.dout.row_stride),
-                            .a_depth = 1,
-                            .b = s.vt.get(),
-                            .b_row = ld,
-                            .c = s.ds.get(),
-                            .c_row = ld,
-                            .rows = nq,
-                            .depth = dv_},
-                    ld / N_);
+      ScoreProducts(in_.q, p_.dout, b, h, q0, nq, s.kt.get(), s.vt.get(), ld, s);
       for (size_t i = 0; i < nq; ++i) {
         const int64_t qi = q0 + static_cast<int64_t>(i);
         const hn::Vec<D> lse_hi = hn::Set(d, p_.lse_hi[RowIndex(b, h, qi)]);
@@ -1183,21 +1162,8 @@ class BackwardKernel {
                                .rows = nk,
                                .depth = nq},
                        dk_, s.panel.get());
-      if (with_dq) {
-        // dQ tile [nq] = dS·K, added to dq now: tile by tile in key-block order, as pass 2 does.
-        MatMulCols<false>(d,
-                          Gemm<T>{.a = s.ds.get(),
-                                  .a_row = ld,
-                                  .a_depth = 1,
-                                  .b = in_.k.row(b, h, j0),
-                                  .b_row = ToSize(in_.k.row_stride),
-                                  .c = s.dq.get(),
-                                  .c_row = dk_pad_,
-                                  .rows = nq,
-                                  .depth = nk},
-                          dk_, s.panel.get());
-        AddScaledRows(p_.dq, b, h, q0, nq, dk_, s.dq.get(), dk_pad_, in_.scale);
-      }
+      // dQ tile [nq] = dS·K, added to dq now: tile by tile in key-block order, as pass 2 does.
+      if (with_dq) AddQueryGradientTile(b, h, q0, nq, j0, nk, ld, 1, s);
     }
     AddScaledRows(p_.dk, b, h, j0, nk, dk_, s.dk_acc.get(), dk_pad_, in_.scale);
     AddScaledRows(p_.dv, b, h, j0, nk, dv_, s.dv_acc.get(), dv_pad_, T{1});
@@ -1222,28 +1188,7 @@ class BackwardKernel {
       if (!TileVisible(in_, q0, nq, j0)) break;
       const size_t nk = ToSize(std::min(static_cast<int64_t>(kKeyBlock), in_.tk - j0));
       // Sᵀ [nk][ld] = K·Qᵀ and dPᵀ = V·dOᵀ
-      MatMul<false>(d,
-                    Gemm<T>{.a = in_.k.row(b, h, j0),
-                            .a_row = ToSize(in_.k.row_stride),
-                            .a_depth = 1,
-                            .b = s.qt.get(),
-                            .b_row = ld,
-                            .c = s.p.get(),
-                            .c_row = ld,
-                            .rows = nk,
-                            .depth = dk_},
-                    ld / N_);
-      MatMul<false>(d,
-                    Gemm<T>{.a = in_.v.row(b, h, j0),
-                            .a_row = ToSize(in_.v.row_stride),
-                            .a_depth = 1,
-                            .b = s.dot.get(),
-                            .b_row = ld,
-                            .c = s.ds.get(),
-                            .c_row = ld,
-                            .rows = nk,
-                            .depth = dv_},
-                    ld / N_);
+      ScoreProducts(in_.k, in_.v, b, h, j0, nk, s.qt.get(), s.dot.get(), ld, s);
       for (size_t j = 0; j < nk; ++j) {
         const int64_t kj = j0 + static_cast<int64_t>(j);
         for (size_t i = 0; i < ld; i += N_) {
@@ -1255,19 +1200,56 @@ class BackwardKernel {
         }
       }
       // dQ tile [nq] = dS·K, with dS(i, j) = dSᵀ[j][i]
-      MatMulCols<false>(d,
-                        Gemm<T>{.a = s.ds.get(),
-                                .a_row = 1,
-                                .a_depth = ld,
-                                .b = in_.k.row(b, h, j0),
-                                .b_row = ToSize(in_.k.row_stride),
-                                .c = s.dq.get(),
-                                .c_row = dk_pad_,
-                                .rows = nq,
-                                .depth = nk},
-                        dk_, s.panel.get());
-      AddScaledRows(p_.dq, b, h, q0, nq, dk_, s.dq.get(), dk_pad_, in_.scale);
+      AddQueryGradientTile(b, h, q0, nq, j0, nk, 1, ld, s);
     }
+  }
+
+  // The two products every tile starts from, in either layout: s.p = A·Bᵀ over Dk and
+  // s.ds = A'·B'ᵀ over Dv, for `rows` rows of A and A' from t0 on, read in place (Q and dO, or K
+  // and V), against the other side packed transposed (Kᵀ and Vᵀ, or Qᵀ and dOᵀ) with `ld` columns.
+  void ScoreProducts(const fused::RowsView<const T>& a, const fused::RowsView<const T>& a_dv, int64_t b, int64_t h,
+                     int64_t t0, size_t rows, const T* b_dk, const T* b_dv, size_t ld, BackwardScratch<T>& s) const {
+    const D d;
+    MatMul<false>(d,
+                  Gemm<T>{.a = a.row(b, h, t0),
+                          .a_row = ToSize(a.row_stride),
+                          .a_depth = 1,
+                          .b = b_dk,
+                          .b_row = ld,
+                          .c = s.p.get(),
+                          .c_row = ld,
+                          .rows = rows,
+                          .depth = dk_},
+                  ld / N_);
+    MatMul<false>(d,
+                  Gemm<T>{.a = a_dv.row(b, h, t0),
+                          .a_row = ToSize(a_dv.row_stride),
+                          .a_depth = 1,
+                          .b = b_dv,
+                          .b_row = ld,
+                          .c = s.ds.get(),
+                          .c_row = ld,
+                          .rows = rows,
+                          .depth = dv_},
+                  ld / N_);
+  }
+
+  // dq rows [q0, q0 + nq) += scale · dS·K for the tile's keys [j0, j0 + nk), dS read from s.ds with
+  // dS(i, j) at i·query_step + j·key_step: queries as rows (one pass) or keys as rows (pass 2).
+  void AddQueryGradientTile(int64_t b, int64_t h, int64_t q0, size_t nq, int64_t j0, size_t nk, size_t query_step,
+                            size_t key_step, BackwardScratch<T>& s) const {
+    MatMulCols<false>(D(),
+                      Gemm<T>{.a = s.ds.get(),
+                              .a_row = query_step,
+                              .a_depth = key_step,
+                              .b = in_.k.row(b, h, j0),
+                              .b_row = ToSize(in_.k.row_stride),
+                              .c = s.dq.get(),
+                              .c_row = dk_pad_,
+                              .rows = nq,
+                              .depth = nk},
+                      dk_, s.panel.get());
+    AddScaledRows(p_.dq, b, h, q0, nq, dk_, s.dq.get(), dk_pad_, in_.scale);
   }
 
   const BackwardParams<T>& p_;

@@ -8,7 +8,7 @@
 
 #include <algorithm>
 #include <cmath>
-#include <functional>
+#include <utility>
 #include <optional>
 #include <string>
 #include <string_view>
@@ -17,6 +17,7 @@
 
 #include "qkv/error.hpp"
 #include "qkv/parallel.hpp"
+#include "rows.hpp"
 
 // foreach_target.h includes this path itself, once per target; src/ is a private include
 // directory of libqkv. Then the translation unit's own target (the baseline) follows. The order matters.
@@ -68,31 +69,12 @@ constexpr int64_t kTaskWork = int64_t{1} << 15;
 
 // Runs fn(begin, end, worker) over [0, count) in blocks of items that each cost `work_per_item`
 // multiply-adds, about kTaskWork per block.
-void for_each_block(int64_t count, int64_t work_per_item, const std::function<void(int64_t, int64_t, int)>& fn) {
-  const int64_t per_task = std::max<int64_t>(1, kTaskWork / std::max<int64_t>(work_per_item, 1));
-  const int64_t tasks = (count + per_task - 1) / per_task;
-  parallel_for(tasks,
-               [&](int64_t task, int worker) { fn(task * per_task, std::min(count, (task + 1) * per_task), worker); });
+template <class Fn>
+void for_each_block(int64_t count, int64_t work_per_item, Fn&& fn) {
+  rows::for_each_block(count, work_per_item, kTaskWork, std::forward<Fn>(fn));
 }
 
-// A [..., N] view read as rows of N elements: row r is the r-th leading index in row-major order.
-template <class T>
-class Rows {
- public:
-  explicit Rows(TensorView<T> view) : view_(as_rank4(view)) {}
-  int64_t count() const { return view_.shape[0] * view_.shape[1] * view_.shape[2]; }
-  // Distance in elements between neighbours within a row.
-  int64_t step() const { return view_.strides[3]; }
-  T* row(int64_t r) const {
-    const int64_t c = r % view_.shape[2];
-    const int64_t b = (r / view_.shape[2]) % view_.shape[1];
-    const int64_t a = r / (view_.shape[2] * view_.shape[1]);
-    return view_.data + a * view_.strides[0] + b * view_.strides[1] + c * view_.strides[2];
-  }
-
- private:
-  TensorView<T> view_;
-};
+using rows::Rows;
 
 // x's leading dims followed by `last`.
 Shape with_last(const Shape& shape, int64_t last) {

@@ -7,7 +7,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <functional>
+#include <utility>
 #include <optional>
 #include <span>
 #include <string_view>
@@ -20,6 +20,7 @@
 #include "qkv/rng.hpp"
 #include "qkv/rnn.hpp"
 #include "qkv/tensor.hpp"
+#include "rows.hpp"
 
 namespace qkv::recurrent {
 
@@ -195,11 +196,9 @@ void project_backward(const Tensor<T>& x, const Tensor<T>& dy, Parameter<T>& w, 
 }
 
 // Runs fn(begin, end) over [0, count) in blocks of items that each cost `work_per_item`.
-inline void for_each_block(int64_t count, int64_t work_per_item, const std::function<void(int64_t, int64_t)>& fn) {
-  const int64_t per_task = std::max<int64_t>(1, kTaskWork / std::max<int64_t>(work_per_item, 1));
-  const int64_t tasks = (count + per_task - 1) / per_task;
-  parallel_for(tasks,
-               [&](int64_t task, int /*worker*/) { fn(task * per_task, std::min(count, (task + 1) * per_task)); });
+template <class Fn>
+void for_each_block(int64_t count, int64_t work_per_item, Fn&& fn) {
+  rows::for_each_block(count, work_per_item, kTaskWork, std::forward<Fn>(fn));
 }
 
 // Σ_i a_i b_i in float64 over four interleaved partial sums (fixed, so the result does not depend
