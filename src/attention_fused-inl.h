@@ -614,36 +614,43 @@ HWY_INLINE void RowDot4(D d, const T* HWY_RESTRICT q, const T* HWY_RESTRICT k0, 
   dots[3] = t3;
 }
 
-// o_row ← corr·o_row + Σ_j p[j]·v_j over the block's nk keys, a group of up to 2·kTileVectors column vectors at
-// a time: the block's sum starts from zero in registers (blocked summation, as TileUpdate's) and
-// the rescaling of the older sum rides on the same multiply-add.
+// o_row[c, c + C·N) ← corr·o_row + Σ_j p[j]·v_j[c, c + C·N) over the block's nk keys: the block's
+// sum starts from zero in registers (blocked summation, as TileUpdate's) and the rescaling of the
+// older sum rides on the same multiply-add.
+template <size_t C, class D, class T = hn::TFromD<D>>
+HWY_INLINE void AccumulateWeightedColumns(D d, const fused::RowsView<const T>& v, int64_t b, int64_t h, int64_t j0,
+                                          size_t nk, const T* HWY_RESTRICT p, T corr, size_t c,
+                                          T* HWY_RESTRICT o_row) {
+  const size_t N = hn::Lanes(d);
+  hn::Vec<D> sum[C];
+  HWY_UNROLL(8)
+  for (size_t g = 0; g < C; ++g) sum[g] = hn::Zero(d);
+  for (size_t j = 0; j < nk; ++j) {
+    const T* HWY_RESTRICT vj = v.row(b, h, j0 + static_cast<int64_t>(j)) + c;
+    const hn::Vec<D> pj = hn::Set(d, p[j]);
+    HWY_UNROLL(8)
+    for (size_t g = 0; g < C; ++g) sum[g] = hn::MulAdd(pj, hn::LoadU(d, vj + g * N), sum[g]);
+  }
+  HWY_UNROLL(8)
+  for (size_t g = 0; g < C; ++g) {
+    T* HWY_RESTRICT out = o_row + c + g * N;
+    hn::Store(hn::MulAdd(hn::Load(d, out), hn::Set(d, corr), sum[g]), d, out);
+  }
+}
+
+// o_row ← corr·o_row + Σ_j p[j]·v_j over all `cols` columns: 2·kTileVectors column vectors at a
+// time, then single vectors, then the last partial vector one column at a time.
 template <class D, class T = hn::TFromD<D>>
 HWY_INLINE void AccumulateWeightedRows(D d, const fused::RowsView<const T>& v, int64_t b, int64_t h, int64_t j0,
                                        size_t nk, const T* HWY_RESTRICT p, T corr, size_t cols,
                                        T* HWY_RESTRICT o_row) {
   constexpr size_t kGroup = 2 * kTileVectors;
   const size_t N = hn::Lanes(d);
-  const hn::Vec<D> factor = hn::Set(d, corr);
   size_t c = 0;
-  for (; c + N <= cols; c += kGroup * N) {
-    const size_t group = std::min(kGroup, (cols - c) / N);
-    hn::Vec<D> sum[kGroup];
-    HWY_UNROLL(8)
-    for (size_t g = 0; g < kGroup; ++g) sum[g] = hn::Zero(d);
-    for (size_t j = 0; j < nk; ++j) {
-      const T* HWY_RESTRICT vj = v.row(b, h, j0 + static_cast<int64_t>(j)) + c;
-      const hn::Vec<D> pj = hn::Set(d, p[j]);
-      HWY_UNROLL(8)
-      for (size_t g = 0; g < kGroup; ++g) {
-        if (g < group) sum[g] = hn::MulAdd(pj, hn::LoadU(d, vj + g * N), sum[g]);
-      }
-    }
-    for (size_t g = 0; g < group; ++g) {
-      T* HWY_RESTRICT out = o_row + c + g * N;
-      hn::Store(hn::MulAdd(hn::Load(d, out), factor, sum[g]), d, out);
-    }
+  for (; c + kGroup * N <= cols; c += kGroup * N) {
+    AccumulateWeightedColumns<kGroup>(d, v, b, h, j0, nk, p, corr, c, o_row);
   }
-  c = cols / N * N;
+  for (; c + N <= cols; c += N) AccumulateWeightedColumns<1>(d, v, b, h, j0, nk, p, corr, c, o_row);
   for (; c < cols; ++c) {
     T sum = 0;
     for (size_t j = 0; j < nk; ++j) sum += p[j] * v.row(b, h, j0 + static_cast<int64_t>(j))[c];

@@ -4,8 +4,8 @@
 //
 // Everything that can be refused is refused before any work: an unknown name, a size out of range,
 // an option the experiment does not take, a --corpus that cannot be read, an --out that cannot be
-// written (exit 2, one line). Ctrl-C during the run leaves DIR/NAME as it
-// was: outputs are staged in temporaries and renamed into place only once all are complete.
+// written (exit 2, one line). Ctrl-C during the run leaves DIR/NAME as it was: outputs are staged
+// in temporaries and renamed into place only once all are complete.
 
 #include <fmt/format.h>
 
