@@ -6,9 +6,9 @@
 #include <limits>
 #include <vector>
 
+#include "attention_problem.hpp"
 #include "qkv/error.hpp"
 #include "qkv/memory.hpp"
-#include "attention_problem.hpp"
 
 namespace qkv {
 namespace {
@@ -30,8 +30,8 @@ bool worth_threads(const AttentionProblem<T>& p) {
 
 template <class T>
 void check_fits_reference(const AttentionProblem<T>& p, int matrices, std::string_view what) {
-  const double bytes = static_cast<double>(matrices) * static_cast<double>(p.tq()) * static_cast<double>(p.tk()) *
-                       sizeof(double);
+  const double bytes =
+      static_cast<double>(matrices) * static_cast<double>(p.tq()) * static_cast<double>(p.tk()) * sizeof(double);
   check_allocation_fits(bytes, fmt::format("{} (the reference materialises {} float64 {}×{} matrices per head)", what,
                                            matrices, p.tq(), p.tk()));
 }
@@ -49,7 +49,8 @@ void head_probabilities(const AttentionProblem<T>& p, int64_t b, int64_t h, std:
       double s = kNegInf;
       if (p.visible(b, h, i, j)) {
         double dot = 0.0;
-        for (int64_t d = 0; d < p.dk(); ++d) dot += static_cast<double>(p.q(b, h, i, d)) * static_cast<double>(p.k(b, h, j, d));
+        for (int64_t d = 0; d < p.dk(); ++d)
+          dot += static_cast<double>(p.q(b, h, i, d)) * static_cast<double>(p.k(b, h, j, d));
         s = p.scale * dot + (p.bias ? static_cast<double>((*p.bias)(b, h, i, j)) : 0.0);
       }
       row[j] = s;
@@ -101,11 +102,13 @@ void attention_forward_reference(const AttentionParams<T>& params, const Attenti
         for (int64_t j = 0; j < p.tk(); ++j) {
           const double alpha = probs[static_cast<size_t>(i * p.tk() + j)];
           if (alpha == 0.0) continue;
-          for (int64_t d = 0; d < p.dv(); ++d) acc[static_cast<size_t>(d)] += alpha * static_cast<double>(p.v(b, h, j, d));
+          for (int64_t d = 0; d < p.dv(); ++d)
+            acc[static_cast<size_t>(d)] += alpha * static_cast<double>(p.v(b, h, j, d));
         }
         for (int64_t d = 0; d < p.dv(); ++d) out(b, h, i, d) = static_cast<T>(acc[static_cast<size_t>(d)]);
         if (weights) {
-          for (int64_t j = 0; j < p.tk(); ++j) (*weights)(b, h, i, j) = static_cast<T>(probs[static_cast<size_t>(i * p.tk() + j)]);
+          for (int64_t j = 0; j < p.tk(); ++j)
+            (*weights)(b, h, i, j) = static_cast<T>(probs[static_cast<size_t>(i * p.tk() + j)]);
         }
         if (lse) (*lse)(0, b, h, i) = static_cast<T>(row_lse[static_cast<size_t>(i)]);
       }
@@ -166,8 +169,10 @@ void attention_backward_reference(const AttentionParams<T>& params, TensorView<c
           const double pij = prob_row[j];
           double dp = 0.0;
           if (pij != 0.0) {
-            for (int64_t d = 0; d < p.dv(); ++d) dp += static_cast<double>(dout4(b, h, i, d)) * static_cast<double>(p.v(b, h, j, d));
-            for (int64_t d = 0; d < p.dv(); ++d) dv_acc[static_cast<size_t>(j * p.dv() + d)] += pij * static_cast<double>(dout4(b, h, i, d));
+            for (int64_t d = 0; d < p.dv(); ++d)
+              dp += static_cast<double>(dout4(b, h, i, d)) * static_cast<double>(p.v(b, h, j, d));
+            for (int64_t d = 0; d < p.dv(); ++d)
+              dv_acc[static_cast<size_t>(j * p.dv() + d)] += pij * static_cast<double>(dout4(b, h, i, d));
           }
           dscores[static_cast<size_t>(j)] = dp;
           row_dot += pij * dp;
@@ -186,8 +191,10 @@ void attention_backward_reference(const AttentionParams<T>& params, TensorView<c
         for (int64_t d = 0; d < p.dk(); ++d) dq(b, h, i, d) += static_cast<T>(p.scale * dq_row[static_cast<size_t>(d)]);
       }
       for (int64_t j = 0; j < p.tk(); ++j) {
-        for (int64_t d = 0; d < p.dk(); ++d) dk(b, h, j, d) += static_cast<T>(p.scale * dk_acc[static_cast<size_t>(j * p.dk() + d)]);
-        for (int64_t d = 0; d < p.dv(); ++d) dv(b, h, j, d) += static_cast<T>(dv_acc[static_cast<size_t>(j * p.dv() + d)]);
+        for (int64_t d = 0; d < p.dk(); ++d)
+          dk(b, h, j, d) += static_cast<T>(p.scale * dk_acc[static_cast<size_t>(j * p.dk() + d)]);
+        for (int64_t d = 0; d < p.dv(); ++d)
+          dv(b, h, j, d) += static_cast<T>(dv_acc[static_cast<size_t>(j * p.dv() + d)]);
       }
     }
   }
@@ -227,11 +234,11 @@ void attention_backward(const AttentionParams<T>& params, TensorView<const T> do
   }
 }
 
-#define QKV_INSTANTIATE_ATTENTION(T)                                                                          \
-  template void attention_forward_reference(const AttentionParams<T>&, const AttentionOutputs<T>&);          \
-  template void attention_backward_reference(const AttentionParams<T>&, TensorView<const T>,                 \
-                                             const AttentionGradients<T>&);                                  \
-  template void attention_forward(const AttentionParams<T>&, const AttentionOutputs<T>&, AttentionImpl);     \
+#define QKV_INSTANTIATE_ATTENTION(T)                                                                             \
+  template void attention_forward_reference(const AttentionParams<T>&, const AttentionOutputs<T>&);              \
+  template void attention_backward_reference(const AttentionParams<T>&, TensorView<const T>,                     \
+                                             const AttentionGradients<T>&);                                      \
+  template void attention_forward(const AttentionParams<T>&, const AttentionOutputs<T>&, AttentionImpl);         \
   template void attention_backward(const AttentionParams<T>&, TensorView<const T>, const AttentionGradients<T>&, \
                                    const std::optional<AttentionSaved<T>>&, AttentionImpl);
 

@@ -492,14 +492,14 @@ bool TileFullyVisible(const Inputs<T>& in, int64_t q0, int64_t j0, size_t nk) {
 
 template <class T>
 struct ForwardScratch {
-  size_t few_row;   // Dv rounded up to whole vectors
-  Buffer<T> qt;     // [Dk][Br]       Qᵀ of the query block (scores come out as Sᵀ, queries along vectors)
-  Buffer<T> st;     // [Bc][Br]       Sᵀ of one key block, then exp(Sᵀ − m)
-  Buffer<T> acc;    // [Dv][Br]       oᵀ, the unnormalised outputs, queries along vectors like Sᵀ
-  Buffer<T> few;    // [4][Dv_pad]    o of AttendFewQueries, one row per query
-  Buffer<T> max;    // [Br]           m, running max
-  Buffer<T> sum;    // [Br]           l, running sum
-  Buffer<T> corr;   // [Br]           exp(m_old − m_new) of the last key block
+  size_t few_row;  // Dv rounded up to whole vectors
+  Buffer<T> qt;    // [Dk][Br]       Qᵀ of the query block (scores come out as Sᵀ, queries along vectors)
+  Buffer<T> st;    // [Bc][Br]       Sᵀ of one key block, then exp(Sᵀ − m)
+  Buffer<T> acc;   // [Dv][Br]       oᵀ, the unnormalised outputs, queries along vectors like Sᵀ
+  Buffer<T> few;   // [4][Dv_pad]    o of AttendFewQueries, one row per query
+  Buffer<T> max;   // [Br]           m, running max
+  Buffer<T> sum;   // [Br]           l, running sum
+  Buffer<T> corr;  // [Br]           exp(m_old − m_new) of the last key block
 
   ForwardScratch(size_t dk, size_t dv, size_t dv_pad)
       : few_row(dv_pad),
@@ -619,8 +619,7 @@ HWY_INLINE void RowDot4(D d, const T* HWY_RESTRICT q, const T* HWY_RESTRICT k0, 
 // older sum rides on the same multiply-add.
 template <size_t C, class D, class T = hn::TFromD<D>>
 HWY_INLINE void AccumulateWeightedColumns(D d, const fused::RowsView<const T>& v, int64_t b, int64_t h, int64_t j0,
-                                          size_t nk, const T* HWY_RESTRICT p, T corr, size_t c,
-                                          T* HWY_RESTRICT o_row) {
+                                          size_t nk, const T* HWY_RESTRICT p, T corr, size_t c, T* HWY_RESTRICT o_row) {
   const size_t N = hn::Lanes(d);
   hn::Vec<D> sum[C];
   HWY_UNROLL(8)
@@ -642,8 +641,7 @@ HWY_INLINE void AccumulateWeightedColumns(D d, const fused::RowsView<const T>& v
 // time, then single vectors, then the last partial vector one column at a time.
 template <class D, class T = hn::TFromD<D>>
 HWY_INLINE void AccumulateWeightedRows(D d, const fused::RowsView<const T>& v, int64_t b, int64_t h, int64_t j0,
-                                       size_t nk, const T* HWY_RESTRICT p, T corr, size_t cols,
-                                       T* HWY_RESTRICT o_row) {
+                                       size_t nk, const T* HWY_RESTRICT p, T corr, size_t cols, T* HWY_RESTRICT o_row) {
   constexpr size_t kGroup = 2 * kTileVectors;
   const size_t N = hn::Lanes(d);
   size_t c = 0;
@@ -687,8 +685,7 @@ void AttendFewQueries(D d, const Inputs<T>& in, int64_t b, int64_t h, int64_t q0
       }
       for (; j < nk; ++j) p[j] = RowDot(d, q, in.k.row(b, h, j0 + static_cast<int64_t>(j)), dk);
       const LaneRun run{.i = qi, .j = j0, .di = 0, .dj = 1, .count = nk};
-      const hn::Vec<D> scores =
-          hn::IfThenElse(hn::FirstN(d, nk), Scores(d, in, b, h, run, hn::LoadU(d, p)), neg_inf);
+      const hn::Vec<D> scores = hn::IfThenElse(hn::FirstN(d, nk), Scores(d, in, b, h, run, hn::LoadU(d, p)), neg_inf);
       const T old_max = s.max[i];
       const T new_max = std::max(old_max, hn::GetLane(hn::MaxOfLanes(d, scores)));
       // As in OnlineSoftmaxStep: a row that has seen no visible key shifts by 0, not by −inf.

@@ -10,9 +10,9 @@
 #include <type_traits>
 #include <vector>
 
+#include "attention_problem.hpp"
 #include "qkv/error.hpp"
 #include "qkv/parallel.hpp"
-#include "attention_problem.hpp"
 
 // foreach_target.h includes this path itself, once per target; src/ is a private include
 // directory of libqkv. Then the translation unit's own target (the baseline) follows. The order matters.

@@ -19,9 +19,9 @@ namespace qkv::detail {
 // The operands of one call, validated and seen as [B, H, T, D]; masks broadcast to [B, H, Tq, Tk].
 template <class T>
 struct AttentionProblem {
-  TensorView<const T> q;  // [B, H, Tq, Dk]
-  TensorView<const T> k;  // [B, H, Tk, Dk]
-  TensorView<const T> v;  // [B, H, Tk, Dv]
+  TensorView<const T> q;                             // [B, H, Tq, Dk]
+  TensorView<const T> k;                             // [B, H, Tk, Dk]
+  TensorView<const T> v;                             // [B, H, Tk, Dv]
   std::optional<TensorView<const uint8_t>> allowed;  // [B, H, Tq, Tk]
   std::optional<TensorView<const T>> bias;           // [B, H, Tq, Tk]
   bool causal = false;

@@ -8,11 +8,11 @@
 
 #include <algorithm>
 #include <cmath>
-#include <utility>
 #include <optional>
 #include <string>
 #include <string_view>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "qkv/error.hpp"

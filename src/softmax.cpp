@@ -99,7 +99,8 @@ void softmax_backward(TensorView<const T> y, TensorView<const T> dy, TensorView<
   for (int64_t r = 0; r < ys.count(); ++r) {
     // ∂y_j/∂x_k = y_j (δ_jk − y_k), so ∂L/∂x_k = y_k (dy_k − Σ_j dy_j y_j).
     double dot = 0.0;
-    for (int64_t j = 0; j < ys.length(); ++j) dot += static_cast<double>(dys.at(r, j)) * static_cast<double>(ys.at(r, j));
+    for (int64_t j = 0; j < ys.length(); ++j)
+      dot += static_cast<double>(dys.at(r, j)) * static_cast<double>(ys.at(r, j));
     for (int64_t j = 0; j < ys.length(); ++j) {
       const double yj = ys.at(r, j);
       dxs.at(r, j) += static_cast<T>(yj * (static_cast<double>(dys.at(r, j)) - dot));
@@ -126,10 +127,10 @@ void logsumexp_backward(TensorView<const T> x, TensorView<const T> lse, TensorVi
   }
 }
 
-#define QKV_INSTANTIATE_SOFTMAX(T)                                                                          \
-  template double logsumexp(std::span<const T>);                                                           \
-  template void softmax_forward(TensorView<const T>, TensorView<T>, std::optional<TensorView<T>>);         \
-  template void softmax_backward(TensorView<const T>, TensorView<const T>, TensorView<T>);                 \
+#define QKV_INSTANTIATE_SOFTMAX(T)                                                                 \
+  template double logsumexp(std::span<const T>);                                                   \
+  template void softmax_forward(TensorView<const T>, TensorView<T>, std::optional<TensorView<T>>); \
+  template void softmax_backward(TensorView<const T>, TensorView<const T>, TensorView<T>);         \
   template void logsumexp_backward(TensorView<const T>, TensorView<const T>, TensorView<const T>, TensorView<T>);
 
 QKV_INSTANTIATE_SOFTMAX(float)

@@ -72,7 +72,8 @@ bool TensorView<T>::is_contiguous() const {
 template <class T>
 Tensor<T>::Tensor(const Shape& shape, std::vector<T> values) : shape_(shape), values_(std::move(values)) {
   if (static_cast<int64_t>(values_.size()) != shape.numel()) {
-    throw ShapeError(fmt::format("tensor of shape {} needs {} values, got {}", shape.str(), shape.numel(), values_.size()));
+    throw ShapeError(
+        fmt::format("tensor of shape {} needs {} values, got {}", shape.str(), shape.numel(), values_.size()));
   }
 }
 
@@ -135,17 +136,17 @@ void check_last_dim_contiguous(TensorView<T> view, std::string_view name) {
   }
 }
 
-#define QKV_INSTANTIATE_VIEW(T)                                                           \
-  template struct TensorView<T>;                                                          \
-  template struct TensorView<const T>;                                                    \
-  template class Tensor<T>;                                                               \
-  template TensorView<T> as_rank4(TensorView<T>);                                          \
-  template TensorView<const T> as_rank4(TensorView<const T>);                              \
-  template TensorView<T> as_bhtd(TensorView<T>, std::string_view);                        \
-  template TensorView<const T> as_bhtd(TensorView<const T>, std::string_view);            \
-  template TensorView<T> broadcast_to(TensorView<T>, const Shape&, std::string_view);     \
+#define QKV_INSTANTIATE_VIEW(T)                                                                   \
+  template struct TensorView<T>;                                                                  \
+  template struct TensorView<const T>;                                                            \
+  template class Tensor<T>;                                                                       \
+  template TensorView<T> as_rank4(TensorView<T>);                                                 \
+  template TensorView<const T> as_rank4(TensorView<const T>);                                     \
+  template TensorView<T> as_bhtd(TensorView<T>, std::string_view);                                \
+  template TensorView<const T> as_bhtd(TensorView<const T>, std::string_view);                    \
+  template TensorView<T> broadcast_to(TensorView<T>, const Shape&, std::string_view);             \
   template TensorView<const T> broadcast_to(TensorView<const T>, const Shape&, std::string_view); \
-  template void check_last_dim_contiguous(TensorView<T>, std::string_view);               \
+  template void check_last_dim_contiguous(TensorView<T>, std::string_view);                       \
   template void check_last_dim_contiguous(TensorView<const T>, std::string_view);
 
 QKV_INSTANTIATE_VIEW(float)

@@ -17,11 +17,11 @@
 namespace qkv {
 namespace {
 
-using testing::throws_naming;
 using testing::all_close;
 using testing::cast;
 using testing::numeric_gradient;
 using testing::random_tensor;
+using testing::throws_naming;
 using testing::tolerance_from_naive;
 
 constexpr double kEps64 = std::numeric_limits<double>::epsilon();

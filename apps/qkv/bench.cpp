@@ -430,7 +430,8 @@ void run_decode_bench(const BenchOptions& o) {
       rows.push_back(fmt::format(
           R"(    {{"Tq": 1, "Tk": {}, "flops": {:.6g}, "tensor_bytes": {:.0f}, {}, "gbs": {:.6g}, "triad_fraction": {:.6g}, )"
           R"("read_fraction": {:.6g}}})",
-          r.tk, r.flops, r.tensor_bytes, json_timing(r.timing, r.flops), kv_gbs(r), kv_gbs(r) / triad, kv_gbs(r) / read));
+          r.tk, r.flops, r.tensor_bytes, json_timing(r.timing, r.flops), kv_gbs(r), kv_gbs(r) / triad,
+          kv_gbs(r) / read));
     }
     fmt::print(
         "{{\n  \"mode\": \"decode\", \"impl\": \"{}\", \"simd\": \"{}\", \"dtype\": \"float32\", \"batch\": {}, "

@@ -107,8 +107,8 @@ void attention_forward(const AttentionParams<T>& params, const AttentionOutputs<
 // `saved` is optional: implementations that recompute from the saved lse use it when given and
 // recompute the forward otherwise; the reference always recomputes in float64.
 template <class T>
-void attention_backward(const AttentionParams<T>& params, TensorView<const T> dout,
-                        const AttentionGradients<T>& grads, const std::optional<AttentionSaved<T>>& saved = std::nullopt,
+void attention_backward(const AttentionParams<T>& params, TensorView<const T> dout, const AttentionGradients<T>& grads,
+                        const std::optional<AttentionSaved<T>>& saved = std::nullopt,
                         AttentionImpl impl = AttentionImpl::automatic);
 
 // The scale used when params.scale is not given: 1/sqrt(Dk).

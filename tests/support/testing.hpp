@@ -84,8 +84,8 @@ template <class A, class E>
 ::testing::AssertionResult all_close(const std::string& what, const Tensor<A>& actual, const Tensor<E>& expected,
                                      double tolerance) {
   if (!(actual.shape() == expected.shape())) {
-    return ::testing::AssertionFailure()
-           << what << ": shape " << actual.shape().str() << " differs from expected " << expected.shape().str();
+    return ::testing::AssertionFailure() << what << ": shape " << actual.shape().str() << " differs from expected "
+                                         << expected.shape().str();
   }
   const ErrorStats stats = error_stats(actual, expected);
   if (!stats.non_finite && stats.max_abs <= tolerance) return ::testing::AssertionSuccess();
@@ -103,7 +103,8 @@ template <class E>
 double tolerance_from_naive(const Tensor<float>& naive, const Tensor<E>& exact, double factor = 2.0) {
   double magnitude = 0.0;
   for (int64_t i = 0; i < exact.numel(); ++i) {
-    if (std::isfinite(static_cast<double>(exact[i]))) magnitude = std::max(magnitude, std::abs(static_cast<double>(exact[i])));
+    if (std::isfinite(static_cast<double>(exact[i])))
+      magnitude = std::max(magnitude, std::abs(static_cast<double>(exact[i])));
   }
   const double floor = 4.0 * std::numeric_limits<float>::epsilon() * std::max(magnitude, 1.0);
   return std::max(factor * error_stats(naive, exact).max_abs, floor);

@@ -16,8 +16,8 @@ namespace {
 
 void check_block_config(const EncoderBlockConfig& c) {
   if (c.dim < 1 || c.heads < 1 || c.ffn < 1) {
-    throw ValueError(fmt::format("encoder block: expected dim, heads and ffn >= 1, got {}, {} and {}", c.dim, c.heads,
-                                 c.ffn));
+    throw ValueError(
+        fmt::format("encoder block: expected dim, heads and ffn >= 1, got {}, {} and {}", c.dim, c.heads, c.ffn));
   }
   if (c.dim % c.heads != 0) {
     throw ValueError(fmt::format("encoder block: expected dim a multiple of heads ({}), got {}", c.heads, c.dim));
@@ -81,7 +81,8 @@ Tensor<T> EncoderBlock<T>::forward(TensorView<const T> x, const AttentionMask<T>
     for (int64_t b = 0; b < batch; ++b) {
       const int64_t j = (*drop_value)[static_cast<size_t>(b)];
       if (j < 0) continue;
-      if (j >= length) throw ValueError(fmt::format("drop_value[{}]: expected a position below {}, got {}", b, length, j));
+      if (j >= length)
+        throw ValueError(fmt::format("drop_value[{}]: expected a position below {}, got {}", b, length, j));
       for (int64_t i = 0; i < length; ++i) {
         for (int64_t out = 0; out < dim; ++out) {
           double lost = 0.0;
@@ -181,8 +182,8 @@ Tensor<T> EncoderModel<T>::forward(TensorView<const int64_t> ids, const Attentio
                                    std::span<const TensorView<T>> weights,
                                    std::optional<std::span<const int64_t>> drop_value, int64_t drop_layer) {
   if (ids.rank() != 2 || ids.shape[1] < 1 || ids.shape[1] > config_.max_length) {
-    throw ShapeError(fmt::format("ids: expected shape [B, T] with 1 <= T <= {}, got rank {}", config_.max_length,
-                                 ids.rank()));
+    throw ShapeError(
+        fmt::format("ids: expected shape [B, T] with 1 <= T <= {}, got rank {}", config_.max_length, ids.rank()));
   }
   if (!weights.empty() && static_cast<int64_t>(weights.size()) != config_.layers) {
     throw ShapeError(fmt::format("weights: expected one view per layer ({}), got {}", config_.layers, weights.size()));
@@ -195,8 +196,7 @@ Tensor<T> EncoderModel<T>::forward(TensorView<const int64_t> ids, const Attentio
   for (int64_t l = 0; l < config_.layers; ++l) {
     std::optional<TensorView<T>> w;
     if (!weights.empty()) w = weights[static_cast<size_t>(l)];
-    x = blocks_[static_cast<size_t>(l)].forward(x.cview(), mask, w,
-                                                l == drop_layer ? drop_value : std::nullopt);
+    x = blocks_[static_cast<size_t>(l)].forward(x.cview(), mask, w, l == drop_layer ? drop_value : std::nullopt);
   }
   normed_ = final_norm_.forward(x.cview(), final_cache_);
   Tensor<T> logits(Shape{batch, length, config_.classes});
@@ -235,7 +235,8 @@ std::vector<ParameterRef<T>> EncoderModel<T>::parameters() {
   for (ParameterRef<T>& r : tokens_.parameters()) out.push_back({"tokens." + r.name, r.value, r.grad});
   out.push_back(positions_.ref("positions"));
   for (size_t l = 0; l < blocks_.size(); ++l) {
-    for (ParameterRef<T>& r : blocks_[l].parameters()) out.push_back({fmt::format("block{}.{}", l, r.name), r.value, r.grad});
+    for (ParameterRef<T>& r : blocks_[l].parameters())
+      out.push_back({fmt::format("block{}.{}", l, r.name), r.value, r.grad});
   }
   for (ParameterRef<T>& r : final_norm_.parameters()) out.push_back({"ln_f." + r.name, r.value, r.grad});
   out.push_back(head_w_.ref("head.weight"));
