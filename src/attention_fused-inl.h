@@ -51,11 +51,12 @@
 //
 // Decode (Tq ≤ 16): one query block per head leaves a single core busy, so the keys are split into
 // chunks, each chunk a task producing (m, l, o) partials, merged per row by log-sum-exp
-// (partials of chunks that saw no key have m = −inf and weigh exactly 0). A block of at most 4
-// queries (one query per head in decoding) would fill one lane of the query-vector layout, so
-// such blocks take a second layout, AttendFewQueries: lanes along keys, each score a dot product
-// along d, blocks of one vector of keys; there the kernel reads each key and value row once and
-// does little else, so it runs at the pace of memory.
+// (partials of chunks that saw no key have m = −inf and weigh exactly 0). A block of at most 8
+// queries (one query per head in decoding) would leave most lanes of the query-vector layout
+// empty, so such blocks take a second layout, AttendFewQueries: lanes along keys, each score a dot
+// product along d, blocks of one vector of keys; there the kernel reads each key and value row
+// once and does little else, so for one query it runs at the pace of memory. Its work grows with
+// the queries while the query-vector layout's does not: past about 8 queries the latter is faster.
 //
 // All products are one register-blocked micro-kernel, C[R×(C·N)] (+)= A·B: R rows of A broadcast,
 // C vectors of a B row loaded, R·C accumulators held in registers across a chunk of the depth (4×4
@@ -153,6 +154,9 @@ struct ForwardParams {
   RowStatView<T> lse;  // [B, H, Tq], overwritten; absent: not wanted
   // [B·H·Tq] contiguous, row (b·H + h)·Tq + i, or null: what rounding lse to T lost (lse is
   // computed in float64), so that the backward can recompute P = exp(s − lse) without that error.
+  // Only the backward's own forward asks for it, and then every block takes the query-vector
+  // layout: its scores are bit-identical to those the backward recomputes, where the few-query
+  // layout sums q·k in another order, which at large |s| moves P by many ulps.
   T* lse_lo = nullptr;
 };
 
@@ -210,8 +214,9 @@ constexpr size_t kKeyBlock = 64;    // Bc: keys per tile
 constexpr int64_t kDecodeQueries = 16;
 constexpr int64_t kDecodeMinChunk = 512;  // keys per chunk at least: merging partials costs Tq·Dv
 constexpr int64_t kDecodeTasks = 64;      // chunks × heads aimed at: enough to balance any core count
-// At most this many queries take the kernel with keys along the lanes (AttendFewQueries).
-constexpr size_t kFewQueries = 4;
+// At most this many queries take the kernel with keys along the lanes (AttendFewQueries): measured
+// at Tk = 32768, d = 128, it is faster than the query-vector layout up to 8 queries, slower from 12.
+constexpr size_t kFewQueries = 8;
 
 // Depth summed in registers before adding to C (see TileUpdate).
 constexpr size_t kDepthChunk = 16;
@@ -496,7 +501,7 @@ struct ForwardScratch {
   Buffer<T> qt;    // [Dk][Br]       Qᵀ of the query block (scores come out as Sᵀ, queries along vectors)
   Buffer<T> st;    // [Bc][Br]       Sᵀ of one key block, then exp(Sᵀ − m)
   Buffer<T> acc;   // [Dv][Br]       oᵀ, the unnormalised outputs, queries along vectors like Sᵀ
-  Buffer<T> few;   // [4][Dv_pad]    o of AttendFewQueries, one row per query
+  Buffer<T> few;   // [8][Dv_pad]    o of AttendFewQueries, one row per query
   Buffer<T> max;   // [Br]           m, running max
   Buffer<T> sum;   // [Br]           l, running sum
   Buffer<T> corr;  // [Br]           exp(m_old − m_new) of the last key block
@@ -704,10 +709,11 @@ void AttendFewQueries(D d, const Inputs<T>& in, int64_t b, int64_t h, int64_t q0
 }
 
 // Online softmax of queries [q0, q0 + nq) (nq ≤ Br) of head (b, h) over keys [key_begin, key_end):
-// leaves m, l and o in the scratch.
+// leaves m, l and o in the scratch. With few_query_layout, a block of at most kFewQueries queries
+// takes AttendFewQueries (see ForwardParams::lse_lo for when it must not).
 template <class D, class T = hn::TFromD<D>>
 void AttendQueryBlock(D d, const Inputs<T>& in, int64_t b, int64_t h, int64_t q0, size_t nq, int64_t key_begin,
-                      int64_t key_end, ForwardScratch<T>& s) {
+                      int64_t key_end, bool few_query_layout, ForwardScratch<T>& s) {
   const size_t N = hn::Lanes(d);
   const size_t ld = RoundUp(nq, N);
   const size_t dv = ToSize(in.dv);
@@ -716,7 +722,7 @@ void AttendQueryBlock(D d, const Inputs<T>& in, int64_t b, int64_t h, int64_t q0
   std::fill(s.acc.get(), s.acc.get() + dv * kQueryBlock, T{0});
   // Causal: the last query of the block sees keys j < q0 + nq + Tk − Tq; later blocks are skipped.
   if (in.causal) key_end = std::min(key_end, q0 + static_cast<int64_t>(nq) + in.tk - in.tq);
-  if (nq <= kFewQueries) {
+  if (few_query_layout && nq <= kFewQueries) {
     AttendFewQueries(d, in, b, h, q0, nq, key_begin, key_end, s);
     return;
   }
@@ -830,7 +836,7 @@ void ForwardDecode(D d, const ForwardParams<T>& p, int64_t chunks, std::vector<F
         const int64_t b = bh / in.heads, h = bh % in.heads;
         ForwardScratch<T>& s = scratch[ToSize(worker)];
         const int64_t begin = std::min(in.tk, chunk * chunk_len);
-        AttendQueryBlock(d, in, b, h, 0, nq, begin, std::min(in.tk, begin + chunk_len), s);
+        AttendQueryBlock(d, in, b, h, 0, nq, begin, std::min(in.tk, begin + chunk_len), p.lse_lo == nullptr, s);
         const size_t part = ToSize(task);
         std::copy(s.max.get(), s.max.get() + nq, part_max.begin() + static_cast<ptrdiff_t>(part * nq));
         std::copy(s.sum.get(), s.sum.get() + nq, part_sum.begin() + static_cast<ptrdiff_t>(part * nq));
@@ -897,7 +903,7 @@ void ForwardImpl(const ForwardParams<T>& p) {
         const int64_t q0 = block * static_cast<int64_t>(kQueryBlock);
         const size_t nq = ToSize(std::min(static_cast<int64_t>(kQueryBlock), in.tq - q0));
         ForwardScratch<T>& s = scratch[ToSize(worker)];
-        AttendQueryBlock(d, in, b, h, q0, nq, 0, in.tk, s);
+        AttendQueryBlock(d, in, b, h, q0, nq, 0, in.tk, p.lse_lo == nullptr, s);
         WriteOutputs(p, b, h, q0, nq, s);
       },
       ThreadLimit(in));

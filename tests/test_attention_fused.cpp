@@ -313,12 +313,12 @@ TEST(AttentionFused, DecodeSplitMatchesReference) {
 }
 
 TEST(AttentionFused, FewQueriesWithMasksBiasAndCausalityMatchReference) {
-  // Blocks of ≤ 4 queries take the forward's keys-along-lanes kernel: each Tq from 1 to 4, Tk under
+  // Blocks of ≤ 8 queries take the forward's keys-along-lanes kernel: each Tq from 1 to 9, Tk under
   // and over one vector of keys and not a multiple of it, Dk and Dv with partial vectors, a bias
   // over keys, a boolean mask and causality, all at once. Forward only: the backward has no such
   // kernel, and its tiny-Tk cases are the other tests'.
   uint64_t seed = 950;
-  for (int64_t tq = 1; tq <= 4; ++tq) {
+  for (int64_t tq = 1; tq <= 9; ++tq) {
     for (const int64_t tk : {int64_t{3}, int64_t{37}, int64_t{1000}}) {
       for (const bool masked : {false, true}) {
         SCOPED_TRACE(fmt::format("Tq={} Tk={} masked={}", tq, tk, masked));
@@ -336,6 +336,22 @@ TEST(AttentionFused, FewQueriesWithMasksBiasAndCausalityMatchReference) {
         seed += 4;
       }
     }
+  }
+}
+
+TEST(AttentionFused, FewQueriesWithHugeLogitsKeepTheBackwardAccurate) {
+  // |q·k| ≈ 10⁴, where an ulp of a score is 10⁻³: the few-query forward sums q·k in another order
+  // than the backward, so its scores differ from the backward's by ulps. The backward's own forward
+  // must not take that layout (else P = exp(s − lse) is off by 10⁻³), and with a saved lse the
+  // difference must stay within what the lse's own rounding allows.
+  uint64_t seed = 990;
+  for (const int64_t tq : {int64_t{1}, int64_t{4}, int64_t{8}}) {
+    Problem p = random_problem({1, 2, tq, 8, 8, 8}, seed);
+    for (int64_t i = 0; i < p.q.numel(); ++i) p.q[i] *= 40.0;
+    for (int64_t i = 0; i < p.k.numel(); ++i) p.k[i] *= 40.0;
+    p.scale = 1.0;
+    expect_float32_matches_reference(p, seed + 1, fmt::format("huge logits Tq={}", tq));
+    seed += 2;
   }
 }
 
