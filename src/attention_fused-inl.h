@@ -719,13 +719,13 @@ void AttendQueryBlock(D d, const Inputs<T>& in, int64_t b, int64_t h, int64_t q0
   const size_t dv = ToSize(in.dv);
   std::fill(s.max.get(), s.max.get() + ld, -std::numeric_limits<T>::infinity());
   std::fill(s.sum.get(), s.sum.get() + ld, T{0});
-  std::fill(s.acc.get(), s.acc.get() + dv * kQueryBlock, T{0});
   // Causal: the last query of the block sees keys j < q0 + nq + Tk − Tq; later blocks are skipped.
   if (in.causal) key_end = std::min(key_end, q0 + static_cast<int64_t>(nq) + in.tk - in.tq);
   if (few_query_layout && nq <= kFewQueries) {
     AttendFewQueries(d, in, b, h, q0, nq, key_begin, key_end, s);
     return;
   }
+  std::fill(s.acc.get(), s.acc.get() + dv * kQueryBlock, T{0});
   PackTransposed(in.q, b, h, q0, nq, ToSize(in.dk), ld, s.qt.get());
   for (int64_t j0 = key_begin; j0 < key_end; j0 += static_cast<int64_t>(kKeyBlock)) {
     const size_t nk = ToSize(std::min<int64_t>(static_cast<int64_t>(kKeyBlock), key_end - j0));
