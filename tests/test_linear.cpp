@@ -361,6 +361,15 @@ struct Results {
 
 enum class Impl { automatic, reference, blocked };
 
+// y, dx, dw and db of two runs are the same to the last bit.
+template <class T>
+void expect_bit_identical(const Results<T>& got, const Results<T>& want) {
+  EXPECT_TRUE(all_close("y", got.y, want.y, 0.0));
+  EXPECT_TRUE(all_close("dx", got.dx, want.dx, 0.0));
+  EXPECT_TRUE(all_close("dw", got.dw, want.dw, 0.0));
+  EXPECT_TRUE(all_close("db", got.db, want.db, 0.0));
+}
+
 template <class T>
 Results<T> run_all(const Problem& problem, Impl impl, bool with_bias) {
   const Tensor<T> x = cast<T>(problem.x), w = cast<T>(problem.w), b = cast<T>(problem.b), dy = cast<T>(problem.dy);
@@ -575,10 +584,7 @@ TEST(LinearBlocked, BitIdenticalForAnyThreadCount) {
       set_max_workers(workers);
       const Results<float> many = run_all<float>(problem, Impl::blocked, true);
       const Results<double> many64 = run_all<double>(problem, Impl::blocked, true);
-      EXPECT_TRUE(all_close("y", many.y, one.y, 0.0));
-      EXPECT_TRUE(all_close("dx", many.dx, one.dx, 0.0));
-      EXPECT_TRUE(all_close("dw", many.dw, one.dw, 0.0));
-      EXPECT_TRUE(all_close("db", many.db, one.db, 0.0));
+      expect_bit_identical(many, one);
       EXPECT_TRUE(all_close("y (double)", many64.y, one64.y, 0.0));
       EXPECT_TRUE(all_close("dw (double)", many64.dw, one64.dw, 0.0));
     }
@@ -652,18 +658,12 @@ TEST(LinearBlocked, AutomaticTakesBlockedForLayersOfAtLeast1024Weights) {
       const Problem big = make_problem(x_shape, 32, rng);
       const Results<float> automatic = run_all<float>(big, Impl::automatic, with_bias);
       const Results<float> blocked = run_all<float>(big, Impl::blocked, with_bias);
-      EXPECT_TRUE(all_close("y", automatic.y, blocked.y, 0.0));
-      EXPECT_TRUE(all_close("dx", automatic.dx, blocked.dx, 0.0));
-      EXPECT_TRUE(all_close("dw", automatic.dw, blocked.dw, 0.0));
-      EXPECT_TRUE(all_close("db", automatic.db, blocked.db, 0.0));
+      expect_bit_identical(automatic, blocked);
     }
     const Problem small = make_problem(Shape{300, 31}, 33, rng);  // 1023 weights: the reference
     const Results<double> small_automatic = run_all<double>(small, Impl::automatic, with_bias);
     const Results<double> small_reference = run_all<double>(small, Impl::reference, with_bias);
-    EXPECT_TRUE(all_close("y", small_automatic.y, small_reference.y, 0.0));
-    EXPECT_TRUE(all_close("dx", small_automatic.dx, small_reference.dx, 0.0));
-    EXPECT_TRUE(all_close("dw", small_automatic.dw, small_reference.dw, 0.0));
-    EXPECT_TRUE(all_close("db", small_automatic.db, small_reference.db, 0.0));
+    expect_bit_identical(small_automatic, small_reference);
   }
 }
 
@@ -779,10 +779,7 @@ TEST(LinearBlocked, EdgeSizes) {
       const Problem problem = make_problem(c.x, c.out, rng);
       const Results<double> got = run_all<double>(problem, Impl::blocked, with_bias);
       const Results<double> reference = run_all<double>(problem, Impl::reference, with_bias);
-      EXPECT_TRUE(all_close("y", got.y, reference.y, 0.0));
-      EXPECT_TRUE(all_close("dx", got.dx, reference.dx, 0.0));
-      EXPECT_TRUE(all_close("dw", got.dw, reference.dw, 0.0));
-      EXPECT_TRUE(all_close("db", got.db, reference.db, 0.0));
+      expect_bit_identical(got, reference);
     }
   }
 }

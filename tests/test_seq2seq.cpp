@@ -38,6 +38,7 @@ void PrintTo(Score score, std::ostream* os) {  // NOLINT(readability-identifier-
 namespace {
 
 using qkv::testing::all_close;
+using qkv::testing::numeric_gradient;
 using qkv::testing::random_tensor;
 using qkv::testing::throws_naming;
 
@@ -52,19 +53,12 @@ double finite_difference_tolerance(double loss_magnitude) {
 
 double inner(const Tensor<double>& a, const Tensor<double>& b) { return qkv::testing::dot(a, b); }
 
-// ∂loss/∂x for every element of the contiguous view x, by central differences (x is restored).
-Tensor<double> numeric_gradient(const std::function<double()>& loss, TensorView<double> x) {
-  Tensor<double> grad(x.shape);
-  for (int64_t i = 0; i < x.numel(); ++i) {
-    const double saved = x.data[i];
-    x.data[i] = saved + kStep;
-    const double up = loss();
-    x.data[i] = saved - kStep;
-    const double down = loss();
-    x.data[i] = saved;
-    grad[i] = (up - down) / (2.0 * kStep);
+// Every parameter's accumulated gradient against central differences of `loss`.
+void expect_parameter_gradients(Seq2Seq<double>& model, const std::function<double()>& loss, double tolerance) {
+  for (const ParameterRef<double>& p : model.parameters()) {
+    const Tensor<double> analytic = to_tensor<double, double>(p.grad);
+    EXPECT_TRUE(all_close(p.name, analytic, numeric_gradient(loss, p.value, kStep), tolerance));
   }
-  return grad;
 }
 
 Seq2SeqConfig tiny_config(Score score) {
@@ -134,15 +128,12 @@ TEST_P(ScoreTest, DecoderStepMatchesFiniteDifferences) {
   model.step_backward(memory, cache, dlogits.cview(), ds_next.cview(), dx.view(), ds.view(), dmemory);
   model.attention().prepare_backward(memory, dmemory);
 
-  EXPECT_TRUE(all_close("dx", dx, numeric_gradient(loss, x.view()), tolerance));
-  EXPECT_TRUE(all_close("ds", ds, numeric_gradient(loss, s.view()), tolerance));
-  EXPECT_TRUE(
-      all_close("dannotations", dmemory.annotations, numeric_gradient(loss, memory.annotations.view()), tolerance));
-  EXPECT_TRUE(all_close("dsummary", dmemory.summary, numeric_gradient(loss, memory.summary.view()), tolerance));
-  for (const ParameterRef<double>& p : model.parameters()) {
-    const Tensor<double> analytic = to_tensor<double, double>(p.grad);
-    EXPECT_TRUE(all_close(p.name, analytic, numeric_gradient(loss, p.value), tolerance));
-  }
+  EXPECT_TRUE(all_close("dx", dx, numeric_gradient(loss, x.view(), kStep), tolerance));
+  EXPECT_TRUE(all_close("ds", ds, numeric_gradient(loss, s.view(), kStep), tolerance));
+  EXPECT_TRUE(all_close("dannotations", dmemory.annotations, numeric_gradient(loss, memory.annotations.view(), kStep),
+                        tolerance));
+  EXPECT_TRUE(all_close("dsummary", dmemory.summary, numeric_gradient(loss, memory.summary.view(), kStep), tolerance));
+  expect_parameter_gradients(model, loss, tolerance);
 }
 
 TEST_P(ScoreTest, TeacherForcedModelMatchesFiniteDifferences) {
@@ -155,10 +146,7 @@ TEST_P(ScoreTest, TeacherForcedModelMatchesFiniteDifferences) {
   model.zero_grad();
   model.forward(batch);
   model.backward(dlogits.cview());
-  for (const ParameterRef<double>& p : model.parameters()) {
-    const Tensor<double> analytic = to_tensor<double, double>(p.grad);
-    EXPECT_TRUE(all_close(p.name, analytic, numeric_gradient(loss, p.value), tolerance));
-  }
+  expect_parameter_gradients(model, loss, tolerance);
 }
 
 TEST_P(ScoreTest, AlphaRowsAreDistributionsOverTheSourceOnly) {
