@@ -89,22 +89,10 @@
 
 namespace qkv::fused {
 
-// Rows of a [B, H, T, D] operand: element (b, h, t, c) is data[b·batch + h·head + t·row + c·col].
+// A [B, H, T, C] operand with any strides: element (b, h, t, c) is
+// data[b·batch + h·head + t·row + c·col]. Absent when data is null.
 template <class T>
-struct RowsView {
-  T* data = nullptr;
-  int64_t batch_stride = 0;
-  int64_t head_stride = 0;
-  int64_t row_stride = 0;
-  int64_t col_stride = 1;  // 1 for every operand the kernels load as vectors (checked at the API)
-
-  T* row(int64_t b, int64_t h, int64_t t) const { return data + b * batch_stride + h * head_stride + t * row_stride; }
-};
-
-// A [B, H, Tq, Tk] operand (mask, bias, dbias) with any strides, 0 along broadcast dims.
-// Absent when data is null.
-template <class T>
-struct ScoresView {
+struct StridedView4 {
   T* data = nullptr;
   int64_t batch_stride = 0;
   int64_t head_stride = 0;
@@ -112,8 +100,17 @@ struct ScoresView {
   int64_t col_stride = 0;
 
   explicit operator bool() const { return data != nullptr; }
-  T* row(int64_t b, int64_t h, int64_t i) const { return data + b * batch_stride + h * head_stride + i * row_stride; }
+  T* row(int64_t b, int64_t h, int64_t t) const { return data + b * batch_stride + h * head_stride + t * row_stride; }
 };
+
+// Rows of Q, K, V, O and their gradients, [B, H, T, D]. col_stride is 1 for every operand the
+// kernels load as vectors (checked at the API).
+template <class T>
+using RowsView = StridedView4<T>;
+
+// A [B, H, Tq, Tk] operand (mask, bias, dbias), strides 0 along broadcast dims.
+template <class T>
+using ScoresView = StridedView4<T>;
 
 // A [B, H, Tq] per-row statistic. Absent when data is null.
 template <class T>

@@ -34,17 +34,9 @@ HWY_EXPORT(BackwardDouble);
 
 namespace {
 
+// A rank-4 view ([B, H, T, D] rows, or [B, H, Tq, Tk] scores) as the kernels see it.
 template <class T>
-fused::RowsView<T> rows_of(TensorView<T> view4) {
-  return {.data = view4.data,
-          .batch_stride = view4.strides[0],
-          .head_stride = view4.strides[1],
-          .row_stride = view4.strides[2],
-          .col_stride = view4.strides[3]};
-}
-
-template <class T>
-fused::ScoresView<T> scores_of(TensorView<T> view4) {
+fused::StridedView4<T> strided_of(TensorView<T> view4) {
   return {.data = view4.data,
           .batch_stride = view4.strides[0],
           .head_stride = view4.strides[1],
@@ -78,22 +70,22 @@ Call<T> make_call(const AttentionParams<T>& params) {
              .tk = problem.tk(),
              .dk = problem.dk(),
              .dv = problem.dv(),
-             .q = rows_of(problem.q),
-             .k = rows_of(problem.k),
-             .v = rows_of(problem.v),
+             .q = strided_of(problem.q),
+             .k = strided_of(problem.k),
+             .v = strided_of(problem.v),
              .allowed = {},
              .bias = {},
              .causal = problem.causal,
              .scale = static_cast<T>(problem.scale)};
-  if (problem.allowed) call.in.allowed = scores_of(*problem.allowed);
-  if (problem.bias) call.in.bias = scores_of(*problem.bias);
+  if (problem.allowed) call.in.allowed = strided_of(*problem.allowed);
+  if (problem.bias) call.in.bias = strided_of(*problem.bias);
   return call;
 }
 
 template <class T>
 fused::ForwardParams<T> forward_params(const Call<T>& call, TensorView<T> out, std::optional<TensorView<T>> lse,
                                        T* lse_lo = nullptr) {
-  fused::ForwardParams<T> p{.in = call.in, .out = rows_of(as_bhtd(out, "out")), .lse = {}, .lse_lo = lse_lo};
+  fused::ForwardParams<T> p{.in = call.in, .out = strided_of(as_bhtd(out, "out")), .lse = {}, .lse_lo = lse_lo};
   if (lse) {
     const TensorView<T> lse4 = as_rank4(*lse);  // [1, B, H, Tq]
     p.lse = {
@@ -187,15 +179,15 @@ void attention_backward_fused(const AttentionParams<T>& params, TensorView<const
   }
 
   fused::BackwardParams<T> p{.in = in,
-                             .dout = rows_of(dout4),
+                             .dout = strided_of(dout4),
                              .lse_hi = lse_hi.data(),
                              .lse_lo = lse_lo.data(),
-                             .out = rows_of(as_bhtd(out, "saved.out")),
-                             .dq = rows_of(as_bhtd(grads.dq, "dq")),
-                             .dk = rows_of(as_bhtd(grads.dk, "dk")),
-                             .dv = rows_of(as_bhtd(grads.dv, "dv")),
+                             .out = strided_of(as_bhtd(out, "saved.out")),
+                             .dq = strided_of(as_bhtd(grads.dq, "dq")),
+                             .dk = strided_of(as_bhtd(grads.dk, "dk")),
+                             .dv = strided_of(as_bhtd(grads.dv, "dv")),
                              .dbias = {}};
-  if (grads.dbias) p.dbias = scores_of(broadcast_to(*grads.dbias, call.scores(), "dbias"));
+  if (grads.dbias) p.dbias = strided_of(broadcast_to(*grads.dbias, call.scores(), "dbias"));
   dispatch_backward(p);
 }
 
