@@ -32,6 +32,18 @@
 // d and over key or query blocks are blocked (TileUpdate: chunks of 16 summed in registers from
 // zero, then added), so their rounding error grows with ≈ 16 + n/16 terms rather than n: the
 // kernel's error is about half that of a naive float32 implementation at d = 64.
+// Large logits are the hard case. A score carries an absolute rounding error of about an ulp of
+// |q·k|, and exp turns it into a relative error of P: at |s| ≈ 500 that is 6·10⁻⁵, a thousand float
+// epsilons, where a softmax computed from scratch (the naive one included) loses nothing on its
+// largest weights, because s_max − m is exactly 0 whatever s_max's rounding. The backward keeps
+// that cancellation only if it recomputes, for every (i, j), the very score the forward's lse
+// came from, bit for bit. So every score is one lane's chain of TileUpdate: products over d in
+// order, chunks of kDepthChunk from zero, chunk sums added in order. Lanes never meet in it, so
+// the chain is the same whichever operand runs along the lanes (queries, keys) and however many
+// lanes a vector has: the query-vector forward and both backward layouts give identical scores
+// on every target, from AVX-512's 16 lanes to the scalar target's one. The few-query layout sums
+// across lanes (an order that depends on the lane count) and so only serves forwards that return
+// no lse, which no backward can read.
 //
 // ---- Memory traffic -----------------------------------------------------------------------------
 // The reference writes and reads Tq×Tk scores per head (64 MiB at T = 4096); here every score lives
@@ -57,6 +69,7 @@
 // product along d, blocks of one vector of keys; there the kernel reads each key and value row
 // once and does little else, so for one query it runs at the pace of memory. Its work grows with
 // the queries while the query-vector layout's does not: past about 8 queries the latter is faster.
+// A forward that returns lse (what training saves for the backward) never takes it: see Accuracy.
 //
 // All products are one register-blocked micro-kernel, C[R×(C·N)] (+)= A·B: R rows of A broadcast,
 // C vectors of a B row loaded, R·C accumulators held in registers across a chunk of the depth (4×4
@@ -147,13 +160,15 @@ struct Inputs {
 template <class T>
 struct ForwardParams {
   Inputs<T> in;
-  RowsView<T> out;     // [B, H, Tq, Dv], overwritten; any col stride
-  RowStatView<T> lse;  // [B, H, Tq], overwritten; absent: not wanted
+  RowsView<T> out;  // [B, H, Tq, Dv], overwritten; any col stride
+  // [B, H, Tq], overwritten; absent: not wanted. An lse is what a backward recomputes P from, so a
+  // forward that returns one computes every score by the backward's own chain of roundings (see
+  // "Accuracy" above): the few-query layout, which sums q·k in another order, serves only
+  // forwards without an lse.
+  RowStatView<T> lse;
   // [B·H·Tq] contiguous, row (b·H + h)·Tq + i, or null: what rounding lse to T lost (lse is
   // computed in float64), so that the backward can recompute P = exp(s − lse) without that error.
-  // Only the backward's own forward asks for it, and then every block takes the query-vector
-  // layout: its scores are bit-identical to those the backward recomputes, where the few-query
-  // layout sums q·k in another order, which at large |s| moves P by many ulps.
+  // Only the backward's own forward asks for it.
   T* lse_lo = nullptr;
 };
 
@@ -707,7 +722,7 @@ void AttendFewQueries(D d, const Inputs<T>& in, int64_t b, int64_t h, int64_t q0
 
 // Online softmax of queries [q0, q0 + nq) (nq ≤ Br) of head (b, h) over keys [key_begin, key_end):
 // leaves m, l and o in the scratch. With few_query_layout, a block of at most kFewQueries queries
-// takes AttendFewQueries (see ForwardParams::lse_lo for when it must not).
+// takes AttendFewQueries (see ForwardParams::lse for when it must not).
 template <class D, class T = hn::TFromD<D>>
 void AttendQueryBlock(D d, const Inputs<T>& in, int64_t b, int64_t h, int64_t q0, size_t nq, int64_t key_begin,
                       int64_t key_end, bool few_query_layout, ForwardScratch<T>& s) {
@@ -833,7 +848,7 @@ void ForwardDecode(D d, const ForwardParams<T>& p, int64_t chunks, std::vector<F
         const int64_t b = bh / in.heads, h = bh % in.heads;
         ForwardScratch<T>& s = scratch[ToSize(worker)];
         const int64_t begin = std::min(in.tk, chunk * chunk_len);
-        AttendQueryBlock(d, in, b, h, 0, nq, begin, std::min(in.tk, begin + chunk_len), p.lse_lo == nullptr, s);
+        AttendQueryBlock(d, in, b, h, 0, nq, begin, std::min(in.tk, begin + chunk_len), !p.lse, s);
         const size_t part = ToSize(task);
         std::copy(s.max.get(), s.max.get() + nq, part_max.begin() + static_cast<ptrdiff_t>(part * nq));
         std::copy(s.sum.get(), s.sum.get() + nq, part_sum.begin() + static_cast<ptrdiff_t>(part * nq));
@@ -900,7 +915,7 @@ void ForwardImpl(const ForwardParams<T>& p) {
         const int64_t q0 = block * static_cast<int64_t>(kQueryBlock);
         const size_t nq = ToSize(std::min(static_cast<int64_t>(kQueryBlock), in.tq - q0));
         ForwardScratch<T>& s = scratch[ToSize(worker)];
-        AttendQueryBlock(d, in, b, h, q0, nq, 0, in.tk, p.lse_lo == nullptr, s);
+        AttendQueryBlock(d, in, b, h, q0, nq, 0, in.tk, !p.lse, s);
         WriteOutputs(p, b, h, q0, nq, s);
       },
       ThreadLimit(in));

@@ -43,13 +43,17 @@ struct Grads {
   Tensor<double> dq, dk, dv, dbias;
 };
 
+// With `with_lse` false the forward is asked for out alone (as in inference), which lets blocks of
+// few queries take their own layout; lse is then left empty.
 template <class T>
-Forward run_forward(const Problem& p, AttentionImpl impl) {
+Forward run_forward(const Problem& p, AttentionImpl impl, bool with_lse = true) {
   const Operands<T> ops(p);
   const Shape& s = p.q.shape();
   Tensor<T> out({s[0], s[1], s[2], p.v.shape()[3]}), lse({s[0], s[1], s[2]});
-  attention_forward(ops.params(), AttentionOutputs<T>{.out = out.view(), .weights = {}, .lse = lse.view()}, impl);
-  return {cast<double>(out), cast<double>(lse)};
+  AttentionOutputs<T> outputs{.out = out.view(), .weights = {}, .lse = {}};
+  if (with_lse) outputs.lse = lse.view();
+  attention_forward(ops.params(), outputs, impl);
+  return {cast<double>(out), with_lse ? cast<double>(lse) : Tensor<double>()};
 }
 
 // Gradients of L = <dout, out>; `with_saved` hands the backward the forward's out and lse.
@@ -98,32 +102,41 @@ double lse_rounding(const Tensor<double>& lse) {
 }
 
 // The fused float32 forward and backward against the float64 reference, each tensor within twice
-// the naive float32 error. The backward runs twice: recomputing the forward itself (it then keeps
-// lse in two parts and the rule applies as is), and from a saved float32 lse, whose rounding (a
-// relative error of up to ρ on each row's P) a softmax computed from scratch does not have; there
-// the tolerance adds ρ times the gradient summed in absolute values, which bounds its effect.
+// the naive float32 error, on every SIMD target this CPU runs. The forward runs with and without
+// lse (the two take different layouts for few queries). The backward runs twice: recomputing the
+// forward itself (it then keeps lse in two parts and the rule applies as is), and from a saved
+// float32 lse, whose rounding (a relative error of up to ρ on each row's P) a softmax computed from
+// scratch does not have; there the tolerance adds ρ times the gradient summed in absolute values,
+// which bounds its effect.
 void expect_float32_matches_reference(const Problem& p, uint64_t seed, const std::string& label) {
   SCOPED_TRACE(label);
   const Tensor<double> dout = random_dout(p, seed);
   const testing::NaiveAttention<float> nf = testing::naive_attention<float>(p, dout);
   const Forward want = reference_forward(p);
-  const Forward got = run_forward<float>(p, AttentionImpl::fused);
-  EXPECT_TRUE(all_close("out", got.out, want.out, testing::tolerance_from_naive(nf.out, want.out)));
-  EXPECT_TRUE(all_close("lse", got.lse, want.lse, testing::tolerance_from_naive(nf.lse, want.lse)));
   const Grads gw = reference_backward(p, dout);
   const testing::NaiveAttention<double> absolute = testing::naive_attention<double>(p, dout, true);
   const double rho = lse_rounding(want.lse);
-  for (const bool saved : {false, true}) {
-    SCOPED_TRACE(saved ? "with the saved lse" : "recomputing the forward");
-    const Grads gg = run_backward<float>(p, dout, AttentionImpl::fused, saved);
-    auto tolerance = [&](const Tensor<float>& naive_grad, const Tensor<double>& exact, const Tensor<double>& abs_grad) {
-      return testing::tolerance_from_naive(naive_grad, exact) + (saved ? rho * max_abs(abs_grad) : 0.0);
-    };
-    EXPECT_TRUE(all_close("dq", gg.dq, gw.dq, tolerance(nf.dq, gw.dq, absolute.dq)));
-    EXPECT_TRUE(all_close("dk", gg.dk, gw.dk, tolerance(nf.dk, gw.dk, absolute.dk)));
-    EXPECT_TRUE(all_close("dv", gg.dv, gw.dv, tolerance(nf.dv, gw.dv, absolute.dv)));
-    if (p.bias) {
-      EXPECT_TRUE(all_close("dbias", gg.dbias, gw.dbias, tolerance(nf.dbias, gw.dbias, absolute.dbias)));
+  for (const std::string& target : simd_targets()) {
+    SCOPED_TRACE("target " + target);
+    const testing::SimdTargetScope scope(target);
+    const Forward got = run_forward<float>(p, AttentionImpl::fused);
+    EXPECT_TRUE(all_close("out", got.out, want.out, testing::tolerance_from_naive(nf.out, want.out)));
+    EXPECT_TRUE(all_close("lse", got.lse, want.lse, testing::tolerance_from_naive(nf.lse, want.lse)));
+    const Forward out_only = run_forward<float>(p, AttentionImpl::fused, false);
+    EXPECT_TRUE(all_close("out without lse", out_only.out, want.out, testing::tolerance_from_naive(nf.out, want.out)));
+    for (const bool saved : {false, true}) {
+      SCOPED_TRACE(saved ? "with the saved lse" : "recomputing the forward");
+      const Grads gg = run_backward<float>(p, dout, AttentionImpl::fused, saved);
+      auto tolerance = [&](const Tensor<float>& naive_grad, const Tensor<double>& exact,
+                           const Tensor<double>& abs_grad) {
+        return testing::tolerance_from_naive(naive_grad, exact) + (saved ? rho * max_abs(abs_grad) : 0.0);
+      };
+      EXPECT_TRUE(all_close("dq", gg.dq, gw.dq, tolerance(nf.dq, gw.dq, absolute.dq)));
+      EXPECT_TRUE(all_close("dk", gg.dk, gw.dk, tolerance(nf.dk, gw.dk, absolute.dk)));
+      EXPECT_TRUE(all_close("dv", gg.dv, gw.dv, tolerance(nf.dv, gw.dv, absolute.dv)));
+      if (p.bias) {
+        EXPECT_TRUE(all_close("dbias", gg.dbias, gw.dbias, tolerance(nf.dbias, gw.dbias, absolute.dbias)));
+      }
     }
   }
 }
@@ -313,10 +326,10 @@ TEST(AttentionFused, DecodeSplitMatchesReference) {
 }
 
 TEST(AttentionFused, FewQueriesWithMasksBiasAndCausalityMatchReference) {
-  // Blocks of ≤ 8 queries take the forward's keys-along-lanes kernel: each Tq from 1 to 9, Tk under
-  // and over one vector of keys and not a multiple of it, Dk and Dv with partial vectors, a bias
-  // over keys, a boolean mask and causality, all at once. Forward only: the backward has no such
-  // kernel, and its tiny-Tk cases are the other tests'.
+  // Blocks of ≤ 8 queries of a forward that returns no lse take the keys-along-lanes kernel: each Tq
+  // from 1 to 9, Tk under and over one vector of keys and not a multiple of it, Dk and Dv with
+  // partial vectors, a bias over keys, a boolean mask and causality, all at once. Forward only: the
+  // backward has no such kernel, and its tiny-Tk cases are the other tests'.
   uint64_t seed = 950;
   for (int64_t tq = 1; tq <= 9; ++tq) {
     for (const int64_t tk : {int64_t{3}, int64_t{37}, int64_t{1000}}) {
@@ -330,9 +343,12 @@ TEST(AttentionFused, FewQueriesWithMasksBiasAndCausalityMatchReference) {
         }
         const testing::NaiveAttention<float> naive = testing::naive_attention<float>(p, random_dout(p, seed + 3));
         const Forward want = reference_forward(p);
-        const Forward got = run_forward<float>(p, AttentionImpl::fused);
-        EXPECT_TRUE(all_close("out", got.out, want.out, testing::tolerance_from_naive(naive.out, want.out)));
-        EXPECT_TRUE(all_close("lse", got.lse, want.lse, testing::tolerance_from_naive(naive.lse, want.lse)));
+        for (const std::string& target : simd_targets()) {
+          SCOPED_TRACE("target " + target);
+          const testing::SimdTargetScope scope(target);
+          const Forward got = run_forward<float>(p, AttentionImpl::fused, false);
+          EXPECT_TRUE(all_close("out", got.out, want.out, testing::tolerance_from_naive(naive.out, want.out)));
+        }
         seed += 4;
       }
     }
@@ -341,9 +357,9 @@ TEST(AttentionFused, FewQueriesWithMasksBiasAndCausalityMatchReference) {
 
 TEST(AttentionFused, FewQueriesWithHugeLogitsKeepTheBackwardAccurate) {
   // |q·k| ≈ 10⁴, where an ulp of a score is 10⁻³: the few-query forward sums q·k in another order
-  // than the backward, so its scores differ from the backward's by ulps. The backward's own forward
-  // must not take that layout (else P = exp(s − lse) is off by 10⁻³), and with a saved lse the
-  // difference must stay within what the lse's own rounding allows.
+  // than the backward, so its scores differ from the backward's by ulps. No forward that returns
+  // an lse may take that layout (else P = exp(s − lse) is off by 10⁻³ in the backward), whether the
+  // backward runs it itself or is handed its lse.
   uint64_t seed = 990;
   for (const int64_t tq : {int64_t{1}, int64_t{4}, int64_t{8}}) {
     Problem p = random_problem({1, 2, tq, 8, 8, 8}, seed);
@@ -351,6 +367,35 @@ TEST(AttentionFused, FewQueriesWithHugeLogitsKeepTheBackwardAccurate) {
     for (int64_t i = 0; i < p.k.numel(); ++i) p.k[i] *= 40.0;
     p.scale = 1.0;
     expect_float32_matches_reference(p, seed + 1, fmt::format("huge logits Tq={}", tq));
+    seed += 2;
+  }
+}
+
+TEST(AttentionFused, LargeLogitsAndLargeScaleMatchReference) {
+  // q and k of standard deviation 15 at d = 64 put |s| in the hundreds, where an ulp of a score is
+  // 3·10⁻⁵ and exp turns it into the relative error of P; scale = 10 does the same through the
+  // scale. Forward and backward, with and without a saved lse, decode included, every target. The
+  // rule compares maxima, so each case has enough rows (≥ 48) for its maximum to be a statistic
+  // rather than the rounding of a handful of scores.
+  struct Large {
+    Case c;
+    double spread;
+    std::optional<double> scale;
+  };
+  const Large cases[] = {
+      {{1, 2, 256, 256, 64, 64}, 15.0, std::nullopt}, {{1, 2, 200, 200, 64, 64, true}, 15.0, std::nullopt},
+      {{1, 16, 3, 1000, 64, 64}, 15.0, std::nullopt}, {{1, 2, 100, 300, 64, 64}, 1.0, 10.0},
+      {{2, 2, 64, 130, 72, 40}, 3.0, 10.0},           {{1, 48, 1, 1100, 128, 128}, 10.0, std::nullopt}};
+  uint64_t seed = 980;
+  for (const Large& large : cases) {
+    Problem p = random_problem(large.c, seed);
+    for (int64_t i = 0; i < p.q.numel(); ++i) p.q[i] *= large.spread;
+    for (int64_t i = 0; i < p.k.numel(); ++i) p.k[i] *= large.spread;
+    p.scale = large.scale;
+    expect_float32_matches_reference(
+        p, seed + 1,
+        fmt::format("Tq={} Tk={} H={} causal={} spread {} scale {}", large.c.tq, large.c.tk, large.c.h, large.c.causal,
+                    large.spread, large.scale ? fmt::format("{}", *large.scale) : "1/sqrt(d)"));
     seed += 2;
   }
 }
@@ -545,11 +590,11 @@ TEST(AttentionFused, EveryCompiledTargetMatchesReference) {
   p.bias = random_tensor<double>({1, 2, 70, 1}, rng);
   p.allowed = random_mask({70, 150}, 0.8, 1802);
   Problem decode = random_problem({1, 1, 2, 1100, 64, 64, false}, 1803);
+  expect_float32_matches_reference(p, 1804, "mask, bias and causality");
+  expect_float32_matches_reference(decode, 1805, "decode");
   for (const std::string& target : targets) {
     const testing::SimdTargetScope scope(target);
     EXPECT_EQ(simd_target(), target);
-    expect_float32_matches_reference(p, 1804, "target " + target);
-    expect_float32_matches_reference(decode, 1805, "decode, target " + target);
     // The schedules must agree bit for bit on every target, not only the best.
     const Tensor<double> dout = random_dout(p, 1806);
     Grads one, two;

@@ -213,11 +213,14 @@ struct Problem {
     return backward ? forward + b * (2.0 * static_cast<double>(tq) + 2.0 * static_cast<double>(tk)) : forward;
   }
 
-  // One forward, or one forward and one backward (the gradients accumulate; only time matters).
+  // One forward asking for out alone, as inference does, or a forward with lse (what training saves)
+  // and a backward (the gradients accumulate; only time matters).
   void run(bool causal, bool backward, AttentionImpl impl) {
     AttentionParams<float> params{.q = q.cview(), .k = k.cview(), .v = v.cview(), .scale = {}, .mask = {}};
     params.mask.causal = causal;
-    attention_forward(params, {.out = out.view(), .weights = {}, .lse = lse.view()}, impl);
+    AttentionOutputs<float> outputs{.out = out.view(), .weights = {}, .lse = {}};
+    if (backward) outputs.lse = lse.view();
+    attention_forward(params, outputs, impl);
     if (backward) {
       attention_backward<float>(params, dout.cview(), {.dq = dq.view(), .dk = dk.view(), .dv = dv.view(), .dbias = {}},
                                 AttentionSaved<float>{.out = out.cview(), .lse = lse.cview()}, impl);
