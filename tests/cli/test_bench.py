@@ -4,13 +4,15 @@
 Benchmarks are not tests: nothing here asserts a time. It checks that --json is valid JSON with the
 fields compare_torch.py reads, that each baseline appears when it applies, that the text table has
 a row per size, that bad input exits 2 with one line naming the option and nothing on stdout, and
-that compare_torch.py --quick runs qkv and PyTorch end to end and grades every target of issue 3.
+that compare_torch.py --quick runs qkv and PyTorch end to end, says which OpenBLAS core PyTorch ran and
+grades every target with its median and spread.
 
 Run: QKV_BIN=build/bench/apps/qkv /usr/bin/python3 tests/cli/test_bench.py
 """
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -51,6 +53,20 @@ def check_json_run():
         check(set(r["baselines"]) == {"reference", "one_thread", "non_causal"}, f"baselines: {r['baselines']}")
         for b in r["baselines"].values():
             check(b["speedup"] > 0, f"baseline speedup: {b}")
+            check_spread(b, "speedup")
+    cpu = report.get("cpu")  # reported by newer binaries only
+    if cpu is not None:
+        check(isinstance(cpu.get("model"), str) and
+              all(isinstance(cpu.get(k), int) for k in ("l1d_bytes", "l2_bytes", "l3_bytes")), f"cpu: {cpu}")
+
+
+def check_spread(entry, key):
+    """Where `qkv bench` reports a ratio's spread over its rounds, the median lies within it."""
+    low, high = entry.get(f"{key}_min"), entry.get(f"{key}_max")
+    if low is None and high is None:
+        return
+    check(low is not None and high is not None and 0 < low <= entry[key] <= high,
+          f"{key} within {key}_min..{key}_max: {entry}")
 
 
 def check_text_and_baselines():
@@ -73,6 +89,8 @@ def check_decode():
     check(report["mode"] == "decode" and report["triad_gbs"] > 0 and report["read_gbs"] > 0, f"decode report: {report}")
     check(r["Tq"] == 1 and r["Tk"] == 256 and r["gbs"] > 0 and r["triad_fraction"] > 0 and r["read_fraction"] > 0,
           f"decode result: {r}")
+    check_spread(r, "triad_fraction")
+    check_spread(r, "read_fraction")
 
 
 def check_refusals():
@@ -104,8 +122,11 @@ def check_compare_torch():
                           check=False)
     check(done.returncode == 0, f"compare_torch.py --quick exits 0, got {done.returncode}: {done.stderr[-2000:]}")
     graded = [line for line in done.stdout.splitlines() if line.endswith((" met", " MISSED"))]
-    check(len(graded) == 8, f"compare_torch.py grades the 8 targets, got {len(graded)}: {done.stdout}")
-    check("OPENBLAS_CORETYPE=SkylakeX" in done.stdout, f"compare_torch.py says how PyTorch ran: {done.stdout}")
+    check(len(graded) == 9, f"compare_torch.py grades the 9 targets, got {len(graded)}: {done.stdout}")
+    check(all(re.search(r"\S+ +\S+ +(met|MISSED)$", line) for line in graded),
+          f"each graded line shows a median, a spread and a verdict: {graded}")
+    check(re.search(r"PyTorch ran with OpenBLAS core \S+", done.stdout) is not None,
+          f"compare_torch.py says which OpenBLAS core PyTorch ran: {done.stdout}")
 
 
 def main():
