@@ -13,6 +13,7 @@
 #include "attention_problem.hpp"
 #include "qkv/error.hpp"
 #include "qkv/parallel.hpp"
+#include "simd_dispatch.hpp"
 
 // foreach_target.h includes this path itself, once per target; src/ is a private include
 // directory of libqkv. Then the translation unit's own target (the baseline) follows. The order matters.
@@ -96,6 +97,7 @@ fused::ForwardParams<T> forward_params(const Call<T>& call, TensorView<T> out, s
 
 template <class T>
 void dispatch_forward(const fused::ForwardParams<T>& p) {
+  detail::prepare_simd_dispatch();
   if constexpr (std::is_same_v<T, float>) {
     HWY_DYNAMIC_DISPATCH(ForwardFloat)(p);
   } else {
@@ -105,6 +107,7 @@ void dispatch_forward(const fused::ForwardParams<T>& p) {
 
 template <class T>
 void dispatch_backward(const fused::BackwardParams<T>& p) {
+  detail::prepare_simd_dispatch();
   if constexpr (std::is_same_v<T, float>) {
     HWY_DYNAMIC_DISPATCH(BackwardFloat)(p);
   } else {

@@ -18,6 +18,7 @@
 #include "qkv/error.hpp"
 #include "qkv/parallel.hpp"
 #include "rows.hpp"
+#include "simd_dispatch.hpp"
 
 // foreach_target.h includes this path itself, once per target; src/ is a private include
 // directory of libqkv. Then the translation unit's own target (the baseline) follows. The order matters.
@@ -42,6 +43,7 @@ namespace {
 
 template <class T>
 void gemm(const GemmParams<T>& p) {
+  detail::prepare_simd_dispatch();
   if constexpr (std::is_same_v<T, float>) {
     HWY_DYNAMIC_DISPATCH(GemmFloat)(p);
   } else {
@@ -51,6 +53,7 @@ void gemm(const GemmParams<T>& p) {
 
 template <class T>
 void column_sums(const ColumnSumParams<T>& p) {
+  detail::prepare_simd_dispatch();
   if constexpr (std::is_same_v<T, float>) {
     HWY_DYNAMIC_DISPATCH(ColumnSumsFloat)(p);
   } else {

@@ -8,6 +8,7 @@
 #include <gtest/gtest.h>
 
 #include <cstdint>
+#include <fstream>
 #include <set>
 #include <string>
 #include <vector>
@@ -108,6 +109,19 @@ TEST_F(SimdTarget, ForcingReachesTheLinearAndTheFusedAttentionKernels) {
   const testing::NaiveAttention<float> naive = testing::naive_attention_forward<float>(p);
   EXPECT_TRUE(all_close("attention out", out, want.out, tolerance_from_naive(naive.out, want.out)));
   EXPECT_TRUE(all_close("attention lse", lse, want.lse, tolerance_from_naive(naive.lse, want.lse)));
+}
+
+TEST(CpuInfo, NamesTheCpuAndItsCachesWhereTheSystemTellsThem) {
+  const CpuInfo& cpu = cpu_info();
+  EXPECT_FALSE(cpu.model.empty());
+  EXPECT_GE(cpu.l1d_bytes, 0);
+  EXPECT_GE(cpu.l2_bytes, 0);
+  EXPECT_GE(cpu.l3_bytes, 0);
+  // Linux describes the caches under sysfs; where it does, a first-level data cache is there.
+  if (std::ifstream("/sys/devices/system/cpu/cpu0/cache/index0/size").good()) {
+    EXPECT_GT(cpu.l1d_bytes, 0);
+  }
+  EXPECT_EQ(&cpu_info(), &cpu) << "read once and kept";
 }
 
 }  // namespace

@@ -149,38 +149,93 @@ std::string memory_method(bool reset) {
 
 struct Timing {
   double median_ms = 0.0;
+  std::vector<double> samples_ms;  // one per round, in round order
   double extra_bytes = 0.0;
   double peak_bytes = 0.0;
   bool memory_reset = false;
 };
 
-// The median over `repeats` samples of one call's time; the first call warms up.
-Timing time_call(const std::function<void()>& call, int repeats) {
+// The median, least and greatest of a sample.
+struct Spread {
+  double median = 0.0, min = 0.0, max = 0.0;
+};
+
+Spread spread_of(std::vector<double> x) {
+  if (x.empty()) return {};
+  std::sort(x.begin(), x.end());
+  const size_t n = x.size();
+  return {.median = n % 2 == 1 ? x[n / 2] : 0.5 * (x[n / 2 - 1] + x[n / 2]), .min = x.front(), .max = x.back()};
+}
+
+// The ratio baseline / kernel round by round (a speed-up when both are times), as its spread.
+Spread ratio_by_round(const Timing& baseline, const Timing& kernel) {
+  std::vector<double> ratios;
+  for (size_t r = 0; r < std::min(baseline.samples_ms.size(), kernel.samples_ms.size()); ++r) {
+    if (kernel.samples_ms[r] > 0.0) ratios.push_back(baseline.samples_ms[r] / kernel.samples_ms[r]);
+  }
+  return spread_of(ratios);
+}
+
+// Times `calls` (the kernel first, then what it is compared with) in `rounds` rounds, one sample of
+// every call per round. This machine's speed can move by half within minutes; a baseline timed a
+// minute apart from the kernel would carry that into the ratio, while the calls of one round share
+// the minute, so ratios are taken round by round (ratio_by_round). Each call is first run once to
+// warm caches and threads (that run of the kernel gives the memory figures), which also sets how
+// many calls one sample averages: enough to last kMinSampleMs. When every warm-up took at least
+// kLongCallMs, the warm-ups are the first round.
+std::vector<Timing> time_in_rounds(const std::vector<std::function<void()>>& calls, int rounds) {
   using Clock = std::chrono::steady_clock;
   const auto since = [](Clock::time_point start) {
     return std::chrono::duration<double, std::milli>(Clock::now() - start).count();
   };
-  const PeakMemory memory;
-  Clock::time_point start = Clock::now();
-  call();
-  const double first_ms = since(start);
-  std::vector<double> samples;
-  if (first_ms >= kLongCallMs) samples.push_back(first_ms);
-  const int inner = first_ms >= kMinSampleMs
-                        ? 1
-                        : static_cast<int>(std::min(1000.0, std::ceil(kMinSampleMs / std::max(first_ms, 1e-3))));
-  while (std::ssize(samples) < repeats) {
-    start = Clock::now();
-    for (int i = 0; i < inner; ++i) call();
-    samples.push_back(since(start) / inner);
+  std::vector<Timing> timings(calls.size());
+  std::vector<int> inner(calls.size(), 1);
+  bool all_long = true;
+  for (size_t c = 0; c < calls.size(); ++c) {
+    const PeakMemory memory;
+    const Clock::time_point start = Clock::now();
+    calls[c]();
+    const double first_ms = since(start);
+    timings[c].extra_bytes = memory.extra_bytes();
+    timings[c].peak_bytes = memory.peak_bytes();
+    timings[c].memory_reset = memory.reset();
+    timings[c].samples_ms.push_back(first_ms);
+    all_long = all_long && first_ms >= kLongCallMs;
+    if (first_ms < kMinSampleMs) {
+      inner[c] = static_cast<int>(std::min(1000.0, std::ceil(kMinSampleMs / std::max(first_ms, 1e-3))));
+    }
   }
-  std::sort(samples.begin(), samples.end());
-  const size_t n = samples.size();
-  const double median = n % 2 == 1 ? samples[n / 2] : 0.5 * (samples[n / 2 - 1] + samples[n / 2]);
-  return {.median_ms = median,
-          .extra_bytes = memory.extra_bytes(),
-          .peak_bytes = memory.peak_bytes(),
-          .memory_reset = memory.reset()};
+  if (!all_long) {
+    for (Timing& t : timings) t.samples_ms.clear();
+  }
+  for (int round = all_long ? 1 : 0; round < rounds; ++round) {
+    for (size_t c = 0; c < calls.size(); ++c) {
+      const Clock::time_point start = Clock::now();
+      for (int i = 0; i < inner[c]; ++i) calls[c]();
+      timings[c].samples_ms.push_back(since(start) / inner[c]);
+    }
+  }
+  for (Timing& t : timings) t.median_ms = spread_of(t.samples_ms).median;
+  return timings;
+}
+
+// What the kernels are tuned by and run on, for the reports.
+std::string cpu_line() {
+  const CpuInfo& cpu = cpu_info();
+  return fmt::format("CPU {}; caches L1d {}, L2 {}, L3 {}; SIMD {}", cpu.model,
+                     format_bytes(static_cast<double>(cpu.l1d_bytes)), format_bytes(static_cast<double>(cpu.l2_bytes)),
+                     format_bytes(static_cast<double>(cpu.l3_bytes)), simd_target());
+}
+
+std::string cpu_json() {
+  const CpuInfo& cpu = cpu_info();
+  std::string model;
+  for (const char c : cpu.model) {
+    if (c == '"' || c == '\\') model += '\\';
+    if (static_cast<unsigned char>(c) >= 0x20) model += c;
+  }
+  return fmt::format(R"("cpu": {{"model": "{}", "l1d_bytes": {}, "l2_bytes": {}, "l3_bytes": {}}})", model,
+                     cpu.l1d_bytes, cpu.l2_bytes, cpu.l3_bytes);
 }
 
 // Inputs, outputs and gradients of one problem, allocated and written before any timing so that the
@@ -231,6 +286,7 @@ struct Problem {
 struct Baseline {
   std::string name;  // reference, one_thread, non_causal
   Timing timing;
+  Spread speedup;  // the baseline's time over the kernel's, round by round
 };
 
 struct Result {
@@ -261,8 +317,6 @@ void check_options(const BenchOptions& o) {
   }
 }
 
-double ratio(double baseline_ms, double ms) { return ms > 0.0 ? baseline_ms / ms : 0.0; }
-
 std::string json_timing(const Timing& t, double flops) {
   return fmt::format(R"("median_ms": {:.6g}, "gflops": {:.6g}, "peak_extra_bytes": {:.0f}, "peak_rss_bytes": {:.0f})",
                      t.median_ms, flops * 1e-9 / (t.median_ms * 1e-3), t.extra_bytes, t.peak_bytes);
@@ -277,30 +331,39 @@ void run_attention_bench(const BenchOptions& o) {
   for (const int64_t t : sizes) {
     const double bytes = Problem::bytes(o.batch, o.heads, t, t, o.d, o.backward);
     check_allocation_fits(bytes, fmt::format("qkv bench at T = {}", t));
-    progress.update(std::ssize(results), fmt::format("T={} {}", t, o.impl));
     Problem p(o.batch, o.heads, t, t, o.d, o.backward);
     set_max_workers(o.threads);
+    // The kernel and its baselines, timed in alternating rounds.
+    std::vector<std::string> names;
+    std::vector<std::function<void()>> calls = {[&] { p.run(o.causal, o.backward, impl); }};
+    if (impl != AttentionImpl::reference && t <= kReferenceMaxT && wants(o, "reference")) {
+      names.emplace_back("reference");
+      calls.emplace_back([&] { p.run(o.causal, o.backward, AttentionImpl::reference); });
+    }
+    if (o.threads > 1 && wants(o, "threads")) {
+      names.emplace_back("one_thread");
+      calls.emplace_back([&] {
+        set_max_workers(1);
+        p.run(o.causal, o.backward, impl);
+        set_max_workers(o.threads);
+      });
+    }
+    if (o.causal && wants(o, "causal")) {
+      names.emplace_back("non_causal");
+      calls.emplace_back([&] { p.run(false, o.backward, impl); });
+    }
+    progress.update(std::ssize(results),
+                    fmt::format("T={} {}{}{}", t, o.impl, names.empty() ? "" : " and ", fmt::join(names, ", ")));
+    const std::vector<Timing> timings = time_in_rounds(calls, o.repeats);
     Result r{.tq = t,
              .tk = t,
              .flops = mac_factor * static_cast<double>(o.batch * o.heads) * static_cast<double>(t) *
                       static_cast<double>(t) * static_cast<double>(o.d),
              .tensor_bytes = bytes,
-             .timing = time_call([&] { p.run(o.causal, o.backward, impl); }, o.repeats),
+             .timing = timings.front(),
              .baselines = {}};
-    if (impl != AttentionImpl::reference && t <= kReferenceMaxT && wants(o, "reference")) {
-      progress.update(std::ssize(results), fmt::format("T={} reference baseline", t));
-      r.baselines.push_back(
-          {"reference", time_call([&] { p.run(o.causal, o.backward, AttentionImpl::reference); }, o.repeats)});
-    }
-    if (o.threads > 1 && wants(o, "threads")) {
-      progress.update(std::ssize(results), fmt::format("T={} 1-thread baseline", t));
-      set_max_workers(1);
-      r.baselines.push_back({"one_thread", time_call([&] { p.run(o.causal, o.backward, impl); }, o.repeats)});
-      set_max_workers(o.threads);
-    }
-    if (o.causal && wants(o, "causal")) {
-      progress.update(std::ssize(results), fmt::format("T={} non-causal baseline", t));
-      r.baselines.push_back({"non_causal", time_call([&] { p.run(false, o.backward, impl); }, o.repeats)});
+    for (size_t b = 0; b < names.size(); ++b) {
+      r.baselines.push_back({names[b], timings[b + 1], ratio_by_round(timings[b + 1], timings.front())});
     }
     results.push_back(std::move(r));
   }
@@ -313,33 +376,34 @@ void run_attention_bench(const BenchOptions& o) {
     for (const Result& r : results) {
       std::vector<std::string> baselines;
       for (const Baseline& b : r.baselines) {
-        baselines.push_back(fmt::format(R"("{}": {{{}, "speedup": {:.6g}}})", b.name, json_timing(b.timing, r.flops),
-                                        ratio(b.timing.median_ms, r.timing.median_ms)));
+        baselines.push_back(
+            fmt::format(R"("{}": {{{}, "speedup": {:.6g}, "speedup_min": {:.6g}, "speedup_max": {:.6g}}})", b.name,
+                        json_timing(b.timing, r.flops), b.speedup.median, b.speedup.min, b.speedup.max));
       }
       rows.push_back(
           fmt::format(R"(    {{"Tq": {}, "Tk": {}, "flops": {:.6g}, "tensor_bytes": {:.0f}, {}, "baselines": {{{}}}}})",
                       r.tq, r.tk, r.flops, r.tensor_bytes, json_timing(r.timing, r.flops), fmt::join(baselines, ", ")));
     }
     fmt::print(
-        "{{\n  \"mode\": \"{}\", \"impl\": \"{}\", \"simd\": \"{}\", \"dtype\": \"float32\", \"batch\": {}, "
+        "{{\n  \"mode\": \"{}\", \"impl\": \"{}\", \"simd\": \"{}\", {}, \"dtype\": \"float32\", \"batch\": {}, "
         "\"heads\": {}, \"d\": {}, \"causal\": {}, \"threads\": {}, \"repeats\": {},\n  \"memory_method\": \"{}\",\n"
         "  \"results\": [\n{}\n  ]\n}}\n",
-        mode, o.impl, simd_target(), o.batch, o.heads, o.d, o.causal, o.threads, o.repeats, memory_method(reset),
-        fmt::join(rows, ",\n"));
+        mode, o.impl, simd_target(), cpu_json(), o.batch, o.heads, o.d, o.causal, o.threads, o.repeats,
+        memory_method(reset), fmt::join(rows, ",\n"));
     std::fflush(stdout);
     return;
   }
-  fmt::print("qkv bench: {}{}, fp32, B={} H={} d={}, {} thread{}, impl {} (SIMD {}), median of {}\n", mode,
-             o.causal ? " causal" : "", o.batch, o.heads, o.d, o.threads, o.threads == 1 ? "" : "s", o.impl,
-             simd_target(), o.repeats);
+  fmt::print("qkv bench: {}{}, fp32, B={} H={} d={}, {} thread{}, impl {}, median of {} rounds\n", mode,
+             o.causal ? " causal" : "", o.batch, o.heads, o.d, o.threads, o.threads == 1 ? "" : "s", o.impl, o.repeats);
+  fmt::print("{}\n", cpu_line());
   fmt::print("memory: {}\n\n", memory_method(reset));
   fmt::print("{:>7}  {:>11}  {:>9}  {:>11}  {:>11}  {:>11}  {}\n", "T", "median ms", "GFLOP/s", "peak extra",
-             "peak RSS", "tensors", "speedup against baselines (their ms)");
+             "peak RSS", "tensors", "speedup against baselines: median of rounds (min–max; their ms)");
   for (const Result& r : results) {
     std::vector<std::string> against;
     for (const Baseline& b : r.baselines) {
-      against.push_back(fmt::format("{:.2f}× {} ({:.3g})", ratio(b.timing.median_ms, r.timing.median_ms), b.name,
-                                    b.timing.median_ms));
+      against.push_back(fmt::format("{:.2f}× {} ({:.2f}–{:.2f}; {:.3g})", b.speedup.median, b.name, b.speedup.min,
+                                    b.speedup.max, b.timing.median_ms));
     }
     fmt::print("{:>7}  {:>11.3f}  {:>9.1f}  {:>11}  {:>11}  {:>11}  {}\n", r.tq, r.timing.median_ms,
                r.flops * 1e-9 / (r.timing.median_ms * 1e-3), format_bytes(r.timing.extra_bytes),
@@ -348,49 +412,73 @@ void run_attention_bench(const BenchOptions& o) {
   std::fflush(stdout);
 }
 
-// a = b + s·c on every thread; GB/s counts three arrays of traffic, as STREAM does.
-double triad_gbs(int repeats) {
-  check_allocation_fits(3.0 * static_cast<double>(kTriadFloats) * sizeof(float), "qkv bench --decode's triad");
-  std::vector<float> a(static_cast<size_t>(kTriadFloats)), b(static_cast<size_t>(kTriadFloats), 1.0f),
-      c(static_cast<size_t>(kTriadFloats), 2.0f);
-  // Enough chunks that both threads stream from start to end without waiting for each other.
-  const int64_t chunks = 256;
-  const Timing t = time_call(
-      [&] {
-        parallel_for(chunks, [&](int64_t chunk, int /*worker*/) {
-          const auto begin = static_cast<size_t>(chunk * kTriadFloats / chunks);
-          const auto end = static_cast<size_t>((chunk + 1) * kTriadFloats / chunks);
-          for (size_t i = begin; i < end; ++i) a[i] = b[i] + 3.0f * c[i];
-        });
-      },
-      repeats);
-  return 3.0 * static_cast<double>(kTriadFloats) * sizeof(float) * 1e-9 / (t.median_ms * 1e-3);
-}
+// Enough chunks that both threads stream from start to end without waiting for each other.
+constexpr int64_t kStreamChunks = 256;
+
+// a = b + s·c on every thread; its GB/s counts three arrays of traffic, as STREAM does.
+class Triad {
+ public:
+  Triad() {
+    check_allocation_fits(bytes(), "qkv bench --decode's triad");
+    a_.assign(static_cast<size_t>(kTriadFloats), 0.0f);
+    b_.assign(static_cast<size_t>(kTriadFloats), 1.0f);
+    c_.assign(static_cast<size_t>(kTriadFloats), 2.0f);
+  }
+  static double bytes() { return 3.0 * static_cast<double>(kTriadFloats) * sizeof(float); }
+  void run() {
+    parallel_for(kStreamChunks, [&](int64_t chunk, int /*worker*/) {
+      const auto begin = static_cast<size_t>(chunk * kTriadFloats / kStreamChunks);
+      const auto end = static_cast<size_t>((chunk + 1) * kTriadFloats / kStreamChunks);
+      for (size_t i = begin; i < end; ++i) a_[i] = b_[i] + 3.0f * c_[i];
+    });
+  }
+
+ private:
+  std::vector<float> a_, b_, c_;
+};
 
 // Reading alone, the traffic of decode: an integer sum (which the compiler vectorises, unlike a
 // float one) over as many bytes as the triad's three arrays. On some machines a pure read stream
 // is slower than the triad's mix of reads and writes; decode's K and V are such a stream.
-double read_gbs(int repeats) {
-  const int64_t n = 3 * kTriadFloats;
-  check_allocation_fits(static_cast<double>(n) * sizeof(uint32_t), "qkv bench --decode's read stream");
-  std::vector<uint32_t> x(static_cast<size_t>(n), 1);
-  const int64_t chunks = 256;
-  std::vector<uint32_t> sums(static_cast<size_t>(chunks));
-  const Timing t = time_call(
-      [&] {
-        parallel_for(chunks, [&](int64_t chunk, int /*worker*/) {
-          const auto begin = static_cast<size_t>(chunk * n / chunks);
-          const auto end = static_cast<size_t>((chunk + 1) * n / chunks);
-          uint32_t sum = 0;
-          for (size_t i = begin; i < end; ++i) sum += x[i];
-          sums[static_cast<size_t>(chunk)] = sum;
-        });
-      },
-      repeats);
-  if (std::reduce(sums.begin(), sums.end(), uint64_t{0}) != static_cast<uint64_t>(n)) {
-    throw ResourceError("qkv bench: the read stream summed wrongly");
+class ReadStream {
+ public:
+  ReadStream() {
+    check_allocation_fits(bytes(), "qkv bench --decode's read stream");
+    x_.assign(static_cast<size_t>(kElements), 1);
+    sums_.assign(static_cast<size_t>(kStreamChunks), 0);
   }
-  return static_cast<double>(n) * sizeof(uint32_t) * 1e-9 / (t.median_ms * 1e-3);
+  static double bytes() { return static_cast<double>(kElements) * sizeof(uint32_t); }
+  void run() {
+    parallel_for(kStreamChunks, [&](int64_t chunk, int /*worker*/) {
+      const auto begin = static_cast<size_t>(chunk * kElements / kStreamChunks);
+      const auto end = static_cast<size_t>((chunk + 1) * kElements / kStreamChunks);
+      uint32_t sum = 0;
+      for (size_t i = begin; i < end; ++i) sum += x_[i];
+      sums_[static_cast<size_t>(chunk)] = sum;
+    });
+    if (std::reduce(sums_.begin(), sums_.end(), uint64_t{0}) != static_cast<uint64_t>(kElements)) {
+      throw ResourceError("qkv bench: the read stream summed wrongly");
+    }
+  }
+
+ private:
+  static constexpr int64_t kElements = 3 * kTriadFloats;
+  std::vector<uint32_t> x_;
+  std::vector<uint32_t> sums_;
+};
+
+// One decode shape against the two streams of its rounds: GB/s of each, and decode's K and V
+// traffic as a fraction of each stream's, round by round.
+struct DecodeResult {
+  Result result;
+  double kv_gbs = 0.0, triad_gbs = 0.0, read_gbs = 0.0;
+  Spread of_triad, of_read;
+};
+
+Spread scaled(Spread s, double factor) { return {s.median * factor, s.min * factor, s.max * factor}; }
+
+std::string json_spread(const std::string& name, const Spread& s) {
+  return fmt::format(R"("{0}": {1:.6g}, "{0}_min": {2:.6g}, "{0}_max": {3:.6g})", name, s.median, s.min, s.max);
 }
 
 void run_decode_bench(const BenchOptions& o) {
@@ -399,66 +487,74 @@ void run_decode_bench(const BenchOptions& o) {
   const int64_t heads = o.heads_option->count() > 0 ? o.heads : kDecodeHeads;
   const int64_t d = o.d_option->count() > 0 ? o.d : kDecodeDim;
   set_max_workers(o.threads);
-  Progress progress("[bench] decode", std::ssize(sizes) + 2, "runs");
-  progress.update(0, "streaming triad");
-  const double triad = triad_gbs(o.repeats);
-  progress.update(1, "read stream");
-  const double read = read_gbs(o.repeats);
-  std::vector<Result> results;
+  Progress progress("[bench] decode", std::ssize(sizes), "shapes");
+  Triad triad;
+  ReadStream read;
+  std::vector<DecodeResult> results;
   for (const int64_t tk : sizes) {
     const double bytes = Problem::bytes(o.batch, heads, 1, tk, d, false);
     check_allocation_fits(bytes, fmt::format("qkv bench --decode at Tk = {}", tk));
-    progress.update(std::ssize(results) + 2, fmt::format("Tk={} {}", tk, o.impl));
+    progress.update(std::ssize(results), fmt::format("Tk={} {}, triad and read stream", tk, o.impl));
     Problem p(o.batch, heads, 1, tk, d, false);
-    Result r{.tq = 1,
-             .tk = tk,
-             .flops = kForwardFlopsPerMac * static_cast<double>(o.batch * heads) * static_cast<double>(tk) *
-                      static_cast<double>(d),
-             .tensor_bytes = bytes,
-             .timing = time_call([&] { p.run(false, false, impl); }, o.repeats),
-             .baselines = {}};
-    results.push_back(std::move(r));
+    const std::vector<Timing> timings =
+        time_in_rounds({[&] { p.run(false, false, impl); }, [&] { triad.run(); }, [&] { read.run(); }}, o.repeats);
+    // The bytes decode must stream: K and V once.
+    const double kv_bytes = 2.0 * static_cast<double>(o.batch * heads * tk * d) * sizeof(float);
+    const auto gbs = [](double bytes_moved, const Timing& t) { return bytes_moved * 1e-9 / (t.median_ms * 1e-3); };
+    results.push_back({.result = {.tq = 1,
+                                  .tk = tk,
+                                  .flops = kForwardFlopsPerMac * static_cast<double>(o.batch * heads) *
+                                           static_cast<double>(tk) * static_cast<double>(d),
+                                  .tensor_bytes = bytes,
+                                  .timing = timings[0],
+                                  .baselines = {}},
+                       .kv_gbs = gbs(kv_bytes, timings[0]),
+                       .triad_gbs = gbs(Triad::bytes(), timings[1]),
+                       .read_gbs = gbs(ReadStream::bytes(), timings[2]),
+                       .of_triad = scaled(ratio_by_round(timings[1], timings[0]), kv_bytes / Triad::bytes()),
+                       .of_read = scaled(ratio_by_round(timings[2], timings[0]), kv_bytes / ReadStream::bytes())});
   }
   progress.done();
 
-  // The bytes decode must stream: K and V once.
-  const auto kv_gbs = [&](const Result& r) {
-    const double kv = 2.0 * static_cast<double>(o.batch * heads * r.tk * d) * sizeof(float);
-    return kv * 1e-9 / (r.timing.median_ms * 1e-3);
-  };
-  const bool reset = results.empty() || results.front().timing.memory_reset;
+  const bool reset = results.empty() || results.front().result.timing.memory_reset;
   if (o.json) {
     std::vector<std::string> rows;
-    for (const Result& r : results) {
+    for (const DecodeResult& r : results) {
       rows.push_back(fmt::format(
-          R"(    {{"Tq": 1, "Tk": {}, "flops": {:.6g}, "tensor_bytes": {:.0f}, {}, "gbs": {:.6g}, "triad_fraction": {:.6g}, )"
-          R"("read_fraction": {:.6g}}})",
-          r.tk, r.flops, r.tensor_bytes, json_timing(r.timing, r.flops), kv_gbs(r), kv_gbs(r) / triad,
-          kv_gbs(r) / read));
+          R"(    {{"Tq": 1, "Tk": {}, "flops": {:.6g}, "tensor_bytes": {:.0f}, {}, "gbs": {:.6g}, "triad_gbs": {:.6g}, )"
+          R"("read_gbs": {:.6g}, {}, {}}})",
+          r.result.tk, r.result.flops, r.result.tensor_bytes, json_timing(r.result.timing, r.result.flops), r.kv_gbs,
+          r.triad_gbs, r.read_gbs, json_spread("triad_fraction", r.of_triad), json_spread("read_fraction", r.of_read)));
     }
+    // The first shape's streams at the top level too, for readers of one shape.
+    const double triad_gbs = results.empty() ? 0.0 : results.front().triad_gbs;
+    const double read_gbs = results.empty() ? 0.0 : results.front().read_gbs;
     fmt::print(
-        "{{\n  \"mode\": \"decode\", \"impl\": \"{}\", \"simd\": \"{}\", \"dtype\": \"float32\", \"batch\": {}, "
+        "{{\n  \"mode\": \"decode\", \"impl\": \"{}\", \"simd\": \"{}\", {}, \"dtype\": \"float32\", \"batch\": {}, "
         "\"heads\": {}, \"d\": {}, \"threads\": {}, \"repeats\": {}, \"triad_gbs\": {:.6g}, \"read_gbs\": {:.6g},\n  "
-        "\"memory_method\": "
-        "\"{}\",\n"
-        "  \"results\": [\n{}\n  ]\n}}\n",
-        o.impl, simd_target(), o.batch, heads, d, o.threads, o.repeats, triad, read, memory_method(reset),
-        fmt::join(rows, ",\n"));
+        "\"memory_method\": \"{}\",\n  \"results\": [\n{}\n  ]\n}}\n",
+        o.impl, simd_target(), cpu_json(), o.batch, heads, d, o.threads, o.repeats, triad_gbs, read_gbs,
+        memory_method(reset), fmt::join(rows, ",\n"));
     std::fflush(stdout);
     return;
   }
-  fmt::print("qkv bench: decode (Tq = 1), fp32, B={} H={} d={}, {} thread{}, impl {} (SIMD {}), median of {}\n",
-             o.batch, heads, d, o.threads, o.threads == 1 ? "" : "s", o.impl, simd_target(), o.repeats);
-  fmt::print("roof: streaming triad a = b + s·c over 3 × {} arrays: {:.1f} GB/s\n", format_bytes(kTriadFloats * 4.0),
-             triad);
-  fmt::print("      read stream alone over {}: {:.1f} GB/s\n", format_bytes(kTriadFloats * 12.0), read);
+  fmt::print("qkv bench: decode (Tq = 1), fp32, B={} H={} d={}, {} thread{}, impl {}, median of {} rounds\n", o.batch,
+             heads, d, o.threads, o.threads == 1 ? "" : "s", o.impl, o.repeats);
+  fmt::print("{}\n", cpu_line());
+  fmt::print("roofs, timed in the same rounds: a streaming triad a = b + s·c over 3 × {} arrays, and a read\n",
+             format_bytes(kTriadFloats * 4.0));
+  fmt::print("stream alone over {}; fractions are medians of per-round ratios (min–max)\n",
+             format_bytes(kTriadFloats * 12.0));
   fmt::print("memory: {}\n\n", memory_method(reset));
-  fmt::print("{:>7}  {:>11}  {:>9}  {:>9}  {:>9}  {:>9}  {:>11}\n", "Tk", "median ms", "GB/s K+V", "of triad",
-             "of read", "GFLOP/s", "peak extra");
-  for (const Result& r : results) {
-    fmt::print("{:>7}  {:>11.3f}  {:>9.1f}  {:>8.0f}%  {:>8.0f}%  {:>9.1f}  {:>11}\n", r.tk, r.timing.median_ms,
-               kv_gbs(r), 100.0 * kv_gbs(r) / triad, 100.0 * kv_gbs(r) / read,
-               r.flops * 1e-9 / (r.timing.median_ms * 1e-3), format_bytes(r.timing.extra_bytes));
+  fmt::print("{:>7}  {:>11}  {:>9}  {:>9}  {:>18}  {:>9}  {:>18}  {:>9}  {:>11}\n", "Tk", "median ms", "GB/s K+V",
+             "triad", "of triad", "read", "of read", "GFLOP/s", "peak extra");
+  const auto percent = [](const Spread& s) {
+    return fmt::format("{:.0f}% ({:.0f}–{:.0f}%)", 100.0 * s.median, 100.0 * s.min, 100.0 * s.max);
+  };
+  for (const DecodeResult& r : results) {
+    fmt::print("{:>7}  {:>11.3f}  {:>9.1f}  {:>9.1f}  {:>18}  {:>9.1f}  {:>18}  {:>9.1f}  {:>11}\n", r.result.tk,
+               r.result.timing.median_ms, r.kv_gbs, r.triad_gbs, percent(r.of_triad), r.read_gbs, percent(r.of_read),
+               r.result.flops * 1e-9 / (r.result.timing.median_ms * 1e-3), format_bytes(r.result.timing.extra_bytes));
   }
   std::fflush(stdout);
 }

@@ -5,9 +5,12 @@
 #include <CLI/CLI.hpp>
 #include <cstdio>
 #include <exception>
+#include <string>
 
 #include "commands.hpp"
 #include "qkv/error.hpp"
+#include "qkv/memory.hpp"
+#include "qkv/simd_target.hpp"
 
 namespace {
 
@@ -15,12 +18,42 @@ namespace {
 constexpr int kExitBadInput = 2;
 constexpr int kExitInternal = 1;
 
+// The version, and what the kernels will run on: the CPU, its caches and the instruction set.
+std::string version_text() {
+  const qkv::CpuInfo& cpu = qkv::cpu_info();
+  const std::vector<std::string> targets = qkv::simd_targets();
+  return fmt::format(
+      "qkv 0.1.0\nCPU: {}; caches L1d {}, L2 {}, L3 {}\nSIMD target: {} (available: {})", cpu.model,
+      qkv::format_bytes(static_cast<double>(cpu.l1d_bytes)), qkv::format_bytes(static_cast<double>(cpu.l2_bytes)),
+      qkv::format_bytes(static_cast<double>(cpu.l3_bytes)), qkv::simd_target(), fmt::join(targets, ", "));
+}
+
+void use_simd_target_option(const std::string& target) {
+  try {
+    qkv::use_simd_target(target);
+  } catch (const qkv::ValueError& e) {
+    const std::string message = e.what();
+    const std::string prefix = "target: ";
+    throw qkv::ValueError("--simd-target: " +
+                          (message.rfind(prefix, 0) == 0 ? message.substr(prefix.size()) : message));
+  }
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   CLI::App app{"qkv: the attention mechanism, from softmax(QKᵀ/√d)V to a fast CPU kernel.", "qkv"};
   app.require_subcommand(1);
-  app.set_version_flag("--version", "qkv 0.1.0");
+  // Before --version, so that `qkv --simd-target SSE4 --version` reports the target chosen; after
+  // a subcommand too (fallthrough).
+  app.add_option_function<std::string>("--simd-target", use_simd_target_option,
+                                       "instruction set of the kernels: AVX3, AVX2, SSE4 or SCALAR, any case (default: "
+                                       "$QKV_SIMD_TARGET, else the best this CPU runs; see --version)")
+      ->type_name("NAME");
+  app.fallthrough();
+  app.set_version_flag("--version", version_text, "print the version, the CPU, its caches and the SIMD target");
+  // A QKV_SIMD_TARGET that this CPU cannot run is refused before any subcommand starts its work.
+  app.parse_complete_callback([] { qkv::simd_target(); });
   qkv::cli::register_demo(app);
   qkv::cli::register_attend(app);
   qkv::cli::register_attend_backward(app);
