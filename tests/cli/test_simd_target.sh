@@ -6,6 +6,8 @@
 set -uo pipefail
 
 : "${QKV_BIN:?QKV_BIN must name the qkv binary}"
+# This test sets the variable itself; what it finds is the CPU's own list.
+unset QKV_SIMD_TARGET
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
 failures=0
