@@ -1,6 +1,6 @@
 // Attention throughput: the fused kernel against the reference, forward and forward + backward,
-// causal or not, 1 or 2 threads, and decode (Tq = 1, long Tk). Shapes follow issue 3: B = 1,
-// H = 8, d = 64, fp32, Tq = Tk = T.
+// causal or not, 1 or 2 threads, and decode (Tq = 1, long Tk). Shapes are those of
+// docs/performance.md: B = 1, H = 8, d = 64, fp32, Tq = Tk = T.
 //
 //   build/<dir>/bench/bench_attention                      # everything (the reference only up to T = 1024)
 //   build/<dir>/bench/bench_attention --benchmark_filter=Fused/Forward

@@ -1,5 +1,6 @@
 // qkv bench: throughput and memory of attention on this machine, with the baselines that give the
-// numbers a meaning measured in the same run (issue 3's targets are ratios, not absolute figures).
+// numbers a meaning measured in the same run (the performance targets are ratios, not absolute
+// figures: this machine's speed moves too much for those).
 //
 //   qkv bench                                   # forward, T = 256, 1024, 4096, 8192, B=1 H=8 d=64
 //   qkv bench --T 4096 --backward --json        # forward + backward, machine-readable
@@ -7,10 +8,11 @@
 //
 // Per shape it prints the median time of one call, GFLOP/s and the peak extra memory, and ratios
 // against the baselines: the reference (T <= 1024, where it takes seconds, not minutes), one thread
-// (when --threads > 1) and the non-causal run (with --causal). FLOPs are counted as issue 3 fixes
-// them: the forward 4·B·H·Tq·Tk·d (the same for causal, so skipped blocks show as speed), the
-// backward 2.5× that, so forward + backward 3.5×. Decode reports the GB/s of K and V read against a
-// streaming triad run just before it.
+// (when --threads > 1) and the non-causal run (with --causal), timed in alternating rounds with the
+// kernel (time_in_rounds) and reported as the median of per-round ratios with their spread. FLOPs:
+// the forward 4·B·H·Tq·Tk·d (the same for causal, so skipped blocks show as speed), the backward
+// 2.5× that, so forward + backward 3.5×. Decode reports the GB/s of K and V read against a
+// streaming triad and a read stream timed in the same rounds.
 //
 // Memory: Linux lets a process reset its own peak resident set (writing 5 to /proc/self/clear_refs),
 // so each measurement reads VmHWM after the run minus VmRSS before it, the inputs, outputs and
@@ -64,8 +66,11 @@ constexpr const char* kFooter =
     R"(FLOPs: forward 4·B·H·Tq·Tk·d (counted the same for causal), backward 2.5× forward.
 Memory: peak resident set during the measurement (VmHWM, reset through /proc/self/clear_refs) minus
 the resident set before it, with inputs, outputs and gradients already allocated ("peak extra").
-Baselines, measured in the same run: the reference (T <= 1024), 1 thread (when --threads > 1) and
-the non-causal run (with --causal); --baselines picks them, "none" skips them.
+Baselines: the reference (T <= 1024), 1 thread (when --threads > 1) and the non-causal run (with
+--causal); --baselines picks them, "none" skips them. The kernel and its baselines (decode: a triad
+and a read stream) are timed in --repeats alternating rounds, and each ratio is the median of the
+per-round ratios, printed with its min–max: the machine's speed may drift during a run.
+The CPU, its caches and the SIMD target are printed first (--simd-target or QKV_SIMD_TARGET choose it).
 Progress goes to stderr; stdout holds only the results.
 Examples:
   qkv bench --T 1024,4096 --backward
@@ -91,7 +96,8 @@ struct BenchOptions {
   CLI::Option* threads_option = nullptr;
 };
 
-// Decode's shape when --T, --d and --heads are not given (issue 3).
+// Decode's shape when --T, --d and --heads are not given: one token of a 32-head model, d = 128,
+// against a 32k context.
 constexpr int64_t kDecodeTk = 32768;
 constexpr int64_t kDecodeHeads = 32;
 constexpr int64_t kDecodeDim = 128;
@@ -592,7 +598,8 @@ void register_bench(CLI::App& app) {
   cmd->add_option("--impl", o->impl, "fused, reference or auto")
       ->check(CLI::IsMember({"fused", "reference", "auto"}))
       ->capture_default_str();
-  cmd->add_option("--repeats", o->repeats, "timed samples per measurement; the median is reported")
+  cmd->add_option("--repeats", o->repeats,
+                  "rounds: timed samples of the kernel and of each baseline; medians are reported")
       ->capture_default_str();
   cmd->add_option(
          "--baselines", o->baselines,
