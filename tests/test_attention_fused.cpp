@@ -1,12 +1,14 @@
-// Tests of the fused attention kernels (src/attention_fused.cpp): against the float64 reference on
-// the tolerance rule (at most 2× the error of the same computation done naively in float32), on
-// awkward sizes, masks, causal Tq ≠ Tk, strided inputs, the decode split, every compiled SIMD
-// target; determinism across thread counts; float64 gradients against finite differences.
+// Tests of the fused attention kernels (src/attention_fused.cpp), each on every SIMD target this CPU
+// runs: against the float64 reference on the tolerance rule (at most 2× the error of the same
+// computation done naively in float32), on awkward sizes, masks, causal Tq ≠ Tk, strided inputs,
+// the decode split, large logits; determinism across thread counts; float64 gradients against
+// finite differences.
 
 #include <gtest/gtest.h>
 
 #include <cmath>
 #include <cstring>
+#include <functional>
 #include <limits>
 #include <optional>
 #include <string>
@@ -101,6 +103,15 @@ double lse_rounding(const Tensor<double>& lse) {
   return rho;
 }
 
+// Runs `body` once on every SIMD target this CPU runs, the target named in any failure.
+void on_every_target(const std::function<void()>& body) {
+  for (const std::string& target : simd_targets()) {
+    SCOPED_TRACE("target " + target);
+    const testing::SimdTargetScope scope(target);
+    body();
+  }
+}
+
 // The fused float32 forward and backward against the float64 reference, each tensor within twice
 // the naive float32 error, on every SIMD target this CPU runs. The forward runs with and without
 // lse (the two take different layouts for few queries). The backward runs twice: recomputing the
@@ -116,9 +127,7 @@ void expect_float32_matches_reference(const Problem& p, uint64_t seed, const std
   const Grads gw = reference_backward(p, dout);
   const testing::NaiveAttention<double> absolute = testing::naive_attention<double>(p, dout, true);
   const double rho = lse_rounding(want.lse);
-  for (const std::string& target : simd_targets()) {
-    SCOPED_TRACE("target " + target);
-    const testing::SimdTargetScope scope(target);
+  on_every_target([&] {
     const Forward got = run_forward<float>(p, AttentionImpl::fused);
     EXPECT_TRUE(all_close("out", got.out, want.out, testing::tolerance_from_naive(nf.out, want.out)));
     EXPECT_TRUE(all_close("lse", got.lse, want.lse, testing::tolerance_from_naive(nf.lse, want.lse)));
@@ -138,7 +147,7 @@ void expect_float32_matches_reference(const Problem& p, uint64_t seed, const std
         EXPECT_TRUE(all_close("dbias", gg.dbias, gw.dbias, tolerance(nf.dbias, gw.dbias, absolute.dbias)));
       }
     }
-  }
+  });
 }
 
 // Runs the body with parallel_for limited to `workers` threads, restoring the previous limit.
@@ -219,9 +228,11 @@ TEST(AttentionFused, CausalWithTqAboveAndBelowTk) {
     const Problem p = random_problem(c, seed);
     expect_float32_matches_reference(p, seed + 1, fmt::format("causal Tq={} Tk={} d={}", c.tq, c.tk, c.dk));
     if (c.tq > c.tk) {
-      const Forward f = run_forward<float>(p, AttentionImpl::fused);
-      EXPECT_EQ(f.lse.view()(0, 0, 0), -kInf);
-      EXPECT_EQ(f.out.view()(0, 0, 0, 0), 0.0);
+      on_every_target([&] {
+        const Forward f = run_forward<float>(p, AttentionImpl::fused);
+        EXPECT_EQ(f.lse.view()(0, 0, 0), -kInf);
+        EXPECT_EQ(f.out.view()(0, 0, 0, 0), 0.0);
+      });
     }
     seed += 2;
   }
@@ -266,15 +277,17 @@ TEST(AttentionFused, BiasInBroadcastShapesAndItsGradient) {
 }
 
 TEST(AttentionFused, BiasWithMinusInfinityMasksLikeBooleanMask) {
-  Problem masked = random_problem({1, 2, 50, 60, 16, 16}, 600);
-  Problem biased = masked;
-  masked.allowed = random_mask({50, 60}, 0.5, 601);
-  biased.bias = Tensor<double>({50, 60});
-  for (int64_t i = 0; i < masked.allowed->numel(); ++i) (*biased.bias)[i] = (*masked.allowed)[i] ? 0.0 : -kInf;
-  const Forward a = run_forward<float>(masked, AttentionImpl::fused);
-  const Forward b = run_forward<float>(biased, AttentionImpl::fused);
-  EXPECT_TRUE(all_close("out", a.out, b.out, 0.0));
-  EXPECT_TRUE(all_close("lse", a.lse, b.lse, 0.0));
+  on_every_target([] {
+    Problem masked = random_problem({1, 2, 50, 60, 16, 16}, 600);
+    Problem biased = masked;
+    masked.allowed = random_mask({50, 60}, 0.5, 601);
+    biased.bias = Tensor<double>({50, 60});
+    for (int64_t i = 0; i < masked.allowed->numel(); ++i) (*biased.bias)[i] = (*masked.allowed)[i] ? 0.0 : -kInf;
+    const Forward a = run_forward<float>(masked, AttentionImpl::fused);
+    const Forward b = run_forward<float>(biased, AttentionImpl::fused);
+    EXPECT_TRUE(all_close("out", a.out, b.out, 0.0));
+    EXPECT_TRUE(all_close("lse", a.lse, b.lse, 0.0));
+  });
 }
 
 TEST(AttentionFused, FullyMaskedRowsGiveZeroAndNoNaN) {
@@ -287,31 +300,35 @@ TEST(AttentionFused, FullyMaskedRowsGiveZeroAndNoNaN) {
   Rng rng(702);
   p.bias = random_tensor<double>({1, 2, 70, 80}, rng);
   expect_float32_matches_reference(p, 703, "fully masked rows");
-  const Forward f = run_forward<float>(p, AttentionImpl::fused);
-  EXPECT_EQ(f.lse.view()(0, 0, 3), -kInf);
-  EXPECT_EQ(f.lse.view()(0, 1, 69), -kInf);
-  for (int64_t d = 0; d < 16; ++d) EXPECT_EQ(f.out.view()(0, 0, 3, d), 0.0);
-  const Tensor<double> dout = random_dout(p, 704);
-  const Grads g = run_backward<float>(p, dout, AttentionImpl::fused);
-  for (int64_t d = 0; d < 16; ++d) EXPECT_EQ(g.dq.view()(0, 0, 3, d), 0.0);
-  for (int64_t j = 0; j < 80; ++j) EXPECT_EQ(g.dbias.view()(0, 0, 3, j), 0.0);
-  EXPECT_TRUE(all_finite(g.dq) && all_finite(g.dk) && all_finite(g.dv) && all_finite(g.dbias));
+  on_every_target([&] {
+    const Forward f = run_forward<float>(p, AttentionImpl::fused);
+    EXPECT_EQ(f.lse.view()(0, 0, 3), -kInf);
+    EXPECT_EQ(f.lse.view()(0, 1, 69), -kInf);
+    for (int64_t d = 0; d < 16; ++d) EXPECT_EQ(f.out.view()(0, 0, 3, d), 0.0);
+    const Tensor<double> dout = random_dout(p, 704);
+    const Grads g = run_backward<float>(p, dout, AttentionImpl::fused);
+    for (int64_t d = 0; d < 16; ++d) EXPECT_EQ(g.dq.view()(0, 0, 3, d), 0.0);
+    for (int64_t j = 0; j < 80; ++j) EXPECT_EQ(g.dbias.view()(0, 0, 3, j), 0.0);
+    EXPECT_TRUE(all_finite(g.dq) && all_finite(g.dk) && all_finite(g.dv) && all_finite(g.dbias));
 
-  // Every key of every row masked: the whole output is 0 and every gradient 0.
-  Problem none = random_problem({1, 1, 9, 130, 8, 8}, 705);
-  none.allowed = Tensor<uint8_t>({9, 130}, 0);
-  const Forward fn = run_forward<float>(none, AttentionImpl::fused);
-  const Grads gn = run_backward<float>(none, random_dout(none, 706), AttentionImpl::fused);
-  EXPECT_TRUE(all_close("out", fn.out, Tensor<double>(fn.out.shape()), 0.0));
-  EXPECT_TRUE(all_close("dk", gn.dk, Tensor<double>(gn.dk.shape()), 0.0));
-  EXPECT_TRUE(all_close("dv", gn.dv, Tensor<double>(gn.dv.shape()), 0.0));
+    // Every key of every row masked: the whole output is 0 and every gradient 0.
+    Problem none = random_problem({1, 1, 9, 130, 8, 8}, 705);
+    none.allowed = Tensor<uint8_t>({9, 130}, 0);
+    const Forward fn = run_forward<float>(none, AttentionImpl::fused);
+    const Grads gn = run_backward<float>(none, random_dout(none, 706), AttentionImpl::fused);
+    EXPECT_TRUE(all_close("out", fn.out, Tensor<double>(fn.out.shape()), 0.0));
+    EXPECT_TRUE(all_close("dk", gn.dk, Tensor<double>(gn.dk.shape()), 0.0));
+    EXPECT_TRUE(all_close("dv", gn.dv, Tensor<double>(gn.dv.shape()), 0.0));
+  });
 }
 
 TEST(AttentionFused, NoKeysAtAll) {
-  const Problem p = random_problem({1, 2, 5, 0, 8, 4}, 800);
-  const Forward f = run_forward<float>(p, AttentionImpl::fused);
-  EXPECT_TRUE(all_close("out", f.out, Tensor<double>(f.out.shape()), 0.0));
-  for (int64_t i = 0; i < f.lse.numel(); ++i) EXPECT_EQ(f.lse[i], -kInf);
+  on_every_target([] {
+    const Problem p = random_problem({1, 2, 5, 0, 8, 4}, 800);
+    const Forward f = run_forward<float>(p, AttentionImpl::fused);
+    EXPECT_TRUE(all_close("out", f.out, Tensor<double>(f.out.shape()), 0.0));
+    for (int64_t i = 0; i < f.lse.numel(); ++i) EXPECT_EQ(f.lse[i], -kInf);
+  });
 }
 
 // --- the decode path ---------------------------------------------------------------------------------
@@ -343,12 +360,10 @@ TEST(AttentionFused, FewQueriesWithMasksBiasAndCausalityMatchReference) {
         }
         const testing::NaiveAttention<float> naive = testing::naive_attention<float>(p, random_dout(p, seed + 3));
         const Forward want = reference_forward(p);
-        for (const std::string& target : simd_targets()) {
-          SCOPED_TRACE("target " + target);
-          const testing::SimdTargetScope scope(target);
+        on_every_target([&] {
           const Forward got = run_forward<float>(p, AttentionImpl::fused, false);
           EXPECT_TRUE(all_close("out", got.out, want.out, testing::tolerance_from_naive(naive.out, want.out)));
-        }
+        });
         seed += 4;
       }
     }
@@ -413,171 +428,186 @@ TEST(AttentionFused, DecodeMergesChunksThatSawNoKey) {
       p.allowed->view()(0, h, 2, j) = 0;
     }
   expect_float32_matches_reference(p, 1002, "decode with empty chunks");
-  const Forward f = run_forward<float>(p, AttentionImpl::fused);
-  EXPECT_EQ(f.lse.view()(0, 1, 2), -kInf);
-  EXPECT_TRUE(all_finite(f.out));
-  // Key 0 alone: out is v_0 (up to the rounding of P = 1).
-  for (int64_t d = 0; d < 64; ++d) {
-    EXPECT_NEAR(f.out.view()(0, 1, 1, d), static_cast<double>(static_cast<float>(p.v.view()(0, 1, 0, d))),
-                4 * std::numeric_limits<float>::epsilon());
-  }
+  on_every_target([&] {
+    const Forward f = run_forward<float>(p, AttentionImpl::fused);
+    EXPECT_EQ(f.lse.view()(0, 1, 2), -kInf);
+    EXPECT_TRUE(all_finite(f.out));
+    // Key 0 alone: out is v_0 (up to the rounding of P = 1).
+    for (int64_t d = 0; d < 64; ++d) {
+      EXPECT_NEAR(f.out.view()(0, 1, 1, d), static_cast<double>(static_cast<float>(p.v.view()(0, 1, 0, d))),
+                  4 * std::numeric_limits<float>::epsilon());
+    }
+  });
 }
 
 // --- layouts ---------------------------------------------------------------------------------------
 
 TEST(AttentionFused, StridedViewsIntoPackedQkvBuffer) {
-  // x [B, T, 3·H·D], as a fused QKV projection writes it; q, k, v are views [B, H, T, D] into it.
-  const int64_t B = 2, T = 77, H = 3, D = 24;
-  Rng rng(1100);
-  const Tensor<float> qkv = random_tensor<float>({B, T, 3 * H * D}, rng);
-  auto view = [&](int64_t part) {
-    return TensorView<const float>{qkv.data() + part * H * D, Shape{B, H, T, D},
-                                   Strides{T * 3 * H * D, D, 3 * H * D, 1}};
-  };
-  Problem p;
-  p.q = to_tensor<double, float>(view(0));
-  p.k = to_tensor<double, float>(view(1));
-  p.v = to_tensor<double, float>(view(2));
-  p.causal = true;
-  const Forward want = reference_forward(p);
-  const Tensor<double> dout = random_dout(p, 1101);
-  const Grads gwant = reference_backward(p, dout);
-  const testing::NaiveAttention<float> nf = testing::naive_attention<float>(p, dout);
+  on_every_target([] {
+    // x [B, T, 3·H·D], as a fused QKV projection writes it; q, k, v are views [B, H, T, D] into it.
+    const int64_t B = 2, T = 77, H = 3, D = 24;
+    Rng rng(1100);
+    const Tensor<float> qkv = random_tensor<float>({B, T, 3 * H * D}, rng);
+    auto view = [&](int64_t part) {
+      return TensorView<const float>{qkv.data() + part * H * D, Shape{B, H, T, D},
+                                     Strides{T * 3 * H * D, D, 3 * H * D, 1}};
+    };
+    Problem p;
+    p.q = to_tensor<double, float>(view(0));
+    p.k = to_tensor<double, float>(view(1));
+    p.v = to_tensor<double, float>(view(2));
+    p.causal = true;
+    const Forward want = reference_forward(p);
+    const Tensor<double> dout = random_dout(p, 1101);
+    const Grads gwant = reference_backward(p, dout);
+    const testing::NaiveAttention<float> nf = testing::naive_attention<float>(p, dout);
 
-  AttentionParams<float> params{.q = view(0), .k = view(1), .v = view(2), .scale = {}, .mask = {}};
-  params.mask.causal = true;
-  Tensor<float> out({B, H, T, D}), lse({B, H, T});
-  attention_forward_fused(params, {.out = out.view(), .weights = {}, .lse = lse.view()});
-  EXPECT_TRUE(all_close("out", cast<double>(out), want.out, testing::tolerance_from_naive(nf.out, want.out)));
+    AttentionParams<float> params{.q = view(0), .k = view(1), .v = view(2), .scale = {}, .mask = {}};
+    params.mask.causal = true;
+    Tensor<float> out({B, H, T, D}), lse({B, H, T});
+    attention_forward_fused(params, {.out = out.view(), .weights = {}, .lse = lse.view()});
+    EXPECT_TRUE(all_close("out", cast<double>(out), want.out, testing::tolerance_from_naive(nf.out, want.out)));
 
-  // Gradients into strided views of a [B, T, 3·H·D] buffer too; dout with a non-unit last stride.
-  Tensor<float> dqkv({B, T, 3 * H * D});
-  auto grad_view = [&](int64_t part) {
-    return TensorView<float>{dqkv.data() + part * H * D, Shape{B, H, T, D}, Strides{T * 3 * H * D, D, 3 * H * D, 1}};
-  };
-  Tensor<float> dout_wide({B, H, T, 2 * D});
-  for (int64_t i = 0; i < dout.numel(); ++i) dout_wide[2 * i] = static_cast<float>(dout[i]);
-  const TensorView<const float> dout_strided{dout_wide.data(), Shape{B, H, T, D},
-                                             Strides{H * T * 2 * D, T * 2 * D, 2 * D, 2}};
-  attention_backward_fused<float>(params, dout_strided,
-                                  {.dq = grad_view(0), .dk = grad_view(1), .dv = grad_view(2), .dbias = {}},
-                                  AttentionSaved<float>{.out = out.cview(), .lse = lse.cview()});
-  EXPECT_TRUE(all_close("dq", to_tensor<double, float>(grad_view(0)), gwant.dq,
-                        testing::tolerance_from_naive(nf.dq, gwant.dq)));
-  EXPECT_TRUE(all_close("dk", to_tensor<double, float>(grad_view(1)), gwant.dk,
-                        testing::tolerance_from_naive(nf.dk, gwant.dk)));
-  EXPECT_TRUE(all_close("dv", to_tensor<double, float>(grad_view(2)), gwant.dv,
-                        testing::tolerance_from_naive(nf.dv, gwant.dv)));
+    // Gradients into strided views of a [B, T, 3·H·D] buffer too; dout with a non-unit last stride.
+    Tensor<float> dqkv({B, T, 3 * H * D});
+    auto grad_view = [&](int64_t part) {
+      return TensorView<float>{dqkv.data() + part * H * D, Shape{B, H, T, D}, Strides{T * 3 * H * D, D, 3 * H * D, 1}};
+    };
+    Tensor<float> dout_wide({B, H, T, 2 * D});
+    for (int64_t i = 0; i < dout.numel(); ++i) dout_wide[2 * i] = static_cast<float>(dout[i]);
+    const TensorView<const float> dout_strided{dout_wide.data(), Shape{B, H, T, D},
+                                               Strides{H * T * 2 * D, T * 2 * D, 2 * D, 2}};
+    attention_backward_fused<float>(params, dout_strided,
+                                    {.dq = grad_view(0), .dk = grad_view(1), .dv = grad_view(2), .dbias = {}},
+                                    AttentionSaved<float>{.out = out.cview(), .lse = lse.cview()});
+    EXPECT_TRUE(all_close("dq", to_tensor<double, float>(grad_view(0)), gwant.dq,
+                          testing::tolerance_from_naive(nf.dq, gwant.dq)));
+    EXPECT_TRUE(all_close("dk", to_tensor<double, float>(grad_view(1)), gwant.dk,
+                          testing::tolerance_from_naive(nf.dk, gwant.dk)));
+    EXPECT_TRUE(all_close("dv", to_tensor<double, float>(grad_view(2)), gwant.dv,
+                          testing::tolerance_from_naive(nf.dv, gwant.dv)));
+  });
 }
 
 TEST(AttentionFused, RankTwoAndThreeInputs) {
-  Rng rng(1200);
-  const Tensor<float> q = random_tensor<float>({3, 19, 8}, rng), k = random_tensor<float>({3, 23, 8}, rng),
-                      v = random_tensor<float>({3, 23, 5}, rng);
-  Tensor<float> out_fused({3, 19, 5}), out_ref({3, 19, 5});
-  const AttentionParams<float> params{.q = q.view(), .k = k.view(), .v = v.view(), .scale = {}, .mask = {}};
-  attention_forward_fused(params, {.out = out_fused.view(), .weights = {}, .lse = {}});
-  attention_forward_reference(params, {.out = out_ref.view(), .weights = {}, .lse = {}});
-  EXPECT_TRUE(all_close("out", out_fused, out_ref, 64 * std::numeric_limits<float>::epsilon()));
+  on_every_target([] {
+    Rng rng(1200);
+    const Tensor<float> q = random_tensor<float>({3, 19, 8}, rng), k = random_tensor<float>({3, 23, 8}, rng),
+                        v = random_tensor<float>({3, 23, 5}, rng);
+    Tensor<float> out_fused({3, 19, 5}), out_ref({3, 19, 5});
+    const AttentionParams<float> params{.q = q.view(), .k = k.view(), .v = v.view(), .scale = {}, .mask = {}};
+    attention_forward_fused(params, {.out = out_fused.view(), .weights = {}, .lse = {}});
+    attention_forward_reference(params, {.out = out_ref.view(), .weights = {}, .lse = {}});
+    EXPECT_TRUE(all_close("out", out_fused, out_ref, 64 * std::numeric_limits<float>::epsilon()));
+  });
 }
 
 TEST(AttentionFused, BackwardAccumulatesIntoGradients) {
-  const Problem p = random_problem({1, 1, 20, 30, 8, 8}, 1400);
-  const Operands<float> ops(p);
-  const Tensor<float> dout = cast<float>(random_dout(p, 1401));
-  Tensor<float> dq(p.q.shape(), 1.0f), dk(p.k.shape(), 2.0f), dv(p.v.shape(), 3.0f);
-  Tensor<float> dq0(p.q.shape()), dk0(p.k.shape()), dv0(p.v.shape());
-  attention_backward_fused(ops.params(), dout.view(), {.dq = dq.view(), .dk = dk.view(), .dv = dv.view(), .dbias = {}});
-  attention_backward_fused(ops.params(), dout.view(),
-                           {.dq = dq0.view(), .dk = dk0.view(), .dv = dv0.view(), .dbias = {}});
-  // The same sum up to where the rounding of each addition falls: an ulp or two of the result.
-  auto expect_added = [](const Tensor<float>& with, const Tensor<float>& without, float start) {
-    for (int64_t i = 0; i < with.numel(); ++i) {
-      EXPECT_NEAR(with[i], start + without[i],
-                  2 * std::numeric_limits<float>::epsilon() * (start + std::abs(without[i])));
-    }
-  };
-  expect_added(dq, dq0, 1.0f);
-  expect_added(dk, dk0, 2.0f);
-  expect_added(dv, dv0, 3.0f);
+  on_every_target([] {
+    const Problem p = random_problem({1, 1, 20, 30, 8, 8}, 1400);
+    const Operands<float> ops(p);
+    const Tensor<float> dout = cast<float>(random_dout(p, 1401));
+    Tensor<float> dq(p.q.shape(), 1.0f), dk(p.k.shape(), 2.0f), dv(p.v.shape(), 3.0f);
+    Tensor<float> dq0(p.q.shape()), dk0(p.k.shape()), dv0(p.v.shape());
+    attention_backward_fused(ops.params(), dout.view(),
+                             {.dq = dq.view(), .dk = dk.view(), .dv = dv.view(), .dbias = {}});
+    attention_backward_fused(ops.params(), dout.view(),
+                             {.dq = dq0.view(), .dk = dk0.view(), .dv = dv0.view(), .dbias = {}});
+    // The same sum up to where the rounding of each addition falls: an ulp or two of the result.
+    auto expect_added = [](const Tensor<float>& with, const Tensor<float>& without, float start) {
+      for (int64_t i = 0; i < with.numel(); ++i) {
+        EXPECT_NEAR(with[i], start + without[i],
+                    2 * std::numeric_limits<float>::epsilon() * (start + std::abs(without[i])));
+      }
+    };
+    expect_added(dq, dq0, 1.0f);
+    expect_added(dk, dk0, 2.0f);
+    expect_added(dv, dv0, 3.0f);
+  });
 }
 
 // --- float64, gradients ---------------------------------------------------------------------------
 
 TEST(AttentionFused, Float64MatchesReferenceClosely) {
-  Problem p = random_problem({2, 2, 113, 70, 17, 33, true}, 1500);
-  Rng rng(1501);
-  p.bias = random_tensor<double>({2, 1, 113, 70}, rng);
-  p.allowed = random_mask({113, 70}, 0.8, 1502);
-  const Tensor<double> dout = random_dout(p, 1503);
-  // Both accumulate in float64; the difference is the order of sums over Tk and d terms.
-  const double tol = 64 * std::numeric_limits<double>::epsilon() * static_cast<double>(70 + 33);
-  const Forward want = reference_forward(p), got = run_forward<double>(p, AttentionImpl::fused);
-  EXPECT_TRUE(all_close("out", got.out, want.out, tol));
-  EXPECT_TRUE(all_close("lse", got.lse, want.lse, tol));
-  const Grads gw = reference_backward(p, dout), gg = run_backward<double>(p, dout, AttentionImpl::fused);
-  EXPECT_TRUE(all_close("dq", gg.dq, gw.dq, tol));
-  EXPECT_TRUE(all_close("dk", gg.dk, gw.dk, tol));
-  EXPECT_TRUE(all_close("dv", gg.dv, gw.dv, tol));
-  EXPECT_TRUE(all_close("dbias", gg.dbias, gw.dbias, tol));
+  on_every_target([] {
+    Problem p = random_problem({2, 2, 113, 70, 17, 33, true}, 1500);
+    Rng rng(1501);
+    p.bias = random_tensor<double>({2, 1, 113, 70}, rng);
+    p.allowed = random_mask({113, 70}, 0.8, 1502);
+    const Tensor<double> dout = random_dout(p, 1503);
+    // Both accumulate in float64; the difference is the order of sums over Tk and d terms.
+    const double tol = 64 * std::numeric_limits<double>::epsilon() * static_cast<double>(70 + 33);
+    const Forward want = reference_forward(p), got = run_forward<double>(p, AttentionImpl::fused);
+    EXPECT_TRUE(all_close("out", got.out, want.out, tol));
+    EXPECT_TRUE(all_close("lse", got.lse, want.lse, tol));
+    const Grads gw = reference_backward(p, dout), gg = run_backward<double>(p, dout, AttentionImpl::fused);
+    EXPECT_TRUE(all_close("dq", gg.dq, gw.dq, tol));
+    EXPECT_TRUE(all_close("dk", gg.dk, gw.dk, tol));
+    EXPECT_TRUE(all_close("dv", gg.dv, gw.dv, tol));
+    EXPECT_TRUE(all_close("dbias", gg.dbias, gw.dbias, tol));
+  });
 }
 
 TEST(AttentionFused, GradientsMatchFiniteDifferences) {
-  // L = <dO, out> in float64, central differences with h = 1e-6: accurate to ≈ 1e-10 here.
-  constexpr double kGradTolerance = 1e-7;
-  Problem p = random_problem({1, 2, 5, 6, 3, 2, true}, 1600);
-  Rng rng(1601);
-  p.bias = random_tensor<double>({1, 2, 1, 6}, rng);
-  const Tensor<double> dout = random_dout(p, 1602);
-  const Grads g = run_backward<double>(p, dout, AttentionImpl::fused, false);
-  auto loss = [&] { return testing::dot(run_forward<double>(p, AttentionImpl::fused).out, dout); };
-  EXPECT_TRUE(all_close("dq", g.dq, testing::numeric_gradient(loss, p.q), kGradTolerance));
-  EXPECT_TRUE(all_close("dk", g.dk, testing::numeric_gradient(loss, p.k), kGradTolerance));
-  EXPECT_TRUE(all_close("dv", g.dv, testing::numeric_gradient(loss, p.v), kGradTolerance));
-  EXPECT_TRUE(all_close("dbias", g.dbias, testing::numeric_gradient(loss, *p.bias), kGradTolerance));
+  on_every_target([] {
+    // L = <dO, out> in float64, central differences with h = 1e-6: accurate to ≈ 1e-10 here.
+    constexpr double kGradTolerance = 1e-7;
+    Problem p = random_problem({1, 2, 5, 6, 3, 2, true}, 1600);
+    Rng rng(1601);
+    p.bias = random_tensor<double>({1, 2, 1, 6}, rng);
+    const Tensor<double> dout = random_dout(p, 1602);
+    const Grads g = run_backward<double>(p, dout, AttentionImpl::fused, false);
+    auto loss = [&] { return testing::dot(run_forward<double>(p, AttentionImpl::fused).out, dout); };
+    EXPECT_TRUE(all_close("dq", g.dq, testing::numeric_gradient(loss, p.q), kGradTolerance));
+    EXPECT_TRUE(all_close("dk", g.dk, testing::numeric_gradient(loss, p.k), kGradTolerance));
+    EXPECT_TRUE(all_close("dv", g.dv, testing::numeric_gradient(loss, p.v), kGradTolerance));
+    EXPECT_TRUE(all_close("dbias", g.dbias, testing::numeric_gradient(loss, *p.bias), kGradTolerance));
+  });
 }
 
 // --- determinism ---------------------------------------------------------------------------------
 
 TEST(AttentionFused, GradientsBitIdenticalOnOneAndTwoThreads) {
-  // One head: one thread runs the one-pass schedule, two threads the two-pass one. Three heads
-  // (one pass on one thread, two passes on two), a bias shared by heads (dbias owned by head
-  // groups) and one shared by queries (dbias summed over query blocks in a task) cover the other
-  // task partitions.
-  struct Variant {
-    Case c;
-    std::optional<Shape> bias;
-  };
-  const Variant variants[] = {{{1, 1, 300, 257, 64, 64, true}, std::nullopt},
-                              {{1, 3, 130, 200, 17, 40, false}, Shape{1, 3, 130, 200}},
-                              {{2, 2, 150, 129, 32, 32, true}, Shape{150, 129}},
-                              {{1, 1, 150, 300, 16, 16, false}, Shape{1, 1, 1, 300}},
-                              {{1, 1, 70, 130, 16, 8, false}, Shape{1}}};
-  uint64_t seed = 1700;
-  for (const Variant& variant : variants) {
-    Problem p = random_problem(variant.c, seed);
-    if (variant.bias) {
-      Rng rng(seed + 1);
-      p.bias = random_tensor<double>(*variant.bias, rng);
+  on_every_target([] {
+    // One head: one thread runs the one-pass schedule, two threads the two-pass one. Three heads
+    // (one pass on one thread, two passes on two), a bias shared by heads (dbias owned by head
+    // groups) and one shared by queries (dbias summed over query blocks in a task) cover the other
+    // task partitions.
+    struct Variant {
+      Case c;
+      std::optional<Shape> bias;
+    };
+    const Variant variants[] = {{{1, 1, 300, 257, 64, 64, true}, std::nullopt},
+                                {{1, 3, 130, 200, 17, 40, false}, Shape{1, 3, 130, 200}},
+                                {{2, 2, 150, 129, 32, 32, true}, Shape{150, 129}},
+                                {{1, 1, 150, 300, 16, 16, false}, Shape{1, 1, 1, 300}},
+                                {{1, 1, 70, 130, 16, 8, false}, Shape{1}}};
+    uint64_t seed = 1700;
+    for (const Variant& variant : variants) {
+      Problem p = random_problem(variant.c, seed);
+      if (variant.bias) {
+        Rng rng(seed + 1);
+        p.bias = random_tensor<double>(*variant.bias, rng);
+      }
+      const Tensor<double> dout = random_dout(p, seed + 2);
+      Grads one, two;
+      {
+        const WorkersScope workers(1);
+        one = run_backward<float>(p, dout, AttentionImpl::fused);
+      }
+      {
+        const WorkersScope workers(2);
+        two = run_backward<float>(p, dout, AttentionImpl::fused);
+      }
+      SCOPED_TRACE(fmt::format("H={} Tq={} Tk={} bias {}", variant.c.h, variant.c.tq, variant.c.tk,
+                               variant.bias ? variant.bias->str() : "none"));
+      EXPECT_TRUE(bit_identical(one.dq, two.dq));
+      EXPECT_TRUE(bit_identical(one.dk, two.dk));
+      EXPECT_TRUE(bit_identical(one.dv, two.dv));
+      EXPECT_TRUE(bit_identical(one.dbias, two.dbias));
+      seed += 3;
     }
-    const Tensor<double> dout = random_dout(p, seed + 2);
-    Grads one, two;
-    {
-      const WorkersScope workers(1);
-      one = run_backward<float>(p, dout, AttentionImpl::fused);
-    }
-    {
-      const WorkersScope workers(2);
-      two = run_backward<float>(p, dout, AttentionImpl::fused);
-    }
-    SCOPED_TRACE(fmt::format("H={} Tq={} Tk={} bias {}", variant.c.h, variant.c.tq, variant.c.tk,
-                             variant.bias ? variant.bias->str() : "none"));
-    EXPECT_TRUE(bit_identical(one.dq, two.dq));
-    EXPECT_TRUE(bit_identical(one.dk, two.dk));
-    EXPECT_TRUE(bit_identical(one.dv, two.dv));
-    EXPECT_TRUE(bit_identical(one.dbias, two.dbias));
-    seed += 3;
-  }
+  });
 }
 
 // --- every SIMD target ---------------------------------------------------------------------------
