@@ -4,14 +4,8 @@
 # the four steps with --explain, and colours only when asked or on a terminal.
 set -uo pipefail
 
-: "${QKV_BIN:?QKV_BIN must name the qkv binary}"
-tmp=$(mktemp -d)
-trap 'rm -rf "$tmp"' EXIT
-failures=0
-fail() {
-  echo "FAIL: $*" >&2
-  failures=$((failures + 1))
-}
+# shellcheck source=harness.sh
+source "$(dirname "${BASH_SOURCE[0]}")/harness.sh"
 
 # Runs qkv with NO_COLOR set; stdout to $tmp/out, stderr to $tmp/err, the exit code to $rc.
 run() {
@@ -91,8 +85,4 @@ grep -q $'\x1b\[48;' "$tmp/out" || fail "qkv demo --color always: no background 
 run demo --color sometimes
 [[ $rc -eq 2 ]] || fail "qkv demo --color sometimes exited $rc, expected 2"
 
-if [[ $failures -gt 0 ]]; then
-  echo "test_demo: $failures check(s) failed" >&2
-  exit 1
-fi
-echo "test_demo: all checks passed"
+finish test_demo

@@ -5,16 +5,10 @@
 # come from the CPU at hand (`--version` lists them), so nothing here names one CPU's setting.
 set -uo pipefail
 
-: "${QKV_BIN:?QKV_BIN must name the qkv binary}"
+# shellcheck source=harness.sh
+source "$(dirname "${BASH_SOURCE[0]}")/harness.sh"
 # This test sets the variable itself; what it finds is the CPU's own list.
 unset QKV_SIMD_TARGET
-tmp=$(mktemp -d)
-trap 'rm -rf "$tmp"' EXIT
-failures=0
-fail() {
-  echo "FAIL: $*" >&2
-  failures=$((failures + 1))
-}
 
 run() {
   "$@" >"$tmp/out" 2>"$tmp/err"
@@ -66,8 +60,4 @@ lowest=${targets[-1]}
 run env QKV_SIMD_TARGET="$lowest" "$QKV_BIN" --version
 grep -q "^SIMD target: $lowest (available: $lowest)$" "$tmp/out" || fail "QKV_SIMD_TARGET=$lowest caps the list: $(cat "$tmp/out")"
 
-if ((failures > 0)); then
-  echo "$failures failure(s)" >&2
-  exit 1
-fi
-echo ok
+finish test_simd_target
