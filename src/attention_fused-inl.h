@@ -33,8 +33,8 @@
 // zero, then added), so their rounding error grows with ≈ 16 + n/16 terms rather than n: the
 // kernel's error is about half that of a naive float32 implementation at d = 64.
 // Large logits are the hard case. A score carries an absolute rounding error of about an ulp of
-// |q·k|, and exp turns it into a relative error of P: at |s| ≈ 500 that is 6·10⁻⁵, a thousand float
-// epsilons, where a softmax computed from scratch (the naive one included) loses nothing on its
+// |q·k|, and exp turns it into a relative error of P: at |s| ≈ 500 that is 6·10⁻⁵, five hundred
+// float epsilons, where a softmax computed from scratch (the naive one included) loses nothing on its
 // largest weights, because s_max − m is exactly 0 whatever s_max's rounding. The backward keeps
 // that cancellation only if it recomputes, for every (i, j), the very score the forward's lse
 // came from, bit for bit. So every score is one lane's chain of TileUpdate: products over d in
@@ -43,7 +43,10 @@
 // lanes a vector has: the query-vector forward and both backward layouts give identical scores
 // on every target, from AVX-512's 16 lanes to the scalar target's one. The few-query layout sums
 // across lanes (an order that depends on the lane count) and so only serves forwards that return
-// no lse, which no backward can read.
+// no lse, which no backward can read. Nor may the compiler fuse a multiply and an add that the
+// code writes apart (libqkv is compiled with -ffp-contract=off): it would do so only on targets
+// that have FMA, and then the forward's exp(scale·x − m) and the backward's s = scale·x, s − lse
+// would round differently, by an ulp of |s| in every P, on AVX2 and AVX-512 and not elsewhere.
 //
 // ---- Memory traffic -----------------------------------------------------------------------------
 // The reference writes and reads Tq×Tk scores per head (64 MiB at T = 4096); here every score lives
@@ -73,7 +76,7 @@
 //
 // All products are one register-blocked micro-kernel, C[R×(C·N)] (+)= A·B: R rows of A broadcast,
 // C vectors of a B row loaded, R·C accumulators held in registers across a chunk of the depth (4×4
-// vectors with AVX-512's 32 registers, 4×2 with 16). B rows must be contiguous: Qᵀ, Kᵀ, Vᵀ, dOᵀ are
+// vectors with AVX-512's 32 registers, 6×2 with 16). B rows must be contiguous: Qᵀ, Kᵀ, Vᵀ, dOᵀ are
 // packed; V, dO, Q, K rows are read in place; a last partial vector of columns is copied into a
 // zero-padded panel so no load crosses the end of a row. Any Dk, Dv work (the fast paths are the
 // multiples of the vector width: 64 and 128 fill 4 and 8 AVX-512 vectors); problems under ≈ 1M
@@ -229,9 +232,10 @@ constexpr int64_t kDecodeTasks = 64;      // chunks × heads aimed at: enough to
 // At most this many queries take the kernel with keys along the lanes (AttendFewQueries): measured
 // at Tk = 32768, d = 128, it is faster than the query-vector layout up to 8 queries, slower from 12.
 constexpr size_t kFewQueries = 8;
-// How far ahead of its keys AttendFewQueries asks for K and V rows, in bytes of a K row: hardware
-// prefetchers stop at page boundaries, every 8 keys at d = 128. Measured on Zen 3 (d = 128): 8 keys
-// ahead (the next block) 62% of the triad, 16 keys 69–74%, 64 keys 74–76%, 128 and more lower.
+// How far ahead of its keys AttendFewQueries asks for K and V rows, counted in bytes of K (32 KiB:
+// 64 keys at d = 128): hardware prefetchers stop at page boundaries, every 8 keys at d = 128.
+// Measured on Zen 3 (d = 128): 8 keys ahead (the next block) 62% of the triad, 16 keys 69–74%, 64
+// keys 74–76%, 128 and more lower.
 constexpr size_t kFewQueriesPrefetchBytes = 32 * 1024;
 
 // Depth summed in registers before adding to C (see TileUpdate).
