@@ -328,7 +328,8 @@ std::string json_timing(const Timing& t, double flops) {
                      t.median_ms, flops * 1e-9 / (t.median_ms * 1e-3), t.extra_bytes, t.peak_bytes);
 }
 
-void run_attention_bench(const BenchOptions& o) {
+// Every --T of the attention benchmark, with its baselines.
+std::vector<Result> measure_attention(const BenchOptions& o) {
   const AttentionImpl impl = parse_impl(o.impl);
   const std::vector<int64_t> sizes = o.t.empty() ? std::vector<int64_t>{256, 1024, 4096, 8192} : o.t;
   const double mac_factor = kForwardFlopsPerMac * (o.backward ? 1.0 + kBackwardOverForward : 1.0);
@@ -374,7 +375,10 @@ void run_attention_bench(const BenchOptions& o) {
     results.push_back(std::move(r));
   }
   progress.done();
+  return results;
+}
 
+void report_attention(const BenchOptions& o, const std::vector<Result>& results) {
   const std::string mode = o.backward ? "forward+backward" : "forward";
   const bool reset = results.empty() || results.front().timing.memory_reset;
   if (o.json) {
@@ -487,11 +491,16 @@ std::string json_spread(const std::string& name, const Spread& s) {
   return fmt::format(R"("{0}": {1:.6g}, "{0}_min": {2:.6g}, "{0}_max": {3:.6g})", name, s.median, s.min, s.max);
 }
 
-void run_decode_bench(const BenchOptions& o) {
+// Decode's heads and head dimension: the options', else decode's own defaults.
+int64_t decode_heads(const BenchOptions& o) { return o.heads_option->count() > 0 ? o.heads : kDecodeHeads; }
+int64_t decode_dim(const BenchOptions& o) { return o.d_option->count() > 0 ? o.d : kDecodeDim; }
+
+// Every --T (Tk) of the decode benchmark, each in rounds with the two streams.
+std::vector<DecodeResult> measure_decode(const BenchOptions& o) {
   const AttentionImpl impl = parse_impl(o.impl);
   const std::vector<int64_t> sizes = o.t_option->count() > 0 ? o.t : std::vector<int64_t>{kDecodeTk};
-  const int64_t heads = o.heads_option->count() > 0 ? o.heads : kDecodeHeads;
-  const int64_t d = o.d_option->count() > 0 ? o.d : kDecodeDim;
+  const int64_t heads = decode_heads(o);
+  const int64_t d = decode_dim(o);
   set_max_workers(o.threads);
   Progress progress("[bench] decode", std::ssize(sizes), "shapes");
   Triad triad;
@@ -521,7 +530,12 @@ void run_decode_bench(const BenchOptions& o) {
                        .of_read = scaled(ratio_by_round(timings[2], timings[0]), kv_bytes / ReadStream::bytes())});
   }
   progress.done();
+  return results;
+}
 
+void report_decode(const BenchOptions& o, const std::vector<DecodeResult>& results) {
+  const int64_t heads = decode_heads(o);
+  const int64_t d = decode_dim(o);
   const bool reset = results.empty() || results.front().result.timing.memory_reset;
   if (o.json) {
     std::vector<std::string> rows;
@@ -570,9 +584,9 @@ void run_bench(BenchOptions& o) {
   check_options(o);
   const int saved_workers = max_workers();
   if (o.decode) {
-    run_decode_bench(o);
+    report_decode(o, measure_decode(o));
   } else {
-    run_attention_bench(o);
+    report_attention(o, measure_attention(o));
   }
   set_max_workers(saved_workers);
 }
