@@ -4,8 +4,9 @@
 
 namespace qkv::detail {
 
-// Applies QKV_SIMD_TARGET once (unless use_simd_target already chose a target); throws ValueError
-// naming the variable when it names a target this CPU cannot run or no target at all.
+// Applies QKV_SIMD_TARGET the first time it is called (every entry point of simd_target.hpp calls
+// it before anything else); throws ValueError naming the variable when it names a target this CPU
+// cannot run or no target at all.
 void prepare_simd_dispatch();
 
 }  // namespace qkv::detail

@@ -97,10 +97,10 @@ const Environment& environment() {
   return env;
 }
 
-// The targets callers may choose among: what the CPU runs, from QKV_SIMD_TARGET's down.
+// The targets callers may choose among: what the CPU runs, from QKV_SIMD_TARGET's down. For
+// callers that have run prepare_simd_dispatch, which refuses a bad QKV_SIMD_TARGET.
 std::vector<int64_t> available_targets() {
   const Environment& env = environment();
-  if (!env.error.empty()) throw ValueError(env.error);
   std::vector<int64_t> targets = cpu_targets();
   // Highway gives better targets lower bits.
   std::erase_if(targets, [&](int64_t t) { return env.ceiling != 0 && t < env.ceiling; });
@@ -122,9 +122,8 @@ namespace detail {
 void prepare_simd_dispatch() {
   const Environment& env = environment();
   if (!env.error.empty()) throw ValueError(env.error);
-  std::call_once(g_environment_applied, [] {
-    if (g_forced_target == 0) apply_default_target();
-  });
+  // Every entry point comes here first, so nothing has been forced yet the first time.
+  std::call_once(g_environment_applied, apply_default_target);
 }
 
 }  // namespace detail
