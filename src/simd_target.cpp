@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "qkv/error.hpp"
+#include "qkv/memory.hpp"
 #include "simd_dispatch.hpp"
 
 // HWY_TARGETS, the set Highway compiles and dispatches among, follows from HWY_DISABLED_TARGETS,
@@ -207,6 +208,12 @@ CpuInfo read_cpu_info() {
 const CpuInfo& cpu_info() {
   static const CpuInfo info = read_cpu_info();
   return info;
+}
+
+std::string cpu_summary() {
+  const CpuInfo& cpu = cpu_info();
+  return fmt::format("{}; caches L1d {}, L2 {}, L3 {}", cpu.model, format_bytes(static_cast<double>(cpu.l1d_bytes)),
+                     format_bytes(static_cast<double>(cpu.l2_bytes)), format_bytes(static_cast<double>(cpu.l3_bytes)));
 }
 
 }  // namespace qkv

@@ -122,6 +122,7 @@ TEST(CpuInfo, NamesTheCpuAndItsCachesWhereTheSystemTellsThem) {
     EXPECT_GT(cpu.l1d_bytes, 0);
   }
   EXPECT_EQ(&cpu_info(), &cpu) << "read once and kept";
+  EXPECT_EQ(cpu_summary().rfind(cpu.model + "; caches L1d ", 0), 0U) << cpu_summary();
 }
 
 }  // namespace

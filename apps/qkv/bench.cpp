@@ -226,12 +226,7 @@ std::vector<Timing> time_in_rounds(const std::vector<std::function<void()>>& cal
 }
 
 // What the kernels are tuned by and run on, for the reports.
-std::string cpu_line() {
-  const CpuInfo& cpu = cpu_info();
-  return fmt::format("CPU {}; caches L1d {}, L2 {}, L3 {}; SIMD {}", cpu.model,
-                     format_bytes(static_cast<double>(cpu.l1d_bytes)), format_bytes(static_cast<double>(cpu.l2_bytes)),
-                     format_bytes(static_cast<double>(cpu.l3_bytes)), simd_target());
-}
+std::string cpu_line() { return fmt::format("CPU {}; SIMD {}", cpu_summary(), simd_target()); }
 
 std::string cpu_json() {
   const CpuInfo& cpu = cpu_info();

@@ -9,7 +9,6 @@
 
 #include "commands.hpp"
 #include "qkv/error.hpp"
-#include "qkv/memory.hpp"
 #include "qkv/simd_target.hpp"
 
 namespace {
@@ -20,12 +19,8 @@ constexpr int kExitInternal = 1;
 
 // The version, and what the kernels will run on: the CPU, its caches and the instruction set.
 std::string version_text() {
-  const qkv::CpuInfo& cpu = qkv::cpu_info();
-  const std::vector<std::string> targets = qkv::simd_targets();
-  return fmt::format(
-      "qkv 0.1.0\nCPU: {}; caches L1d {}, L2 {}, L3 {}\nSIMD target: {} (available: {})", cpu.model,
-      qkv::format_bytes(static_cast<double>(cpu.l1d_bytes)), qkv::format_bytes(static_cast<double>(cpu.l2_bytes)),
-      qkv::format_bytes(static_cast<double>(cpu.l3_bytes)), qkv::simd_target(), fmt::join(targets, ", "));
+  return fmt::format("qkv 0.1.0\nCPU: {}\nSIMD target: {} (available: {})", qkv::cpu_summary(), qkv::simd_target(),
+                     fmt::join(qkv::simd_targets(), ", "));
 }
 
 void use_simd_target_option(const std::string& target) {

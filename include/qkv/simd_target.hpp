@@ -45,4 +45,7 @@ struct CpuInfo {
 // Read once and kept.
 const CpuInfo& cpu_info();
 
+// cpu_info() in one line for reports: "MODEL; caches L1d 32.0 KiB, L2 512.0 KiB, L3 32.0 MiB".
+std::string cpu_summary();
+
 }  // namespace qkv
