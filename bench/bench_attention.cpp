@@ -17,10 +17,10 @@
 #include <string>
 #include <vector>
 
-#include "qkv/attention.hpp"
-#include "qkv/parallel.hpp"
-#include "qkv/rng.hpp"
-#include "qkv/simd_target.hpp"
+#include "qkv/core/parallel.hpp"
+#include "qkv/core/rng.hpp"
+#include "qkv/core/simd_target.hpp"
+#include "qkv/ops/attention.hpp"
 
 namespace {
 

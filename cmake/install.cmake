@@ -2,7 +2,12 @@
 # `find_package(qkv CONFIG)` gives the target qkv::qkv.
 include(CMakePackageConfigHelpers)
 
-install(DIRECTORY include/qkv DESTINATION ${CMAKE_INSTALL_INCLUDEDIR})
+# The layers' public headers; detail/ holds what the layers above share but users do not call.
+set(QKV_HEADER_EXCLUDES PATTERN detail EXCLUDE)
+if(NOT QKV_WITH_VIZ)
+  list(APPEND QKV_HEADER_EXCLUDES PATTERN viz EXCLUDE)
+endif()
+install(DIRECTORY include/qkv DESTINATION ${CMAKE_INSTALL_INCLUDEDIR} ${QKV_HEADER_EXCLUDES})
 install(TARGETS qkv EXPORT qkvTargets
   LIBRARY DESTINATION ${CMAKE_INSTALL_LIBDIR}
   ARCHIVE DESTINATION ${CMAKE_INSTALL_LIBDIR}

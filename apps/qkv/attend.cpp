@@ -22,11 +22,12 @@
 
 #include "cli_io.hpp"
 #include "commands.hpp"
-#include "qkv/additive_attention.hpp"
-#include "qkv/attention.hpp"
-#include "qkv/error.hpp"
-#include "qkv/heatmap.hpp"
-#include "qkv/npy.hpp"
+#include "qkv/core/error.hpp"
+#include "qkv/io/npy.hpp"
+#include "qkv/io/staged_files.hpp"
+#include "qkv/ops/additive_attention.hpp"
+#include "qkv/ops/attention.hpp"
+#include "qkv/viz/heatmap.hpp"
 
 namespace qkv::cli {
 namespace {

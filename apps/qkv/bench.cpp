@@ -38,14 +38,14 @@
 #include <vector>
 
 #include "commands.hpp"
-#include "qkv/attention.hpp"
-#include "qkv/error.hpp"
-#include "qkv/memory.hpp"
-#include "qkv/parallel.hpp"
-#include "qkv/progress.hpp"
-#include "qkv/rng.hpp"
-#include "qkv/simd_target.hpp"
-#include "qkv/tensor.hpp"
+#include "qkv/core/error.hpp"
+#include "qkv/core/memory.hpp"
+#include "qkv/core/parallel.hpp"
+#include "qkv/core/rng.hpp"
+#include "qkv/core/simd_target.hpp"
+#include "qkv/core/tensor.hpp"
+#include "qkv/ops/attention.hpp"
+#include "support/progress.hpp"
 
 namespace qkv::cli {
 namespace {

@@ -11,8 +11,10 @@
 #include <system_error>
 #include <utility>
 
-#include "qkv/error.hpp"
-#include "qkv/memory.hpp"
+#include "qkv/core/error.hpp"
+#include "qkv/core/memory.hpp"
+#include "qkv/io/npy.hpp"
+#include "qkv/io/staged_files.hpp"
 
 namespace qkv::cli {
 namespace {
@@ -156,31 +158,19 @@ void OutputFiles::commit() {
   for (const File& file : files_) {
     if (!file.values) throw std::logic_error(fmt::format("output {} was planned but never computed", file.arg));
   }
-  std::vector<std::filesystem::path> staged;
-  std::vector<std::filesystem::path> published;
-  const auto abandon = [&](const File& file, std::string_view why) {
-    std::error_code ignored;
-    for (const auto& path : staged) std::filesystem::remove(path, ignored);
-    for (const auto& path : published) std::filesystem::remove(path, ignored);
-    throw IoError(fmt::format("{}: cannot write {}: {}", file.arg, file.path.string(), why));
-  };
-
+  StagedFiles staged;
   for (const File& file : files_) {
-    std::filesystem::path temp = file.path;
-    temp.replace_filename(
-        fmt::format(".{}.qkv-staged.{}.{}", file.path.filename().string(), ::getpid(), staged.size()));
     try {
-      write_npy(temp, file.values->cview());
+      staged.stage(file.path, encode_npy(file.values->cview()));
     } catch (const IoError& e) {
-      abandon(file, fmt::format("staging it beside the target failed: {}", e.what()));
+      throw IoError(fmt::format("{}: cannot write {}: staging it beside the target failed: {}", file.arg,
+                                file.path.string(), e.what()));
     }
-    staged.push_back(temp);
   }
-  for (size_t i = 0; i < files_.size(); ++i) {
-    std::error_code ec;
-    std::filesystem::rename(staged[i], files_[i].path, ec);
-    if (ec) abandon(files_[i], ec.message());
-    published.push_back(files_[i].path);
+  try {
+    staged.commit();
+  } catch (const IoError& e) {
+    throw IoError(fmt::format("outputs: {}", e.what()));
   }
 }
 

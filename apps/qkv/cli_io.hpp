@@ -12,8 +12,8 @@
 #include <string_view>
 #include <vector>
 
-#include "qkv/npy.hpp"
-#include "qkv/tensor.hpp"
+#include "qkv/core/tensor.hpp"
+#include "qkv/io/npy.hpp"
 
 namespace qkv::cli {
 
@@ -71,10 +71,8 @@ class OutputFiles {
   // callers can hand over everything they computed.
   void set(std::string_view arg, Tensor<float> values);
 
-  // Writes every planned output as a float32 .npy. Each is first written whole to a temporary file
-  // beside its target; only when all are written are they renamed into place. On failure the
-  // temporaries are removed, and so is any target this call already renamed into place (a rename
-  // in the same directory fails only in a race), and IoError names the output.
+  // Writes every planned output as a float32 .npy, all or nothing (qkv::StagedFiles). IoError names
+  // the output whose temporary could not be written.
   void commit();
 
  private:

@@ -28,14 +28,15 @@
 
 #include "cli_io.hpp"
 #include "commands.hpp"
-#include "qkv/attention.hpp"
-#include "qkv/error.hpp"
-#include "qkv/heatmap.hpp"
-#include "qkv/linear.hpp"
-#include "qkv/npy.hpp"
-#include "qkv/rng.hpp"
-#include "qkv/tensor.hpp"
-#include "qkv/terminal_heatmap.hpp"
+#include "qkv/core/error.hpp"
+#include "qkv/core/rng.hpp"
+#include "qkv/core/tensor.hpp"
+#include "qkv/io/npy.hpp"
+#include "qkv/io/staged_files.hpp"
+#include "qkv/ops/attention.hpp"
+#include "qkv/ops/linear.hpp"
+#include "qkv/viz/heatmap.hpp"
+#include "qkv/viz/terminal_heatmap.hpp"
 
 namespace qkv::cli {
 namespace {

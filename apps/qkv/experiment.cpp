@@ -21,10 +21,10 @@
 
 #include "commands.hpp"
 #include "experiments/experiments.hpp"
-#include "qkv/error.hpp"
-#include "qkv/interrupt.hpp"
-#include "qkv/report.hpp"
-#include "qkv/staged_files.hpp"
+#include "qkv/core/error.hpp"
+#include "qkv/io/staged_files.hpp"
+#include "support/interrupt.hpp"
+#include "support/report.hpp"
 
 namespace qkv::cli {
 namespace {

@@ -22,10 +22,11 @@
 
 #include "cli_io.hpp"
 #include "commands.hpp"
-#include "qkv/error.hpp"
-#include "qkv/heatmap.hpp"
-#include "qkv/npy.hpp"
-#include "qkv/terminal_heatmap.hpp"
+#include "qkv/core/error.hpp"
+#include "qkv/io/npy.hpp"
+#include "qkv/io/staged_files.hpp"
+#include "qkv/viz/heatmap.hpp"
+#include "qkv/viz/terminal_heatmap.hpp"
 
 namespace qkv::cli {
 namespace {

@@ -8,8 +8,8 @@
 #include <string>
 
 #include "commands.hpp"
-#include "qkv/error.hpp"
-#include "qkv/simd_target.hpp"
+#include "qkv/core/error.hpp"
+#include "qkv/core/simd_target.hpp"
 
 namespace {
 

@@ -2,7 +2,7 @@
 // alignment` trained and saved, and shows where the decoder looked: the attention weights α of every
 // output word over the source words, as a grid in the terminal.
 //
-// The model file is checked whole before anything runs (include/qkv/model_file.hpp): a corrupt,
+// The model file is checked whole before anything runs (include/qkv/io/model_file.hpp): a corrupt,
 // truncated or foreign file, or one of another kind or version, is refused with one line naming the
 // file and the problem (exit 2). So is a word the model's vocabulary does not have.
 
@@ -19,10 +19,10 @@
 
 #include "commands.hpp"
 #include "experiments/seq2seq.hpp"
-#include "qkv/error.hpp"
-#include "qkv/heatmap.hpp"
-#include "qkv/model_file.hpp"
-#include "qkv/terminal_heatmap.hpp"
+#include "qkv/core/error.hpp"
+#include "qkv/io/model_file.hpp"
+#include "qkv/viz/heatmap.hpp"
+#include "qkv/viz/terminal_heatmap.hpp"
 
 namespace qkv::cli {
 namespace {

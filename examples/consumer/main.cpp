@@ -1,7 +1,7 @@
 // Self-attention over four tokens with the installed qkv: prints α and checks its rows sum to 1.
 
-#include <qkv/attention.hpp>
-#include <qkv/rng.hpp>
+#include <qkv/core/rng.hpp>
+#include <qkv/ops/attention.hpp>
 
 #include <cmath>
 #include <cstdio>

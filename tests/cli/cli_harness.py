@@ -51,11 +51,11 @@ class Suite:
                     found[os.path.relpath(full, self.workdir)] = f.read()
         return found
 
-    def run(self, args, env=None):
+    def run(self, args, env=None, preexec=None):
         environment = dict(os.environ, **self.env)
         environment.update(env or {})
         return subprocess.run([QKV, *args], cwd=self.workdir, capture_output=True, text=True, timeout=self.timeout,
-                              env=environment)
+                              env=environment, preexec_fn=preexec)
 
     def fail(self, name, problem, result=None):
         self.failures.append(name)
@@ -63,11 +63,12 @@ class Suite:
         if result is not None:
             print(f"     stdout: {result.stdout.strip()[:2000]!r}\n     stderr: {result.stderr.strip()!r}")
 
-    def refuse(self, name, args, *must_mention):
-        """Exit 2, one error line mentioning every string of must_mention, and no file changed."""
+    def refuse(self, name, args, *must_mention, preexec=None):
+        """Exit 2, one error line mentioning every string of must_mention, and no file changed.
+        preexec runs in the child before qkv starts (to set a resource limit)."""
         self.count += 1
         before = self.files()
-        result = self.run(args)
+        result = self.run(args, preexec=preexec)
         after = self.files()
         changed = sorted(f for f in after if before.get(f) != after[f])
         for extra in set(after) - set(before):

@@ -26,7 +26,7 @@ HEATMAPS = [f"heatmap_{s}_{k}.png" for s in ("additive", "dot") for k in (1, 2, 
 SENTENCE = "the big dog sees a small cat near the house"
 
 
-# ---- The model file layout of include/qkv/model_file.hpp, read and written independently of qkv.
+# ---- The model file layout of include/qkv/io/model_file.hpp, read and written independently of qkv.
 
 def parse_model(data):
     """(kind, [(key, value)], [(name, dims, float32 bytes)]) of a model file's payload."""

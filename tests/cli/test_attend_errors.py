@@ -10,6 +10,8 @@ Run: QKV_BIN=build/release/apps/qkv /usr/bin/python3 tests/cli/test_attend_error
 """
 
 import os
+import resource
+import signal
 import sys
 import tempfile
 
@@ -165,11 +167,19 @@ def main():
         t.refuse("third output is a directory", [*attend, "-o", "o.npy", "--weights", "a.npy", "--lse", "outdir"],
                  "--lse:", "directory")
         t.refuse("two outputs name one file", [*attend, "-o", "o.npy", "--weights", "./o.npy"], "--weights:", "-o")
-        # A 250-character name is valid, but the temporary file beside it is too long a name: the second
+        # Under a file-size limit that -o (848 bytes) fits and --weights (968) does not, the second
         # output fails while being written, after the first was, and neither may remain.
+        def limit_file_size():
+            signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+            resource.setrlimit(resource.RLIMIT_FSIZE, (900, 900))
+        t.refuse("second output fails while being written", [*attend, "-o", "o.npy", "--weights", "a.npy"],
+                 "--weights:", "File too large", preexec=limit_file_size)
+        # A 250-character name is valid, and so is the temporary file written beside it.
         long_name = "w" * 246 + ".npy"
-        t.refuse("second output fails while being written", [*attend, "-o", "o.npy", "--weights", long_name],
-                 "--weights:", "too long")
+        t.succeed("a 250-character output name", [*attend, "-o", "o.npy", "--weights", long_name],
+                  lambda result: None if os.path.exists(t.path(long_name)) else f"{long_name} was not written")
+        os.remove(t.path(long_name))
+        os.remove(t.path("o.npy"))
         t.refuse("backward: second output in a missing directory",
                  [*backward, "--dq", "dq.npy", "--dk", "missing/dk.npy"], "--dk:", "missing")
         t.refuse("backward: bad output and bad input", [*backward, "--mask", "mask_bad.npy", "--dq", "dq.npy"],

@@ -6,7 +6,7 @@ libxml2's xmllint with one <rect> per cell in its cells group); the terminal gri
 colour only when asked or on a terminal. Refusals: exit code 2, one error line naming the argument
 at fault, and the directory exactly as it was (no output, no temporary file, an existing output left
 untouched). Rows that do not sum to 1 are drawn with a warning. The pixels of the PNGs are checked
-by tests/test_heatmap.cpp, the page in a browser by tests/browser/test_heatmap.mjs.
+by tests/viz/test_heatmap.cpp, the page in a browser by tests/browser/test_heatmap.mjs.
 
 Run: QKV_BIN=build/release/apps/qkv /usr/bin/python3 tests/cli/test_heatmap.py
 """
@@ -57,7 +57,7 @@ class HeatmapSuite(Suite):
         return None, int(float(count.stdout.strip()))
 
 
-# The grid of tests/test_terminal_heatmap.cpp, drawn by the CLI with 2 decimals on its scale.
+# The grid of tests/viz/test_terminal_heatmap.cpp, drawn by the CLI with 2 decimals on its scale.
 THREE = np.array([[0.7, 0.25, 0.05], [0.0, 1.0, 0.0], [0.15, 0.55, 0.3]], dtype=np.float32)
 THREE_PLAIN = ("    the cat sat\n"
                "the ▓▓▓ ░░░\n"

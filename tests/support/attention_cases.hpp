@@ -10,9 +10,9 @@
 #include <optional>
 #include <vector>
 
-#include "qkv/attention.hpp"
-#include "qkv/rng.hpp"
-#include "qkv/tensor.hpp"
+#include "qkv/core/rng.hpp"
+#include "qkv/core/tensor.hpp"
+#include "qkv/ops/attention.hpp"
 #include "testing.hpp"
 
 namespace qkv::testing {

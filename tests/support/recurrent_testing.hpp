@@ -15,8 +15,8 @@
 #include <string>
 #include <vector>
 
-#include "qkv/parallel.hpp"
-#include "qkv/rnn.hpp"
+#include "qkv/core/parallel.hpp"
+#include "qkv/nn/rnn.hpp"
 #include "testing.hpp"
 
 namespace qkv::testing::recurrent {

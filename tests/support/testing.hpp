@@ -13,9 +13,9 @@
 #include <string>
 #include <vector>
 
-#include "qkv/rng.hpp"
-#include "qkv/simd_target.hpp"
-#include "qkv/tensor.hpp"
+#include "qkv/core/rng.hpp"
+#include "qkv/core/simd_target.hpp"
+#include "qkv/core/tensor.hpp"
 
 namespace qkv::testing {
 

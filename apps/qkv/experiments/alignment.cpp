@@ -42,13 +42,13 @@
 #include <vector>
 
 #include "experiments.hpp"
-#include "qkv/error.hpp"
-#include "qkv/heatmap.hpp"
-#include "qkv/model_file.hpp"
-#include "qkv/parallel.hpp"
-#include "qkv/progress.hpp"
-#include "qkv/terminal_heatmap.hpp"
+#include "qkv/core/error.hpp"
+#include "qkv/core/parallel.hpp"
+#include "qkv/io/model_file.hpp"
+#include "qkv/viz/heatmap.hpp"
+#include "qkv/viz/terminal_heatmap.hpp"
 #include "seq2seq.hpp"
+#include "support/progress.hpp"
 #include "toy_translation.hpp"
 
 namespace qkv::cli {
@@ -564,7 +564,7 @@ Report run_alignment(const ExperimentOptions& options) {
   }
   report.add_paragraph("## Heatmaps\n\n" + heatmap_text);
   report.add_paragraph(fmt::format(
-      "The trained models are saved as {}, {} and {} (qkv model files, see include/qkv/model_file.hpp): `qkv "
+      "The trained models are saved as {}, {} and {} (qkv model files, see include/qkv/io/model_file.hpp): `qkv "
       "translate --model {} \"the big dog sees a cat\"` translates a sentence and shows its alignment.",
       model_file_name(Score::additive), model_file_name(Score::scaled_dot), model_file_name(Score::none),
       model_file_name(Score::additive)));

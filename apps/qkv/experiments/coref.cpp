@@ -35,11 +35,11 @@
 
 #include "encoder.hpp"
 #include "experiments.hpp"
-#include "qkv/adam.hpp"
-#include "qkv/cross_entropy.hpp"
-#include "qkv/heatmap.hpp"
-#include "qkv/progress.hpp"
-#include "qkv/rng.hpp"
+#include "qkv/core/rng.hpp"
+#include "qkv/nn/adam.hpp"
+#include "qkv/ops/cross_entropy.hpp"
+#include "qkv/viz/heatmap.hpp"
+#include "support/progress.hpp"
 
 namespace qkv::cli {
 namespace {

@@ -7,9 +7,9 @@
 #include <algorithm>
 #include <string>
 
-#include "qkv/error.hpp"
-#include "qkv/linear.hpp"
-#include "qkv/residual.hpp"
+#include "qkv/core/error.hpp"
+#include "qkv/ops/linear.hpp"
+#include "qkv/ops/residual.hpp"
 
 namespace qkv::cli {
 namespace {

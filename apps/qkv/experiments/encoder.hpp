@@ -16,13 +16,13 @@
 #include <span>
 #include <vector>
 
-#include "qkv/attention.hpp"
-#include "qkv/embedding.hpp"
-#include "qkv/layer_norm.hpp"
-#include "qkv/parameter.hpp"
-#include "qkv/rng.hpp"
-#include "qkv/self_attention.hpp"
-#include "qkv/tensor.hpp"
+#include "qkv/core/parameter.hpp"
+#include "qkv/core/rng.hpp"
+#include "qkv/core/tensor.hpp"
+#include "qkv/nn/embedding.hpp"
+#include "qkv/nn/self_attention.hpp"
+#include "qkv/ops/attention.hpp"
+#include "qkv/ops/layer_norm.hpp"
 
 namespace qkv::cli {
 

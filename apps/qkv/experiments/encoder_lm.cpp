@@ -33,16 +33,16 @@
 #include <string>
 #include <vector>
 
-#include "encoder.hpp"
 #include "experiments.hpp"
-#include "qkv/adam.hpp"
-#include "qkv/cross_entropy.hpp"
-#include "qkv/embedding.hpp"
-#include "qkv/error.hpp"
-#include "qkv/gru.hpp"
-#include "qkv/linear.hpp"
-#include "qkv/progress.hpp"
-#include "qkv/rng.hpp"
+#include "language_models.hpp"
+#include "qkv/core/error.hpp"
+#include "qkv/core/rng.hpp"
+#include "qkv/nn/adam.hpp"
+#include "qkv/nn/embedding.hpp"
+#include "qkv/nn/gru.hpp"
+#include "qkv/ops/cross_entropy.hpp"
+#include "qkv/ops/linear.hpp"
+#include "support/progress.hpp"
 
 namespace qkv::cli {
 namespace {
@@ -128,73 +128,6 @@ Corpus load_corpus(const ExperimentOptions& options) {
     (n < split ? c.train : c.validation).push_back(id[static_cast<unsigned char>(text[n])]);
   return c;
 }
-
-// A language model over windows: ids [B, T] → logits [B, T, V], then backward from dlogits. The
-// runs use float; tests/test_experiment_lm.cpp checks the backward in double.
-template <class T>
-class LanguageModel {
- public:
-  virtual ~LanguageModel() = default;
-  virtual Tensor<T> forward(const Tensor<int64_t>& ids) = 0;
-  // dlogits [B, T, V] of the last forward → every parameter's gradient += its share.
-  virtual void backward(const Tensor<T>& dlogits) = 0;
-  virtual std::vector<ParameterRef<T>> parameters() = 0;
-};
-
-template <class T>
-class AttentionLm : public LanguageModel<T> {
- public:
-  AttentionLm(const EncoderModelConfig& config, Rng& rng) : model_(config, rng) {}
-  Tensor<T> forward(const Tensor<int64_t>& ids) override { return model_.forward(ids.cview()); }
-  void backward(const Tensor<T>& dlogits) override { model_.backward(dlogits.cview()); }
-  std::vector<ParameterRef<T>> parameters() override { return model_.parameters(); }
-
- private:
-  EncoderModel<T> model_;
-};
-
-// Embedding [V, E] → GRU (E → H) → head [V, H] at every position.
-template <class T>
-class GruLm : public LanguageModel<T> {
- public:
-  GruLm(int64_t vocabulary, int64_t embed, int64_t hidden, Rng& rng)
-      : embedding_({.num_embeddings = vocabulary, .dim = embed}, rng),
-        gru_({.input_size = embed, .hidden_size = hidden}, rng),
-        head_w_(Shape{vocabulary, hidden}),
-        head_b_(Shape{vocabulary}) {
-    linear_init<T>(head_w_.value.view(), head_b_.value.view(), rng);
-  }
-  Tensor<T> forward(const Tensor<int64_t>& ids) override {
-    x_ = embedding_.forward(ids.cview(), embedding_cache_);
-    h_ = gru_.forward({.x = x_.cview()}, gru_cache_).y;
-    Tensor<T> logits(Shape{ids.shape()[0], ids.shape()[1], head_w_.value.shape()[0]});
-    linear_forward<T>({.x = h_.cview(), .w = head_w_.value.cview(), .b = head_b_.value.cview()}, logits.view());
-    return logits;
-  }
-  void backward(const Tensor<T>& dlogits) override {
-    Tensor<T> dh(h_.shape());
-    linear_backward<T>({.x = h_.cview(), .w = head_w_.value.cview(), .b = head_b_.value.cview()}, dlogits.cview(),
-                       {.dx = dh.view(), .dw = head_w_.grad.view(), .db = head_b_.grad.view()});
-    Tensor<T> dx(x_.shape());
-    gru_.backward(gru_cache_, {.dy = dh.cview()}, {.dx = dx.view()});
-    embedding_.backward(embedding_cache_, dx.cview());
-  }
-  std::vector<ParameterRef<T>> parameters() override {
-    std::vector<ParameterRef<T>> out = embedding_.parameters();
-    for (ParameterRef<T>& p : gru_.parameters()) out.push_back(p);
-    out.push_back(head_w_.ref("head.weight"));
-    out.push_back(head_b_.ref("head.bias"));
-    return out;
-  }
-
- private:
-  Embedding<T> embedding_;
-  EmbeddingCache<T> embedding_cache_;
-  Gru<T> gru_;
-  GruCache<T> gru_cache_;
-  Parameter<T> head_w_, head_b_;
-  Tensor<T> x_, h_;  // the forward's embeddings [B, T, E] and GRU states [B, T, H], for backward
-};
 
 int64_t count(const std::vector<ParameterRef<float>>& params) {
   int64_t n = 0;

@@ -17,9 +17,9 @@
 #include <string_view>
 #include <vector>
 
-#include "qkv/plot.hpp"
-#include "qkv/report.hpp"
-#include "qkv/staged_files.hpp"
+#include "qkv/io/staged_files.hpp"
+#include "qkv/viz/plot.hpp"
+#include "support/report.hpp"
 
 namespace qkv::cli {
 

@@ -34,9 +34,9 @@
 
 #include "experiments.hpp"
 #include "models.hpp"
-#include "qkv/parallel.hpp"
-#include "qkv/progress.hpp"
-#include "qkv/rng.hpp"
+#include "qkv/core/parallel.hpp"
+#include "qkv/core/rng.hpp"
+#include "support/progress.hpp"
 
 namespace qkv::cli {
 namespace {

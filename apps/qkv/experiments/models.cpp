@@ -3,7 +3,7 @@
 #include <algorithm>
 #include <utility>
 
-#include "qkv/linear.hpp"
+#include "qkv/ops/linear.hpp"
 
 namespace qkv::cli {
 namespace {

@@ -19,15 +19,15 @@
 #include <string>
 #include <vector>
 
-#include "qkv/adam.hpp"
-#include "qkv/attention.hpp"
-#include "qkv/cross_entropy.hpp"
-#include "qkv/embedding.hpp"
-#include "qkv/gru.hpp"
-#include "qkv/layer_norm.hpp"
-#include "qkv/parameter.hpp"
-#include "qkv/rng.hpp"
-#include "qkv/tensor.hpp"
+#include "qkv/core/parameter.hpp"
+#include "qkv/core/rng.hpp"
+#include "qkv/core/tensor.hpp"
+#include "qkv/nn/adam.hpp"
+#include "qkv/nn/embedding.hpp"
+#include "qkv/nn/gru.hpp"
+#include "qkv/ops/attention.hpp"
+#include "qkv/ops/cross_entropy.hpp"
+#include "qkv/ops/layer_norm.hpp"
 
 namespace qkv::cli {
 

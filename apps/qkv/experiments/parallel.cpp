@@ -33,11 +33,11 @@
 #include <vector>
 
 #include "experiments.hpp"
-#include "qkv/parallel.hpp"
-#include "qkv/progress.hpp"
-#include "qkv/rng.hpp"
-#include "qkv/rnn.hpp"
-#include "qkv/self_attention.hpp"
+#include "qkv/core/parallel.hpp"
+#include "qkv/core/rng.hpp"
+#include "qkv/nn/rnn.hpp"
+#include "qkv/nn/self_attention.hpp"
+#include "support/progress.hpp"
 
 namespace qkv::cli {
 namespace {

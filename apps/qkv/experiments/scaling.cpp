@@ -34,11 +34,11 @@
 
 #include "experiments.hpp"
 #include "models.hpp"
-#include "qkv/interrupt.hpp"
-#include "qkv/parallel.hpp"
-#include "qkv/progress.hpp"
-#include "qkv/rng.hpp"
-#include "qkv/softmax.hpp"
+#include "qkv/core/parallel.hpp"
+#include "qkv/core/rng.hpp"
+#include "qkv/ops/softmax.hpp"
+#include "support/interrupt.hpp"
+#include "support/progress.hpp"
 
 namespace qkv::cli {
 namespace {

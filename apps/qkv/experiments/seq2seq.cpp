@@ -7,33 +7,16 @@
 #include <limits>
 #include <utility>
 
-#include "qkv/attention.hpp"
-#include "qkv/cross_entropy.hpp"
-#include "qkv/error.hpp"
-#include "qkv/heatmap.hpp"
-#include "qkv/linear.hpp"
+#include "qkv/core/error.hpp"
+#include "qkv/ops/attention.hpp"
+#include "qkv/ops/cross_entropy.hpp"
+#include "qkv/ops/linear.hpp"
+#include "qkv/viz/heatmap.hpp"
 
 namespace qkv::cli {
 namespace {
 
 constexpr std::string_view kSpecials[] = {"<pad>", "<bos>", "<eos>"};
-
-// A [B, D] view seen as [B, 1, 1, D]: one query (or one output row) per batch entry and one head,
-// as attention_forward reads it.
-template <class T>
-TensorView<T> as_b11d(TensorView<T> view) {
-  return {view.data,
-          Shape{view.shape[0], 1, 1, view.shape[1]},
-          {view.strides[0], view.strides[1], view.strides[1], view.strides[1]}};
-}
-
-// A [B, T, D] view seen as [B, 1, T, D]: the keys of one head.
-template <class T>
-TensorView<T> as_b1td(TensorView<T> view) {
-  return {view.data,
-          Shape{view.shape[0], 1, view.shape[1], view.shape[2]},
-          {view.strides[0], view.strides[0], view.strides[1], view.strides[2]}};
-}
 
 // x[:, t, :] of x [B, T, D], copied: [B, D].
 template <class T>

@@ -30,15 +30,32 @@
 #include <unordered_map>
 #include <vector>
 
-#include "qkv/adam.hpp"
-#include "qkv/embedding.hpp"
-#include "qkv/gru.hpp"
-#include "qkv/model_file.hpp"
-#include "qkv/parameter.hpp"
-#include "qkv/rng.hpp"
-#include "qkv/tensor.hpp"
+#include "qkv/core/parameter.hpp"
+#include "qkv/core/rng.hpp"
+#include "qkv/core/tensor.hpp"
+#include "qkv/io/model_file.hpp"
+#include "qkv/nn/adam.hpp"
+#include "qkv/nn/embedding.hpp"
+#include "qkv/nn/gru.hpp"
 
 namespace qkv::cli {
+
+// A [B, D] view seen as [B, 1, 1, D]: one query (or one output row) per batch entry and one head,
+// as attention_forward reads it.
+template <class T>
+TensorView<T> as_b11d(TensorView<T> view) {
+  return {view.data,
+          Shape{view.shape[0], 1, 1, view.shape[1]},
+          {view.strides[0], view.strides[1], view.strides[1], view.strides[1]}};
+}
+
+// A [B, T, D] view seen as [B, 1, T, D]: the keys of one head.
+template <class T>
+TensorView<T> as_b1td(TensorView<T> view) {
+  return {view.data,
+          Shape{view.shape[0], 1, view.shape[1], view.shape[2]},
+          {view.strides[0], view.strides[0], view.strides[1], view.strides[2]}};
+}
 
 inline constexpr int64_t kPadId = 0;
 inline constexpr int64_t kBosId = 1;

@@ -9,7 +9,7 @@
 #include <string_view>
 #include <utility>
 
-#include "qkv/error.hpp"
+#include "qkv/core/error.hpp"
 
 namespace qkv::cli {
 namespace {

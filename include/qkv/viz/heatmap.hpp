@@ -1,0 +1,140 @@
+#pragma once
+// The alignment matrix α drawn as a file: "who looks at whom", rows = queries, columns = keys.
+//
+//   PNG, PDF  cairo, with pango text (CJK labels through fontconfig's fallback to Noto Sans CJK);
+//   SVG       hand-written: one <rect> per cell with a <title> tooltip and real <text> labels, so
+//             the file stays small, selectable and editable; laid out with the same pango metrics;
+//   HTML      one self-contained page (no network): a matrix view and a token view in which
+//             hovering a query highlights the keys by α_ij (and hovering a key, the queries that
+//             look at it), a head selector, the exact value on hover. The data is JSON inside it.
+//
+// Shapes: alpha is [Tq, Tk], [H, Tq, Tk] or [B, H, Tq, Tk] (what attention_forward writes as its
+// weights). One batch entry is drawn (HeatmapOptions::batch). Images draw one head
+// (HeatmapOptions::head) or, when no head is named, every head of the batch as a grid of small
+// multiples sharing one colour scale; the page carries every head of the batch and opens at
+// `head` (0 when none is named).
+//
+// Geometry, in pixels (PNG pixels, SVG px; a PDF has 0.75 pt per pixel, i.e. 96 dpi): cells are
+// whole pixels, at most 48 and at least 1 on a side, so T up to 1024 (and beyond) fits one image;
+// labels are thinned to every 2nd, 5th, 10th, ... when cells are shorter than a line of text. With
+// `annotate` the cells grow to hold their value. A cell's colour is the colour map at
+// t = (value − vmin) / (vmax − vmin), clamped to [0, 1].
+
+#include <cstdint>
+#include <filesystem>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+#include "qkv/core/tensor.hpp"
+#include "qkv/viz/colormap.hpp"
+
+namespace qkv {
+
+enum class HeatmapFormat { png, svg, pdf, html };
+
+// The format named by a path's extension: .png, .svg, .pdf, .html or .htm, in any case. Throws
+// ValueError naming `arg` otherwise ("-o: expected a file ending in .png, .svg, .pdf or .html, got
+// attention.jpg").
+HeatmapFormat heatmap_format_for_path(const std::filesystem::path& path, std::string_view arg);
+
+// "PNG", "SVG", "PDF", "HTML"
+std::string_view heatmap_format_name(HeatmapFormat format);
+
+struct HeatmapOptions {
+  // One UTF-8 label per query (Tq) and per key (Tk); an empty list numbers them from 0. Controls
+  // are drawn as '?' and invalid UTF-8 as U+FFFD; a label wider than 160 px is cut with "…".
+  std::vector<std::string> row_labels;
+  std::vector<std::string> col_labels;
+  // Drawn above the matrix (and as the page's title); none when empty.
+  std::string title;
+  Colormap colormap = Colormap::viridis;
+  // The ends of the scale: vmin defaults to min(0, smallest value) and vmax to the largest value
+  // (vmin + 1 when every value is vmin). Given, they must be finite with vmin < vmax.
+  std::optional<double> vmin;
+  std::optional<double> vmax;
+  // Each cell of an image shows its value with 2 decimals, black or white by the cell's lightness.
+  bool annotate = false;
+  // Which entry of the batch dim of a rank-4 alpha is drawn; must be 0 for ranks 2 and 3.
+  int64_t batch = 0;
+  // Which head of a rank-3 or rank-4 alpha: images draw it alone, and the page opens at it. None:
+  // images draw every head as a grid. Must be empty or 0 for rank 2.
+  std::optional<int64_t> head;
+  // Cells (query row, key column) outlined in every drawn panel, e.g. a gold alignment: a 2 px red
+  // frame with a 1 px white lining inside, visible on any colour map. Each must lie in [0, Tq) ×
+  // [0, Tk); the page ignores them.
+  std::vector<std::pair<int64_t, int64_t>> marked_cells;
+};
+
+// A rectangle of whole pixels; width or height 0 when there is nothing there.
+struct PixelRect {
+  int64_t x = 0, y = 0, width = 0, height = 0;
+};
+
+// Where one [Tq, Tk] matrix lands in an image.
+struct HeatmapPanelLayout {
+  int64_t head = 0;  // the head drawn (0 for rank 2)
+  PixelRect matrix;  // cell (i, j) covers x + j·cell_width .. +cell_width, y + i·cell_height ..
+  int64_t cell_width = 0;
+  int64_t cell_height = 0;
+  int64_t row_label_step = 1;  // every row_label_step-th query is labelled (0, k, 2k, ...)
+  int64_t col_label_step = 1;
+  PixelRect row_labels;             // right-aligned query labels left of the matrix; empty in inner columns of a grid
+  PixelRect col_labels;             // key labels below the matrix; empty above another panel
+  bool col_labels_rotated = false;  // read upwards, as some label is wider than its column
+  PixelRect caption;                // "head 3" above the matrix of a grid; empty for a single panel
+};
+
+struct HeatmapLayout {
+  int64_t width = 0;
+  int64_t height = 0;
+  double vmin = 0.0;
+  double vmax = 1.0;
+  PixelRect title;
+  std::vector<HeatmapPanelLayout> panels;
+  PixelRect row_axis_title;   // "queries", rotated, left of the row labels
+  PixelRect col_axis_title;   // "keys", below the key labels
+  PixelRect colorbar;         // vmax at the top, vmin at the bottom
+  PixelRect colorbar_labels;  // the tick values, right of the bar
+  std::vector<double> ticks;  // values marked on the colour bar, within [vmin, vmax]
+};
+
+// alpha [Tq, Tk], [H, Tq, Tk] or [B, H, Tq, Tk] → where everything of the image goes. Throws
+// ShapeError for another rank, Tq or Tk of 0, a label list that is neither empty nor one per row
+// (column), or a batch or head out of range; ValueError for a non-finite value, a bad vmin/vmax,
+// a marked cell out of range, or an image beyond 32767 pixels a side (cairo's limit; a message
+// says what made it so big).
+template <class T>
+HeatmapLayout heatmap_layout(TensorView<const T> alpha, const HeatmapOptions& options);
+
+// alpha [Tq, Tk], [H, Tq, Tk] or [B, H, Tq, Tk] → the bytes of the file, with the errors of
+// heatmap_layout. Nothing is written: callers hand the bytes to write_file_atomically.
+template <class T>
+std::string render_heatmap(TensorView<const T> alpha, HeatmapFormat format, const HeatmapOptions& options);
+
+// The labels (sanitised as drawn) that have a character no installed font can draw, which the
+// images would show as a box: CJK labels need fonts-noto-cjk (or another CJK font).
+std::vector<std::string> labels_without_glyphs(const std::vector<std::string>& labels);
+
+// What check_attention_weights found about the rows of α.
+struct AttentionWeightsReport {
+  int64_t rows = 0;         // B·H·Tq
+  int64_t rows_masked = 0;  // all zero: queries that see no key
+  int64_t rows_off = 0;     // neither summing to 1 nor all zero
+  std::string first_off;    // "row [0, 3] sums to 0.8125", the first of them
+};
+
+// alpha [..., Tq, Tk] of rank 2 to 4: throws ShapeError for another rank and ValueError, naming
+// `name`, the count and the first index, for a NaN, an infinity or a negative weight; reports the
+// rows whose sum is off 1 by more than float32 softmax can explain, 2 (Tk + 1) ε_float32 (the
+// rounding of Tk terms, each normalised once, and of their sum), and the all-zero rows.
+template <class T>
+AttentionWeightsReport check_attention_weights(TensorView<const T> alpha, std::string_view name);
+
+// "the student  is" → {"the", "student", "is"}: labels separated by ASCII whitespace; anything
+// else (CJK text included) belongs to a label.
+std::vector<std::string> split_labels(std::string_view text);
+
+}  // namespace qkv

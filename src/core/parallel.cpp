@@ -1,0 +1,52 @@
+#include "qkv/core/parallel.hpp"
+
+#include <fmt/format.h>
+#include <omp.h>
+
+#include <algorithm>
+#include <atomic>
+#include <exception>
+#include <mutex>
+
+#include "qkv/core/error.hpp"
+
+namespace qkv {
+
+int max_workers() { return std::max(omp_get_max_threads(), 1); }
+
+void set_max_workers(int workers) {
+  if (workers < 1) throw ValueError(fmt::format("workers: expected at least 1, got {}", workers));
+  omp_set_num_threads(workers);
+}
+
+void parallel_for(int64_t num_tasks, const std::function<void(int64_t task, int worker)>& fn, int max_threads) {
+  if (num_tasks <= 0) return;
+  const int limit = max_threads > 0 ? std::min(max_threads, max_workers()) : max_workers();
+  const int threads = static_cast<int>(std::min<int64_t>(limit, num_tasks));
+  if (threads == 1 || omp_in_parallel()) {
+    for (int64_t task = 0; task < num_tasks; ++task) fn(task, 0);
+    return;
+  }
+  // An exception may not leave an OpenMP region: the first one is kept, later tasks are skipped.
+  std::exception_ptr error;
+  std::mutex error_mutex;
+  std::atomic<bool> failed{false};
+#pragma omp parallel num_threads(threads)
+  {
+    const int worker = omp_get_thread_num();
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t task = 0; task < num_tasks; ++task) {
+      if (failed.load(std::memory_order_relaxed)) continue;
+      try {
+        fn(task, worker);
+      } catch (...) {
+        const std::lock_guard<std::mutex> lock(error_mutex);
+        if (!error) error = std::current_exception();
+        failed.store(true, std::memory_order_relaxed);
+      }
+    }
+  }
+  if (error) std::rethrow_exception(error);
+}
+
+}  // namespace qkv

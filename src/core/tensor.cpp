@@ -1,0 +1,165 @@
+#include "qkv/core/tensor.hpp"
+
+#include <fmt/format.h>
+
+#include <cstdint>
+
+#include "qkv/core/error.hpp"
+
+namespace qkv {
+
+template <class T>
+TensorView<T> as_rank4(TensorView<T> view) {
+  const int missing = kMaxRank - view.rank();
+  std::array<int64_t, kMaxRank> dims{};
+  Strides strides{};
+  for (int i = 0; i < kMaxRank; ++i) {
+    const auto axis = static_cast<size_t>(i);
+    dims[axis] = i < missing ? 1 : view.shape[i - missing];
+    strides[axis] = i < missing ? 0 : view.strides[static_cast<size_t>(i - missing)];
+  }
+  return {view.data, Shape(std::span<const int64_t>(dims)), strides};
+}
+
+Shape::Shape(std::initializer_list<int64_t> dims) : Shape(std::span<const int64_t>(dims.begin(), dims.size())) {}
+
+Shape::Shape(std::span<const int64_t> dims) {
+  if (dims.size() > static_cast<size_t>(kMaxRank)) {
+    throw ShapeError(fmt::format("shape of rank {} given; qkv tensors have rank at most {}", dims.size(), kMaxRank));
+  }
+  for (size_t i = 0; i < dims.size(); ++i) {
+    if (dims[i] < 0) throw ShapeError(fmt::format("shape dimension {} is negative ({})", i, dims[i]));
+    dims_[i] = dims[i];
+  }
+  rank_ = static_cast<int>(dims.size());
+}
+
+int64_t Shape::numel() const {
+  int64_t n = 1;
+  for (int i = 0; i < rank_; ++i) n *= dims_[static_cast<size_t>(i)];
+  return n;
+}
+
+std::string Shape::str() const { return fmt::format("[{}]", fmt::join(dims(), ", ")); }
+
+bool operator==(const Shape& a, const Shape& b) {
+  if (a.rank_ != b.rank_) return false;
+  for (int i = 0; i < a.rank_; ++i) {
+    if (a[i] != b[i]) return false;
+  }
+  return true;
+}
+
+Strides contiguous_strides(const Shape& shape) {
+  Strides strides{};
+  int64_t stride = 1;
+  for (int i = shape.rank() - 1; i >= 0; --i) {
+    strides[static_cast<size_t>(i)] = stride;
+    stride *= shape[i];
+  }
+  return strides;
+}
+
+template <class T>
+bool TensorView<T>::is_contiguous() const {
+  const Strides expected = contiguous_strides(shape);
+  for (int i = 0; i < shape.rank(); ++i) {
+    if (shape[i] > 1 && strides[static_cast<size_t>(i)] != expected[static_cast<size_t>(i)]) return false;
+  }
+  return true;
+}
+
+template <class T>
+Tensor<T>::Tensor(const Shape& shape, std::vector<T> values) : shape_(shape), values_(std::move(values)) {
+  if (static_cast<int64_t>(values_.size()) != shape.numel()) {
+    throw ShapeError(
+        fmt::format("tensor of shape {} needs {} values, got {}", shape.str(), shape.numel(), values_.size()));
+  }
+}
+
+template <class To, class From>
+Tensor<To> to_tensor(TensorView<const From> view) {
+  const TensorView<const From> v4 = as_rank4(view);
+  Tensor<To> result(view.shape);
+  int64_t flat = 0;
+  for (int64_t a = 0; a < v4.shape[0]; ++a)
+    for (int64_t b = 0; b < v4.shape[1]; ++b)
+      for (int64_t c = 0; c < v4.shape[2]; ++c)
+        for (int64_t d = 0; d < v4.shape[3]; ++d) result[flat++] = static_cast<To>(v4(a, b, c, d));
+  return result;
+}
+
+template <class T>
+TensorView<T> as_bhtd(TensorView<T> view, std::string_view name) {
+  if (view.rank() < 2 || view.rank() > 4) {
+    throw ShapeError(fmt::format("{}: expected rank 2 to 4 ([..., T, D]), got shape {}", name, view.shape.str()));
+  }
+  return as_rank4(view);
+}
+
+template <class T>
+TensorView<T> broadcast_to(TensorView<T> view, const Shape& target, std::string_view name) {
+  if (view.rank() > target.rank()) {
+    throw ShapeError(fmt::format("{}: shape {} does not broadcast to {}", name, view.shape.str(), target.str()));
+  }
+  TensorView<T> result{view.data, target, {}};
+  const int offset = target.rank() - view.rank();
+  for (int i = 0; i < target.rank(); ++i) {
+    const auto axis = static_cast<size_t>(i);
+    if (i < offset) {
+      result.strides[axis] = 0;
+      continue;
+    }
+    const int64_t size = view.shape[i - offset];
+    if (size == target[i]) {
+      result.strides[axis] = view.strides[static_cast<size_t>(i - offset)];
+    } else if (size == 1) {
+      result.strides[axis] = 0;
+    } else {
+      throw ShapeError(fmt::format("{}: shape {} does not broadcast to {}", name, view.shape.str(), target.str()));
+    }
+  }
+  return result;
+}
+
+void check_shape(std::string_view name, const Shape& actual, const Shape& expected) {
+  if (!(actual == expected)) {
+    throw ShapeError(fmt::format("{}: expected shape {}, got {}", name, expected.str(), actual.str()));
+  }
+}
+
+template <class T>
+void check_last_dim_contiguous(TensorView<T> view, std::string_view name) {
+  if (view.rank() > 0 && view.shape.from_back(1) > 1 && view.strides[static_cast<size_t>(view.rank() - 1)] != 1) {
+    throw ShapeError(fmt::format("{}: the last dim must be contiguous (stride 1), got stride {}", name,
+                                 view.strides[static_cast<size_t>(view.rank() - 1)]));
+  }
+}
+
+#define QKV_INSTANTIATE_VIEW(T)                                                                   \
+  template struct TensorView<T>;                                                                  \
+  template struct TensorView<const T>;                                                            \
+  template class Tensor<T>;                                                                       \
+  template TensorView<T> as_rank4(TensorView<T>);                                                 \
+  template TensorView<const T> as_rank4(TensorView<const T>);                                     \
+  template TensorView<T> as_bhtd(TensorView<T>, std::string_view);                                \
+  template TensorView<const T> as_bhtd(TensorView<const T>, std::string_view);                    \
+  template TensorView<T> broadcast_to(TensorView<T>, const Shape&, std::string_view);             \
+  template TensorView<const T> broadcast_to(TensorView<const T>, const Shape&, std::string_view); \
+  template void check_last_dim_contiguous(TensorView<T>, std::string_view);                       \
+  template void check_last_dim_contiguous(TensorView<const T>, std::string_view);
+
+QKV_INSTANTIATE_VIEW(float)
+QKV_INSTANTIATE_VIEW(double)
+QKV_INSTANTIATE_VIEW(uint8_t)
+QKV_INSTANTIATE_VIEW(int64_t)
+#undef QKV_INSTANTIATE_VIEW
+
+template Tensor<float> to_tensor<float, float>(TensorView<const float>);
+template Tensor<float> to_tensor<float, double>(TensorView<const double>);
+template Tensor<double> to_tensor<double, float>(TensorView<const float>);
+template Tensor<double> to_tensor<double, double>(TensorView<const double>);
+template Tensor<uint8_t> to_tensor<uint8_t, uint8_t>(TensorView<const uint8_t>);
+template Tensor<int64_t> to_tensor<int64_t, int64_t>(TensorView<const int64_t>);
+
+}  // namespace qkv

@@ -1,0 +1,329 @@
+#include "qkv/io/model_file.hpp"
+
+#include <fmt/format.h>
+
+#include <array>
+#include <bit>
+#include <charconv>
+#include <cmath>
+#include <cstring>
+#include <fstream>
+#include <iterator>
+#include <limits>
+#include <set>
+#include <sstream>
+
+#include "qkv/core/error.hpp"
+#include "qkv/io/npy.hpp"
+#include "qkv/io/staged_files.hpp"
+
+namespace qkv {
+namespace {
+
+// Values are copied as they lie in memory, which is the file's little-endian layout only on a
+// little-endian host.
+static_assert(std::endian::native == std::endian::little, "qkv's model files assume a little-endian host");
+
+constexpr uint8_t kFloat32 = 1;
+constexpr size_t kHeaderBytes = 8 + 4 + 8;  // magic, version, payload length
+constexpr size_t kChecksumBytes = 4;
+
+template <class U>
+void put(std::string& out, U value) {
+  char bytes[sizeof(U)];
+  std::memcpy(bytes, &value, sizeof(U));
+  out.append(bytes, sizeof(U));
+}
+
+void put_string(std::string& out, std::string_view text) {
+  if (text.size() > std::numeric_limits<uint32_t>::max()) {
+    throw ValueError(fmt::format("model file: a string of {} bytes is longer than a u32 length can say", text.size()));
+  }
+  put(out, static_cast<uint32_t>(text.size()));
+  out.append(text);
+}
+
+// Reads the payload front to back; every read checks that the bytes are there first, so a length
+// field that lies cannot make it read past the end or allocate more than the file holds.
+class Reader {
+ public:
+  Reader(std::string_view bytes, const std::string& source) : bytes_(bytes), source_(source) {}
+
+  template <class U>
+  U get(std::string_view what) {
+    need(sizeof(U), what);
+    U value;
+    std::memcpy(&value, bytes_.data() + offset_, sizeof(U));
+    offset_ += sizeof(U);
+    return value;
+  }
+
+  std::string get_string(std::string_view what) {
+    const auto length = get<uint32_t>(what);
+    need(length, what);
+    std::string text(bytes_.substr(offset_, length));
+    offset_ += length;
+    return text;
+  }
+
+  void need(uint64_t count, std::string_view what) const {
+    if (count > bytes_.size() - offset_) {
+      throw IoError(fmt::format("{}: truncated payload: {} needs {} bytes at payload offset {}, only {} left", source_,
+                                what, count, offset_, bytes_.size() - offset_));
+    }
+  }
+
+  size_t offset() const { return offset_; }
+  size_t left() const { return bytes_.size() - offset_; }
+  std::string_view rest(size_t count) const { return bytes_.substr(offset_, count); }
+  void skip(size_t count) { offset_ += count; }
+
+ private:
+  std::string_view bytes_;
+  const std::string& source_;
+  size_t offset_ = 0;
+};
+
+Tensor<float> read_tensor(Reader& in, const std::string& source, const std::string& name) {
+  const auto dtype = in.get<uint8_t>(fmt::format("tensor \"{}\" dtype", name));
+  if (dtype != kFloat32) {
+    throw IoError(
+        fmt::format("{}: tensor \"{}\": expected dtype code {} (float32), got {}", source, name, kFloat32, dtype));
+  }
+  const auto rank = in.get<uint8_t>(fmt::format("tensor \"{}\" rank", name));
+  if (rank > kMaxRank) {
+    throw IoError(fmt::format("{}: tensor \"{}\": expected rank 0 to {}, got {}", source, name, kMaxRank, rank));
+  }
+  std::vector<int64_t> dims;
+  uint64_t numel = 1;
+  for (int axis = 0; axis < rank; ++axis) {
+    const auto dim = in.get<uint64_t>(fmt::format("tensor \"{}\" dim {}", name, axis));
+    // Each partial product stays within the bytes left, so that the next one cannot overflow.
+    const uint64_t capacity = in.left() / sizeof(float);
+    if (dim > capacity || (dim > 0 && numel > capacity / dim)) {
+      throw IoError(fmt::format("{}: tensor \"{}\": dim {} is {}, more values than the {} bytes left can hold", source,
+                                name, axis, dim, in.left()));
+    }
+    dims.push_back(static_cast<int64_t>(dim));
+    numel *= dim;
+  }
+  in.need(numel * sizeof(float), fmt::format("tensor \"{}\" values", name));
+  Tensor<float> tensor{Shape(std::span<const int64_t>(dims))};
+  std::memcpy(tensor.data(), in.rest(numel * sizeof(float)).data(), numel * sizeof(float));
+  in.skip(numel * sizeof(float));
+  for (int64_t i = 0; i < tensor.numel(); ++i) {
+    if (!std::isfinite(tensor[i])) {
+      throw IoError(
+          fmt::format("{}: tensor \"{}\": value {} at flat index {} is not finite", source, name, tensor[i], i));
+    }
+  }
+  return tensor;
+}
+
+}  // namespace
+
+void ModelFile::set(std::string key, std::string value_text) {
+  for (auto& [k, v] : metadata) {
+    if (k == key) {
+      v = std::move(value_text);
+      return;
+    }
+  }
+  metadata.emplace_back(std::move(key), std::move(value_text));
+}
+
+const std::string& ModelFile::value(std::string_view key) const {
+  for (const auto& [k, v] : metadata) {
+    if (k == key) return v;
+  }
+  throw IoError(fmt::format("{}: no entry \"{}\" (a {} model file needs it)", source, key, kind));
+}
+
+int64_t ModelFile::int_value(std::string_view key, int64_t min, int64_t max) const {
+  const std::string& text = value(key);
+  int64_t parsed = 0;
+  const auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), parsed);
+  if (ec != std::errc() || end != text.data() + text.size() || parsed < min || parsed > max) {
+    throw IoError(
+        fmt::format("{}: entry \"{}\": expected an integer from {} to {}, got \"{}\"", source, key, min, max, text));
+  }
+  return parsed;
+}
+
+const Tensor<float>& ModelFile::tensor(std::string_view name) const {
+  for (const auto& [n, t] : tensors) {
+    if (n == name) return t;
+  }
+  throw IoError(fmt::format("{}: no tensor \"{}\" (a {} model file needs it)", source, name, kind));
+}
+
+void ModelFile::check_kind(std::string_view expected) const {
+  if (kind != expected) {
+    throw IoError(fmt::format("{}: expected a {} model, got a \"{}\" model", source, expected, kind));
+  }
+}
+
+uint32_t crc32(std::string_view bytes) {
+  static const std::array<uint32_t, 256> table = [] {
+    std::array<uint32_t, 256> t{};
+    for (uint32_t n = 0; n < 256; ++n) {
+      uint32_t c = n;
+      for (int k = 0; k < 8; ++k) c = (c & 1U) != 0 ? 0xEDB88320U ^ (c >> 1) : c >> 1;
+      t[n] = c;
+    }
+    return t;
+  }();
+  uint32_t crc = 0xFFFFFFFFU;
+  for (const char byte : bytes) crc = table[(crc ^ static_cast<uint8_t>(byte)) & 0xFFU] ^ (crc >> 8);
+  return crc ^ 0xFFFFFFFFU;
+}
+
+std::string encode_model_file(const ModelFile& model) {
+  std::string payload;
+  put_string(payload, model.kind);
+  std::set<std::string_view> keys;
+  put(payload, static_cast<uint32_t>(model.metadata.size()));
+  for (const auto& [key, text] : model.metadata) {
+    if (!keys.insert(key).second) throw ValueError(fmt::format("model file: entry \"{}\" given twice", key));
+    put_string(payload, key);
+    put_string(payload, text);
+  }
+  std::set<std::string_view> names;
+  put(payload, static_cast<uint32_t>(model.tensors.size()));
+  for (const auto& [name, tensor] : model.tensors) {
+    if (!names.insert(name).second) throw ValueError(fmt::format("model file: tensor \"{}\" given twice", name));
+    for (int64_t i = 0; i < tensor.numel(); ++i) {
+      if (!std::isfinite(tensor[i])) {
+        throw ValueError(
+            fmt::format("model file: tensor \"{}\": value {} at flat index {} is not finite", name, tensor[i], i));
+      }
+    }
+    put_string(payload, name);
+    put(payload, kFloat32);
+    put(payload, static_cast<uint8_t>(tensor.shape().rank()));
+    for (const int64_t dim : tensor.shape().dims()) put(payload, static_cast<uint64_t>(dim));
+    payload.append(reinterpret_cast<const char*>(tensor.data()), static_cast<size_t>(tensor.numel()) * sizeof(float));
+  }
+  std::string bytes(kModelFileMagic);
+  put(bytes, kModelFileVersion);
+  put(bytes, static_cast<uint64_t>(payload.size()));
+  bytes += payload;
+  put(bytes, crc32(bytes));
+  return bytes;
+}
+
+ModelFile decode_model_file(std::string_view bytes, std::string source) {
+  if (bytes.size() < kModelFileMagic.size() || bytes.substr(0, kModelFileMagic.size()) != kModelFileMagic) {
+    throw IoError(fmt::format("{}: not a qkv model file (it does not start with \"{}\")", source, kModelFileMagic));
+  }
+  if (bytes.size() < kHeaderBytes + kChecksumBytes) {
+    throw IoError(fmt::format("{}: truncated: {} bytes, shorter than the {}-byte header and checksum", source,
+                              bytes.size(), kHeaderBytes + kChecksumBytes));
+  }
+  uint32_t version = 0;
+  uint64_t payload_length = 0;
+  std::memcpy(&version, bytes.data() + 8, sizeof(version));
+  std::memcpy(&payload_length, bytes.data() + 12, sizeof(payload_length));
+  if (version != kModelFileVersion) {
+    throw IoError(fmt::format("{}: format version {}; this qkv reads version {}", source, version, kModelFileVersion));
+  }
+  const uint64_t expected_size = kHeaderBytes + kChecksumBytes + payload_length;
+  if (payload_length > bytes.size() || bytes.size() != expected_size) {
+    throw IoError(
+        fmt::format("{}: the header announces a payload of {} bytes, so a file of {} bytes; got {} bytes ({})", source,
+                    payload_length, kHeaderBytes + kChecksumBytes + payload_length, bytes.size(),
+                    bytes.size() < expected_size ? "truncated" : "trailing bytes"));
+  }
+  const size_t checked = kHeaderBytes + static_cast<size_t>(payload_length);
+  uint32_t stored = 0;
+  std::memcpy(&stored, bytes.data() + checked, sizeof(stored));
+  const uint32_t computed = crc32(bytes.substr(0, checked));
+  if (stored != computed) {
+    throw IoError(fmt::format("{}: checksum mismatch (stored {:#010x}, computed {:#010x}): the file is corrupt", source,
+                              stored, computed));
+  }
+
+  ModelFile model;
+  model.source = std::move(source);
+  Reader in(bytes.substr(kHeaderBytes, static_cast<size_t>(payload_length)), model.source);
+  model.kind = in.get_string("kind");
+  const auto entries = in.get<uint32_t>("entry count");
+  for (uint32_t e = 0; e < entries; ++e) {
+    std::string key = in.get_string(fmt::format("entry {} key", e));
+    std::string text = in.get_string(fmt::format("entry \"{}\" value", key));
+    for (const auto& [k, v] : model.metadata) {
+      if (k == key) throw IoError(fmt::format("{}: entry \"{}\" appears twice", model.source, key));
+    }
+    model.metadata.emplace_back(std::move(key), std::move(text));
+  }
+  const auto count = in.get<uint32_t>("tensor count");
+  for (uint32_t t = 0; t < count; ++t) {
+    std::string name = in.get_string(fmt::format("tensor {} name", t));
+    for (const auto& [n, unused] : model.tensors) {
+      if (n == name) throw IoError(fmt::format("{}: tensor \"{}\" appears twice", model.source, name));
+    }
+    Tensor<float> tensor = read_tensor(in, model.source, name);
+    model.tensors.emplace_back(std::move(name), std::move(tensor));
+  }
+  if (in.left() != 0) {
+    throw IoError(fmt::format("{}: {} bytes of the payload follow the last tensor", model.source, in.left()));
+  }
+  return model;
+}
+
+void write_model_file(const std::filesystem::path& path, const ModelFile& model) {
+  write_file_atomically(path, encode_model_file(model));
+}
+
+ModelFile read_model_file(const std::filesystem::path& path) {
+  std::ifstream file(path, std::ios::binary);
+  if (!file) throw IoError(fmt::format("{}: cannot open for reading", path.string()));
+  std::ostringstream contents;
+  contents << file.rdbuf();
+  if (file.bad()) throw IoError(fmt::format("{}: read failed", path.string()));
+  return decode_model_file(contents.view(), path.string());
+}
+
+template <class T>
+void store_parameters(ModelFile& model, const std::vector<ParameterRef<T>>& params) {
+  for (const ParameterRef<T>& p : params) {
+    model.tensors.emplace_back(p.name, to_tensor<float, std::remove_const_t<T>>(p.value));
+  }
+}
+
+template <class T>
+void load_parameters(const ModelFile& model, const std::vector<ParameterRef<T>>& params) {
+  std::set<std::string_view> wanted;
+  for (const ParameterRef<T>& p : params) wanted.insert(p.name);
+  for (const auto& [name, tensor] : model.tensors) {
+    if (!wanted.contains(name)) {
+      throw IoError(
+          fmt::format("{}: tensor \"{}\" is not a parameter of this {} model", model.source, name, model.kind));
+    }
+  }
+  for (const ParameterRef<T>& p : params) {
+    const Tensor<float>& stored = model.tensor(p.name);
+    if (!(stored.shape() == p.value.shape)) {
+      throw IoError(fmt::format("{}: tensor \"{}\": expected shape {} (from the model's configuration), got {}",
+                                model.source, p.name, p.value.shape.str(), stored.shape().str()));
+    }
+  }
+  for (const ParameterRef<T>& p : params) {
+    const Tensor<float>& stored = model.tensor(p.name);
+    const TensorView<T> target = as_rank4(p.value);
+    const TensorView<const float> source = as_rank4(stored.cview());
+    for (int64_t a = 0; a < target.shape[0]; ++a)
+      for (int64_t b = 0; b < target.shape[1]; ++b)
+        for (int64_t c = 0; c < target.shape[2]; ++c)
+          for (int64_t d = 0; d < target.shape[3]; ++d) target(a, b, c, d) = static_cast<T>(source(a, b, c, d));
+  }
+}
+
+template void store_parameters(ModelFile&, const std::vector<ParameterRef<float>>&);
+template void store_parameters(ModelFile&, const std::vector<ParameterRef<const float>>&);
+template void store_parameters(ModelFile&, const std::vector<ParameterRef<double>>&);
+template void store_parameters(ModelFile&, const std::vector<ParameterRef<const double>>&);
+template void load_parameters(const ModelFile&, const std::vector<ParameterRef<float>>&);
+template void load_parameters(const ModelFile&, const std::vector<ParameterRef<double>>&);
+
+}  // namespace qkv

@@ -1,0 +1,1322 @@
+// Fused attention (FlashAttention-2) on the CPU: the Highway SIMD code, compiled once per
+// instruction set by src/ops/attention_fused.cpp (hwy/foreach_target.h) and chosen at run time.
+//
+// ---- The algorithm -----------------------------------------------------------------------------
+// Forward, one head, queries i and keys j:  s_ij = scale·q_i·k_j + bias_ij (−inf where masked),
+// lse_i = log Σ_j exp(s_ij),  out_i = Σ_j exp(s_ij − lse_i) v_j. The reference builds the Tq×Tk
+// matrix s; here it only ever exists as one Bc×Br tile in a thread's scratch. Keys are visited a
+// block at a time and each query row keeps its online-softmax state:
+//   m_i  running max of the scores seen so far (starts at −inf, never a finite sentinel)
+//   l_i  running sum  Σ_j exp(s_ij − m_i)
+//   o_i  running output Σ_j exp(s_ij − m_i) v_j, unnormalised
+// A new key block with block max m̃ gives m' = max(m, m̃), c = exp(m − m'), then
+//   l ← c·l + Σ_j exp(s_ij − m'),   o ← c·o + Σ_j exp(s_ij − m') v_j,   m ← m'.
+// At the end out_i = o_i / l_i and lse_i = m_i + log l_i. While a row has seen no visible key,
+// m' = −inf: the exponentials are then taken relative to 0 instead of m' (exp(−inf − 0) = 0,
+// never −inf − (−inf) = NaN), so o and l stay 0; a row that never sees a key gets out 0 and
+// lse −inf. The result is exact softmax, not an approximation: only the order of the sums changes.
+//
+// Backward (FlashAttention-2), derived in src/ops/attention.cpp above attention_backward_reference:
+//   P_ij = exp(s_ij − lse_i)        (recomputed from the saved lse; 0 where masked)
+//   dV_j += Σ_i P_ij dO_i           dP_ij = dO_i·v_j         dS_ij = P_ij (dP_ij − D_i)
+//   dQ_i += scale Σ_j dS_ij k_j     dK_j += scale Σ_i dS_ij q_i    dbias_ij += dS_ij
+// with D_i = dO_i·out_i precomputed per row by the very chain of roundings that computes dP_ij, so
+// that dP_ij − D_i is exactly 0 where it must be: for a query that sees a single key (out_i = v_j,
+// as the first query of causal attention). A fully masked row has lse −inf; it is replaced by +inf
+// so that P = exp(−inf − (+inf)) = 0 rather than NaN. When the backward runs the forward itself
+// (nothing saved), lse is kept as two numbers hi + lo and P = exp((s − hi) − lo) is free of the
+// half-ulp rounding of lse that a saved lse carries into every P of its row.
+//
+// ---- Accuracy -----------------------------------------------------------------------------------
+// Everything is computed in T (float32 or float64): the products, exp, the running sums. Sums over
+// d and over key or query blocks are blocked (TileUpdate: chunks of 16 summed in registers from
+// zero, then added), so their rounding error grows with ≈ 16 + n/16 terms rather than n: the
+// kernel's error is about half that of a naive float32 implementation at d = 64.
+// Large logits are the hard case. A score carries an absolute rounding error of about an ulp of
+// |q·k|, and exp turns it into a relative error of P: at |s| ≈ 500 that is 6·10⁻⁵, five hundred
+// float epsilons, where a softmax computed from scratch (the naive one included) loses nothing on its
+// largest weights, because s_max − m is exactly 0 whatever s_max's rounding. The backward keeps
+// that cancellation only if it recomputes, for every (i, j), the very score the forward's lse
+// came from, bit for bit. So every score is one lane's chain of TileUpdate: products over d in
+// order, chunks of kDepthChunk from zero, chunk sums added in order. Lanes never meet in it, so
+// the chain is the same whichever operand runs along the lanes (queries, keys) and however many
+// lanes a vector has: the query-vector forward and both backward layouts give identical scores
+// on every target, from AVX-512's 16 lanes to the scalar target's one. The few-query layout sums
+// across lanes (an order that depends on the lane count) and so only serves forwards that return
+// no lse, which no backward can read. Nor may the compiler fuse a multiply and an add that the
+// code writes apart (libqkv is compiled with -ffp-contract=off): it would do so only on targets
+// that have FMA, and then the forward's exp(scale·x − m) and the backward's s = scale·x, s − lse
+// would round differently, by an ulp of |s| in every P, on AVX2 and AVX-512 and not elsewhere.
+//
+// ---- Memory traffic -----------------------------------------------------------------------------
+// The reference writes and reads Tq×Tk scores per head (64 MiB at T = 4096); here every score lives
+// only in L1/L2 scratch, so DRAM sees Q, K, V, out (and dO, dQ, dK, dV) a few times each: O(T·d)
+// per head instead of O(T²). Per worker the scratch is a few tiles (≈ 100 KiB at d = 64).
+//
+// ---- Tiling and loop order ----------------------------------------------------------------------
+// Forward task = (head, block of Br = 64 queries); loop over key blocks of Bc = 64. The queries'
+// Qᵀ [Dk][Br] is packed once per task, so the score tile is computed transposed, Sᵀ [Bc][Br] =
+// K·Qᵀ: the vectors run along queries, which turns the online softmax into plain lane-wise
+// Max/Exp/Add across the Bc rows (no horizontal reductions) and needs no per-block repacking of K.
+// The output is kept transposed too, Oᵀ [Dv][Br] += Vᵀ·Pᵀ: Pᵀ's rows (in L1, just written) are
+// the vectors and V's elements, read straight from the input, the broadcasts; the rescaling by
+// exp(m_old − m_new) is then lane-wise as well.
+// Causal: key blocks entirely above the diagonal of the query block are never visited; the
+// heaviest (last) query blocks are handed out first so that causal work balances.
+//
+// Decode (Tq ≤ 16): one query block per head leaves a single core busy, so the keys are split into
+// chunks, each chunk a task producing (m, l, o) partials, merged per row by log-sum-exp
+// (partials of chunks that saw no key have m = −inf and weigh exactly 0). A block of at most 8
+// queries (one query per head in decoding) would leave most lanes of the query-vector layout
+// empty, so such blocks take a second layout, AttendFewQueries: lanes along keys, each score a dot
+// product along d, blocks of one vector of keys; there the kernel reads each key and value row
+// once and does little else, so for one query it runs at the pace of memory. Its work grows with
+// the queries while the query-vector layout's does not: past about 8 queries the latter is faster.
+// A forward that returns lse (what training saves for the backward) never takes it: see Accuracy.
+//
+// All products are one register-blocked micro-kernel, C[R×(C·N)] (+)= A·B: R rows of A broadcast,
+// C vectors of a B row loaded, R·C accumulators held in registers across a chunk of the depth (4×4
+// vectors with AVX-512's 32 registers, 6×2 with 16). B rows must be contiguous: Qᵀ, Kᵀ, Vᵀ, dOᵀ are
+// packed; V, dO, Q, K rows are read in place; a last partial vector of columns is copied into a
+// zero-padded panel so no load crosses the end of a row. Any Dk, Dv work (the fast paths are the
+// multiples of the vector width: 64 and 128 fill 4 and 8 AVX-512 vectors); problems under ≈ 1M
+// multiply-adds run on one thread.
+//
+// Backward without atomics, deterministic for any thread count. Two schedules with identical
+// arithmetic per output element:
+//  - one pass: task = head; for each key block (Kᵀ, Vᵀ packed once), for each query block: the tile
+//    with queries as rows; dK, dV accumulate in scratch over the query blocks, dQ is added to the
+//    output tile by tile (in key-block order).
+//  - two passes, when there are too few heads for the threads: pass 1, task = (head, key block),
+//    the same tiles giving dK, dV; pass 2, task = (head, query block), Qᵀ and dOᵀ packed once, the
+//    tiles recomputed with keys as rows, adding dQ tile by tile in the same key-block order.
+// Every score, P, dP and dS element is the same chain of operations in both layouts (the same FMAs
+// over d in the same order, the same lane-wise Exp), so both give bit-identical gradients; which one
+// runs depends on the thread count only for speed. dbias is summed in the key-block tasks; elements
+// shared by several heads (a bias broadcast over B or H) are owned by one task that runs those
+// heads in increasing order.
+
+// ---- Target-independent part: the parameter structs (normal include guard) -----------------------
+#ifndef QKV_SRC_ATTENTION_FUSED_INL_H_
+#define QKV_SRC_ATTENTION_FUSED_INL_H_
+
+#include <cstddef>
+#include <cstdint>
+
+namespace qkv::fused {
+
+// A [B, H, T, C] operand with any strides: element (b, h, t, c) is
+// data[b·batch + h·head + t·row + c·col]. Absent when data is null.
+template <class T>
+struct StridedView4 {
+  T* data = nullptr;
+  int64_t batch_stride = 0;
+  int64_t head_stride = 0;
+  int64_t row_stride = 0;
+  int64_t col_stride = 0;
+
+  explicit operator bool() const { return data != nullptr; }
+  T* row(int64_t b, int64_t h, int64_t t) const { return data + b * batch_stride + h * head_stride + t * row_stride; }
+};
+
+// Rows of Q, K, V, O and their gradients, [B, H, T, D]. col_stride is 1 for every operand the
+// kernels load as vectors (checked at the API).
+template <class T>
+using RowsView = StridedView4<T>;
+
+// A [B, H, Tq, Tk] operand (mask, bias, dbias), strides 0 along broadcast dims.
+template <class T>
+using ScoresView = StridedView4<T>;
+
+// A [B, H, Tq] per-row statistic. Absent when data is null.
+template <class T>
+struct RowStatView {
+  T* data = nullptr;
+  int64_t batch_stride = 0;
+  int64_t head_stride = 0;
+  int64_t stride = 0;
+
+  explicit operator bool() const { return data != nullptr; }
+  T& at(int64_t b, int64_t h, int64_t i) const { return data[b * batch_stride + h * head_stride + i * stride]; }
+};
+
+// What every fused kernel reads, validated at the API (src/ops/attention_fused.cpp).
+template <class T>
+struct Inputs {
+  int64_t batch = 0;                  // B
+  int64_t heads = 0;                  // H
+  int64_t tq = 0;                     // Tq
+  int64_t tk = 0;                     // Tk
+  int64_t dk = 0;                     // Dk ≥ 1
+  int64_t dv = 0;                     // Dv
+  RowsView<const T> q;                // [B, H, Tq, Dk], col_stride 1
+  RowsView<const T> k;                // [B, H, Tk, Dk], col_stride 1
+  RowsView<const T> v;                // [B, H, Tk, Dv], col_stride 1
+  ScoresView<const uint8_t> allowed;  // nonzero = may attend; absent: every key may be attended
+  ScoresView<const T> bias;           // added to the scaled scores; absent: 0
+  bool causal = false;                // query i sees key j iff j ≤ i + Tk − Tq (bottom-right aligned)
+  T scale = 1;                        // multiplies q·k before the bias is added
+
+  int64_t heads_total() const { return batch * heads; }
+};
+
+template <class T>
+struct ForwardParams {
+  Inputs<T> in;
+  RowsView<T> out;  // [B, H, Tq, Dv], overwritten; any col stride
+  // [B, H, Tq], overwritten; absent: not wanted. An lse is what a backward recomputes P from, so a
+  // forward that returns one computes every score by the backward's own chain of roundings (see
+  // "Accuracy" above): the few-query layout, which sums q·k in another order, serves only
+  // forwards without an lse.
+  RowStatView<T> lse;
+  // [B·H·Tq] contiguous, row (b·H + h)·Tq + i, or null: what rounding lse to T lost (lse is
+  // computed in float64), so that the backward can recompute P = exp(s − lse) without that error.
+  // Only the backward's own forward asks for it.
+  T* lse_lo = nullptr;
+};
+
+template <class T>
+struct BackwardParams {
+  Inputs<T> in;
+  RowsView<const T> dout;  // [B, H, Tq, Dv] ∂L/∂out, col_stride 1
+  // [B·H·Tq] contiguous, row (b·H + h)·Tq + i: lse = lse_hi + lse_lo, the low part 0 when only a
+  // T-precision lse is known. lse_hi is +inf for fully masked rows (lse −inf) so that exp(s − lse)
+  // is 0 there instead of exp(−inf − (−inf)) = NaN.
+  const T* lse_hi = nullptr;
+  const T* lse_lo = nullptr;
+  RowsView<const T> out;  // [B, H, Tq, Dv] the forward's output, for D_i = dO_i·out_i; any col stride
+  RowsView<T> dq;         // [B, H, Tq, Dk], accumulated (+=); any col stride
+  RowsView<T> dk;         // [B, H, Tk, Dk], accumulated
+  RowsView<T> dv;         // [B, H, Tk, Dv], accumulated
+  ScoresView<T> dbias;    // [B, H, Tq, Tk] over the bias's storage (stride 0 where broadcast); += ; absent: not wanted
+};
+
+}  // namespace qkv::fused
+
+#endif  // QKV_SRC_ATTENTION_FUSED_INL_H_
+
+// ---- Per-target part ---------------------------------------------------------------------------
+#if defined(QKV_SRC_ATTENTION_FUSED_INL_H_TARGET) == defined(HWY_TARGET_TOGGLE)
+#ifdef QKV_SRC_ATTENTION_FUSED_INL_H_TARGET
+#undef QKV_SRC_ATTENTION_FUSED_INL_H_TARGET
+#else
+#define QKV_SRC_ATTENTION_FUSED_INL_H_TARGET
+#endif
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <type_traits>
+#include <vector>
+
+#include "hwy/aligned_allocator.h"
+#include "hwy/cache_control.h"
+#include "hwy/contrib/math/math-inl.h"
+#include "hwy/highway.h"
+#include "qkv/core/parallel.hpp"
+
+HWY_BEFORE_NAMESPACE();
+namespace qkv::HWY_NAMESPACE {
+namespace hn = hwy::HWY_NAMESPACE;
+
+using fused::BackwardParams;
+using fused::ForwardParams;
+using fused::Inputs;
+
+constexpr size_t kQueryBlock = 64;  // Br: queries per tile (a multiple of every target's lane count)
+constexpr size_t kKeyBlock = 64;    // Bc: keys per tile
+// Decode: at most this many queries make a problem "decode", whose keys are split into chunks.
+constexpr int64_t kDecodeQueries = 16;
+constexpr int64_t kDecodeMinChunk = 512;  // keys per chunk at least: merging partials costs Tq·Dv
+constexpr int64_t kDecodeTasks = 64;      // chunks × heads aimed at: enough to balance any core count
+// At most this many queries take the kernel with keys along the lanes (AttendFewQueries): measured
+// at Tk = 32768, d = 128, it is faster than the query-vector layout up to 8 queries, slower from 12.
+constexpr size_t kFewQueries = 8;
+// How far ahead of its keys AttendFewQueries asks for K and V rows, counted in bytes of K (32 KiB:
+// 64 keys at d = 128): hardware prefetchers stop at page boundaries, every 8 keys at d = 128.
+// Measured on Zen 3 (d = 128): 8 keys ahead (the next block) 62% of the triad, 16 keys 69–74%, 64
+// keys 74–76%, 128 and more lower.
+constexpr size_t kFewQueriesPrefetchBytes = 32 * 1024;
+
+// Depth summed in registers before adding to C (see TileUpdate).
+constexpr size_t kDepthChunk = 16;
+// Micro-kernel tile: rows × vectors of accumulators, sized to the register file. Two FMA pipes of
+// four cycles' latency need at least 8 independent accumulators; more hide the loads' latency too.
+#if HWY_ARCH_X86 && HWY_TARGET <= HWY_AVX3
+constexpr int kTileRows = 4;
+constexpr int kTileVectors = 4;  // 16 accumulators + 4 B vectors + 1 broadcast of 32 registers
+#else
+constexpr int kTileRows = 6;
+constexpr int kTileVectors = 2;  // 12 accumulators + 2 + 1 of 16 registers
+#endif
+
+// Problems with fewer multiply-adds than this (≈ 10 µs) run on the calling thread alone: waking
+// threads would cost more than it saves.
+constexpr double kMinParallelMacs = 1 << 20;
+
+template <class T>
+int ThreadLimit(const Inputs<T>& in) {
+  const double macs = static_cast<double>(in.heads_total()) * static_cast<double>(in.tq) * static_cast<double>(in.tk) *
+                      static_cast<double>(in.dk + in.dv);
+  return macs < kMinParallelMacs ? 1 : 0;
+}
+
+inline size_t RoundUp(size_t x, size_t multiple) { return (x + multiple - 1) / multiple * multiple; }
+inline size_t ToSize(int64_t x) { return static_cast<size_t>(x); }
+
+template <class T>
+using Buffer = hwy::AlignedFreeUniquePtr<T[]>;
+
+template <class T>
+Buffer<T> Allocate(size_t n) {
+  return hwy::AllocateAligned<T>(std::max<size_t>(n, 1));
+}
+
+// ---- The micro-kernel ------------------------------------------------------------------------------
+
+// C (+)= A·B over `depth`, for C [rows][cols], with A read element by element (broadcast, so any
+// strides) and B rows read as vectors (contiguous).
+template <class T>
+struct Gemm {
+  const T* a = nullptr;  // A(r, k) = a[r·a_row + k·a_depth]
+  size_t a_row = 0;
+  size_t a_depth = 0;
+  const T* b = nullptr;  // B(k, c) = b[k·b_row + c]
+  size_t b_row = 0;
+  T* c = nullptr;  // C(r, c) = c[r·c_row + c]; rows padded to whole vectors
+  size_t c_row = 0;
+  size_t rows = 0;
+  size_t depth = 0;
+};
+
+// One R × (C vectors) tile of C at (r0, col0). The depth is summed in chunks of kDepthChunk, each
+// chunk in registers from zero and then added to C: blocked summation, whose rounding error grows
+// with chunk + depth/chunk terms instead of depth (≈ 2× more accurate at d = 64, for about one
+// load, add and store per accumulator and chunk).
+template <int R, int C, bool kAccumulate, class D, class T = hn::TFromD<D>>
+HWY_INLINE void TileUpdate(D d, const Gemm<T>& g, size_t r0, size_t col0) {
+  const size_t N = hn::Lanes(d);
+  const T* HWY_RESTRICT a = g.a + r0 * g.a_row;
+  const T* HWY_RESTRICT b = g.b + col0;
+  T* HWY_RESTRICT c = g.c + r0 * g.c_row + col0;
+  hn::Vec<D> acc[R][C];
+  size_t k0 = 0;
+  do {
+    const size_t k1 = std::min(g.depth, k0 + kDepthChunk);
+    HWY_UNROLL(8)
+    for (int r = 0; r < R; ++r) {
+      HWY_UNROLL(8)
+      for (int v = 0; v < C; ++v) acc[r][v] = hn::Zero(d);
+    }
+    for (size_t k = k0; k < k1; ++k) {
+      const T* HWY_RESTRICT bk = b + k * g.b_row;
+      const T* HWY_RESTRICT ak = a + k * g.a_depth;
+      hn::Vec<D> bv[C];
+      HWY_UNROLL(8)
+      for (int v = 0; v < C; ++v) bv[v] = hn::LoadU(d, bk + v * N);
+      HWY_UNROLL(8)
+      for (int r = 0; r < R; ++r) {
+        const hn::Vec<D> ar = hn::Set(d, ak[r * g.a_row]);
+        HWY_UNROLL(8)
+        for (int v = 0; v < C; ++v) acc[r][v] = hn::MulAdd(ar, bv[v], acc[r][v]);
+      }
+    }
+    const bool overwrite = !kAccumulate && k0 == 0;
+    HWY_UNROLL(8)
+    for (int r = 0; r < R; ++r) {
+      HWY_UNROLL(8)
+      for (int v = 0; v < C; ++v) {
+        T* HWY_RESTRICT out = c + r * g.c_row + v * N;
+        hn::StoreU(overwrite ? acc[r][v] : hn::Add(hn::LoadU(d, out), acc[r][v]), d, out);
+      }
+    }
+    k0 = k1;
+  } while (k0 < g.depth);
+}
+
+// R rows of C, all `vectors` column vectors.
+template <int R, bool kAccumulate, class D, class T = hn::TFromD<D>>
+HWY_INLINE void RowGroup(D d, const Gemm<T>& g, size_t r0, size_t vectors) {
+  const size_t N = hn::Lanes(d);
+  size_t v = 0;
+  for (; v + kTileVectors <= vectors; v += kTileVectors) TileUpdate<R, kTileVectors, kAccumulate>(d, g, r0, v * N);
+  if constexpr (kTileVectors > 2) {
+    if (v + 2 <= vectors) {
+      TileUpdate<R, 2, kAccumulate>(d, g, r0, v * N);
+      v += 2;
+    }
+  }
+  if (v < vectors) TileUpdate<R, 1, kAccumulate>(d, g, r0, v * N);
+}
+
+// C [rows][vectors·N] (+)= A·B: whole tiles, then the leftover rows four, two and one at a time.
+// A single column vector (decode: one query) takes twice the rows at a time, for as many
+// independent FMA chains.
+template <bool kAccumulate, class D, class T = hn::TFromD<D>>
+HWY_NOINLINE void MatMul(D d, const Gemm<T>& g, size_t vectors) {
+  static_assert(kTileRows >= 4 && kTileRows < 8, "the row remainder below handles up to 7 rows");
+  size_t r = 0;
+  if (vectors == 1) {
+    for (; r + 2 * kTileRows <= g.rows; r += 2 * kTileRows) TileUpdate<2 * kTileRows, 1, kAccumulate>(d, g, r, 0);
+  }
+  for (; r + kTileRows <= g.rows; r += kTileRows) RowGroup<kTileRows, kAccumulate>(d, g, r, vectors);
+  if constexpr (kTileRows > 4) {
+    if (r + 4 <= g.rows) {
+      RowGroup<4, kAccumulate>(d, g, r, vectors);
+      r += 4;
+    }
+  }
+  if (r + 2 <= g.rows) {
+    RowGroup<2, kAccumulate>(d, g, r, vectors);
+    r += 2;
+  }
+  if (r < g.rows) RowGroup<1, kAccumulate>(d, g, r, vectors);
+}
+
+// C [rows][cols] (+)= A·B for any cols: B's last partial vector of columns is first copied into
+// `panel` [depth][N], zero-padded, so that no load reads past the end of a B row.
+template <bool kAccumulate, class D, class T = hn::TFromD<D>>
+HWY_INLINE void MatMulCols(D d, const Gemm<T>& g, size_t cols, T* HWY_RESTRICT panel) {
+  const size_t N = hn::Lanes(d);
+  const size_t whole = cols / N;
+  if (whole > 0) MatMul<kAccumulate>(d, g, whole);
+  const size_t tail = cols - whole * N;
+  if (tail == 0) return;
+  for (size_t k = 0; k < g.depth; ++k) {
+    const T* src = g.b + k * g.b_row + whole * N;
+    for (size_t c = 0; c < N; ++c) panel[k * N + c] = c < tail ? src[c] : T{0};
+  }
+  Gemm<T> last = g;
+  last.b = panel;
+  last.b_row = N;
+  last.c = g.c + whole * N;
+  MatMul<kAccumulate>(d, last, 1);
+}
+
+// Packs rows [t0, t0 + n) of a [T, D] operand transposed: out[c·ld + t] = row(t)[c], columns
+// n..ld zero (ld is n rounded up to whole vectors, and the padding must not be NaN).
+template <class T>
+void PackTransposed(const fused::RowsView<const T>& x, int64_t b, int64_t h, int64_t t0, size_t n, size_t cols,
+                    size_t ld, T* HWY_RESTRICT out) {
+  for (size_t t = 0; t < n; ++t) {
+    const T* HWY_RESTRICT src = x.row(b, h, t0 + static_cast<int64_t>(t));
+    for (size_t c = 0; c < cols; ++c) out[c * ld + t] = src[c];
+  }
+  for (size_t c = 0; c < cols; ++c) std::fill(out + c * ld + n, out + (c + 1) * ld, T{0});
+}
+
+// Asks for rows [t0, t0 + n) of a [T, D] operand to be brought into the caches, so that reading
+// them later overlaps the work in between: one prefetch per cache line.
+template <class T>
+void PrefetchRows(const fused::RowsView<const T>& x, int64_t b, int64_t h, int64_t t0, int64_t n, size_t cols) {
+  constexpr size_t kLine = 64 / sizeof(T);
+  for (int64_t t = t0; t < t0 + n; ++t) {
+    const T* row = x.row(b, h, t);
+    for (size_t c = 0; c < cols; c += kLine) hwy::Prefetch(row + c);
+  }
+}
+
+// ---- Scores: scale, bias, masks ----------------------------------------------------------------
+
+// The (query, key) pairs of one vector's lanes: lane ℓ < count is (i + ℓ·di, j + ℓ·dj), with
+// (di, dj) = (0, 1) when a vector runs along keys and (1, 0) when it runs along queries.
+struct LaneRun {
+  int64_t i = 0;
+  int64_t j = 0;
+  int64_t di = 0;
+  int64_t dj = 0;
+  size_t count = 0;
+};
+
+// A strided sequence of `count` elements as a vector (lanes past count are `fill`).
+template <class D, class T = hn::TFromD<D>, class E>
+HWY_INLINE hn::Vec<D> LoadStrided(D d, const E* x, int64_t stride, size_t count, T fill) {
+  if constexpr (std::is_same_v<E, T>) {
+    if (stride == 1 && count == hn::Lanes(d)) return hn::LoadU(d, x);
+  }
+  HWY_ALIGN T lanes[hn::MaxLanes(d)];
+  for (size_t l = 0; l < hn::Lanes(d); ++l)
+    lanes[l] = l < count ? static_cast<T>(x[static_cast<int64_t>(l) * stride]) : fill;
+  return hn::Load(d, lanes);
+}
+
+// s = scale·(q·k) + bias, −inf where the boolean mask or causality forbids the key. The same
+// function serves both tile layouts so that both compute bit-identical scores.
+template <class D, class T = hn::TFromD<D>>
+HWY_INLINE hn::Vec<D> Scores(D d, const Inputs<T>& in, int64_t b, int64_t h, const LaneRun& run, hn::Vec<D> dot) {
+  hn::Vec<D> s = hn::Mul(dot, hn::Set(d, in.scale));
+  if (in.bias) {
+    const T* x = in.bias.row(b, h, run.i) + run.j * in.bias.col_stride;
+    const int64_t stride = run.di * in.bias.row_stride + run.dj * in.bias.col_stride;
+    s = hn::Add(s, LoadStrided(d, x, stride, run.count, T{0}));
+  }
+  const hn::Vec<D> neg_inf = hn::Set(d, -std::numeric_limits<T>::infinity());
+  if (in.allowed) {
+    const uint8_t* x = in.allowed.row(b, h, run.i) + run.j * in.allowed.col_stride;
+    const int64_t stride = run.di * in.allowed.row_stride + run.dj * in.allowed.col_stride;
+    s = hn::IfThenElse(hn::Eq(LoadStrided(d, x, stride, run.count, T{1}), hn::Zero(d)), neg_inf, s);
+  }
+  if (in.causal) {
+    // Lane ℓ is masked when j_ℓ − i_ℓ = (j − i) + ℓ·(dj − di) exceeds Tk − Tq.
+    const int64_t offset = in.tk - in.tq;
+    const int64_t first = run.j - run.i;
+    const int64_t step = run.dj - run.di;
+    const int64_t last = first + step * static_cast<int64_t>(run.count > 0 ? run.count - 1 : 0);
+    if (std::max(first, last) > offset) {
+      const hn::RebindToSigned<D> di;
+      using I = hn::TFromD<decltype(di)>;
+      const auto lane = step > 0 ? hn::Iota(di, 0) : hn::Neg(hn::Iota(di, 0));
+      const auto gap = hn::Add(hn::Set(di, static_cast<I>(first)), lane);
+      s = hn::IfThenElse(hn::RebindMask(d, hn::Gt(gap, hn::Set(di, static_cast<I>(offset)))), neg_inf, s);
+    }
+  }
+  return s;
+}
+
+// e^x for the softmax, where x ≤ 0 (s − m in the forward; s − lse in the backward, above 0 by at
+// most a rounding). Highway's Exp serves the whole float range; this one needs about 16 vector
+// operations instead of 27, and the exponentials are otherwise a fifth of the forward's vector
+// work. Cody–Waite reduction: n = round(x / ln 2) by the 1.5·2²³ rounding trick (the fused
+// multiply-add rounds x·log₂e + 1.5·2²³ once, leaving n in the low mantissa bits), r = x − n·ln 2
+// with ln 2 split in two so that r is exact to ½ ulp, e^r by the degree-7 polynomial of Cephes'
+// expf (≈ 1 ulp on |r| ≤ ½ ln 2), then 2ⁿ assembled in the exponent bits. x is first raised to
+// −127·ln 2, where n = −127 gives exponent bits 0, so every x below ≈ −87.7 (−inf included)
+// gives exactly 0, as e^x, which is no longer a normal float there, would round to in effect.
+// Valid for x < 88. Doubles keep Highway's Exp: their polynomial would need twice the degree.
+template <class D, class V = hn::Vec<D>>
+HWY_INLINE V SoftmaxExp(D d, V x) {
+  if constexpr (!std::is_same_v<hn::TFromD<D>, float>) {
+    return hn::Exp(d, x);
+  } else {
+    const hn::RebindToSigned<D> di;
+    const V round_magic = hn::Set(d, 12582912.0f);  // 1.5·2²³
+    // Max(bound, x): x86's max returns its second operand when either is NaN, so NaN stays NaN.
+    x = hn::Max(hn::Set(d, -88.02969193f), x);
+    const V shifted = hn::MulAdd(x, hn::Set(d, 1.44269504088896341f), round_magic);
+    const V n = hn::Sub(shifted, round_magic);
+    V r = hn::MulAdd(n, hn::Set(d, -0.693359375f), x);
+    r = hn::MulAdd(n, hn::Set(d, 2.12194440e-4f), r);
+    V poly = hn::Set(d, 1.9875691500e-4f);
+    poly = hn::MulAdd(poly, r, hn::Set(d, 1.3981999507e-3f));
+    poly = hn::MulAdd(poly, r, hn::Set(d, 8.3334519073e-3f));
+    poly = hn::MulAdd(poly, r, hn::Set(d, 4.1665795894e-2f));
+    poly = hn::MulAdd(poly, r, hn::Set(d, 1.6666665459e-1f));
+    poly = hn::MulAdd(poly, r, hn::Set(d, 5.0000001201e-1f));
+    const V e_r = hn::Add(hn::MulAdd(poly, hn::Mul(r, r), r), hn::Set(d, 1.0f));
+    // The low bits of `shifted` hold n (two's complement, offset by the magic's mantissa, whose low
+    // 9 bits are 0); shifting them to the exponent field and adding the bias 127 gives 2ⁿ.
+    const auto exponent = hn::ShiftLeft<23>(hn::Add(hn::BitCast(di, shifted), hn::Set(di, 127)));
+    return hn::Mul(e_r, hn::BitCast(d, exponent));
+  }
+}
+
+// Whether the tile of queries [q0, q0 + nq) and keys from j0 on has any visible pair under causality.
+template <class T>
+bool TileVisible(const Inputs<T>& in, int64_t q0, size_t nq, int64_t j0) {
+  return !in.causal || j0 <= q0 + static_cast<int64_t>(nq) - 1 + in.tk - in.tq;
+}
+
+// Whether every pair of queries [q0, q0 + nq) and keys [j0, j0 + nk) is visible under causality.
+template <class T>
+bool TileFullyVisible(const Inputs<T>& in, int64_t q0, int64_t j0, size_t nk) {
+  return !in.causal || j0 + static_cast<int64_t>(nk) - 1 <= q0 + in.tk - in.tq;
+}
+
+// ---- Forward ---------------------------------------------------------------------------------------
+
+template <class T>
+struct ForwardScratch {
+  size_t few_row;  // Dv rounded up to whole vectors
+  Buffer<T> qt;    // [Dk][Br]       Qᵀ of the query block (scores come out as Sᵀ, queries along vectors)
+  Buffer<T> st;    // [Bc][Br]       Sᵀ of one key block, then exp(Sᵀ − m)
+  Buffer<T> acc;   // [Dv][Br]       oᵀ, the unnormalised outputs, queries along vectors like Sᵀ
+  Buffer<T> few;   // [8][Dv_pad]    o of AttendFewQueries, one row per query
+  Buffer<T> max;   // [Br]           m, running max
+  Buffer<T> sum;   // [Br]           l, running sum
+  Buffer<T> corr;  // [Br]           exp(m_old − m_new) of the last key block
+
+  ForwardScratch(size_t dk, size_t dv, size_t dv_pad)
+      : few_row(dv_pad),
+        qt(Allocate<T>(dk * kQueryBlock)),
+        st(Allocate<T>(kKeyBlock * kQueryBlock)),
+        acc(Allocate<T>(dv * kQueryBlock)),
+        few(Allocate<T>(kFewQueries * dv_pad)),
+        max(Allocate<T>(kQueryBlock)),
+        sum(Allocate<T>(kQueryBlock)),
+        corr(Allocate<T>(kQueryBlock)) {}
+
+  // o(i, c): the unnormalised output of query i of the block, column c.
+  T output(size_t i, size_t c) const { return acc[c * kQueryBlock + i]; }
+};
+
+// Turns the raw Sᵀ tile [nk][nq_pad] into exp(s − m') in place and advances the running max and
+// sum of every query (one vector of queries at a time, lane-wise across the nk key rows).
+template <class D, class T = hn::TFromD<D>>
+HWY_INLINE void OnlineSoftmaxStep(D d, const Inputs<T>& in, int64_t b, int64_t h, int64_t q0, size_t nq, int64_t j0,
+                                  size_t nk, ForwardScratch<T>& s) {
+  const size_t N = hn::Lanes(d);
+  const size_t ld = RoundUp(nq, N);
+  const hn::Vec<D> neg_inf = hn::Set(d, -std::numeric_limits<T>::infinity());
+  const hn::Vec<D> scale = hn::Set(d, in.scale);
+  // With no bias or mask and every pair of the tile visible, a score is just scale·(q·k). The
+  // first pass then only needs the largest raw product: for scale > 0 rounding is monotonic, so
+  // max_j round(scale·x_j) = round(scale·max_j x_j) exactly, and the second pass scales each
+  // product as Scores would. Same scores, one multiply and one store fewer per element.
+  const bool plain = !in.bias && !in.allowed && in.scale > 0 && TileFullyVisible(in, q0, j0, nk);
+  for (size_t i = 0; i < ld; i += N) {
+    T* HWY_RESTRICT col = s.st.get() + i;
+    hn::Vec<D> block_max = neg_inf;
+    if (plain) {
+      hn::Vec<D> max1 = neg_inf;  // two chains, for twice the throughput of a chain of Max
+      size_t j = 0;
+      for (; j + 2 <= nk; j += 2) {
+        block_max = hn::Max(block_max, hn::Load(d, col + j * ld));
+        max1 = hn::Max(max1, hn::Load(d, col + (j + 1) * ld));
+      }
+      if (j < nk) block_max = hn::Max(block_max, hn::Load(d, col + j * ld));
+      block_max = hn::Mul(hn::Max(block_max, max1), scale);
+    } else {
+      LaneRun run{.i = q0 + static_cast<int64_t>(i), .j = j0, .di = 1, .dj = 0, .count = std::min(N, nq - i)};
+      for (size_t j = 0; j < nk; ++j, ++run.j) {
+        const hn::Vec<D> x = Scores(d, in, b, h, run, hn::Load(d, col + j * ld));
+        hn::Store(x, d, col + j * ld);
+        block_max = hn::Max(block_max, x);
+      }
+    }
+    const hn::Vec<D> old_max = hn::Load(d, s.max.get() + i);
+    const hn::Vec<D> new_max = hn::Max(old_max, block_max);
+    // Rows that have seen no visible key yet keep m = −inf; shifting by 0 there gives exp(−inf) = 0.
+    const hn::Vec<D> shift = hn::IfThenZeroElse(hn::Eq(new_max, neg_inf), new_max);
+    const hn::Vec<D> corr = SoftmaxExp(d, hn::Sub(old_max, shift));
+    // Summed in chunks like TileUpdate's depth: l's rounding error is out's and lse's.
+    hn::Vec<D> block_sum = hn::Zero(d);
+    for (size_t c0 = 0; c0 < nk; c0 += kDepthChunk) {
+      hn::Vec<D> chunk_sum = hn::Zero(d);
+      for (size_t j = c0; j < std::min(nk, c0 + kDepthChunk); ++j) {
+        const hn::Vec<D> x = hn::Load(d, col + j * ld);
+        const hn::Vec<D> p = SoftmaxExp(d, hn::Sub(plain ? hn::Mul(x, scale) : x, shift));
+        hn::Store(p, d, col + j * ld);
+        chunk_sum = hn::Add(chunk_sum, p);
+      }
+      block_sum = hn::Add(block_sum, chunk_sum);
+    }
+    hn::Store(hn::MulAdd(hn::Load(d, s.sum.get() + i), corr, block_sum), d, s.sum.get() + i);
+    hn::Store(new_max, d, s.max.get() + i);
+    hn::Store(corr, d, s.corr.get() + i);
+  }
+}
+
+// q·k for one query and one key: Dk/N products summed lane-wise, then across the lanes; the last
+// partial vector of columns, if any, one column at a time.
+template <class D, class T = hn::TFromD<D>>
+HWY_INLINE T RowDot(D d, const T* HWY_RESTRICT q, const T* HWY_RESTRICT k, size_t cols) {
+  const size_t N = hn::Lanes(d);
+  hn::Vec<D> lanes = hn::Zero(d);
+  size_t c = 0;
+  for (; c + N <= cols; c += N) lanes = hn::MulAdd(hn::LoadU(d, q + c), hn::LoadU(d, k + c), lanes);
+  T dot = hn::GetLane(hn::SumOfLanes(d, lanes));
+  for (; c < cols; ++c) dot += q[c] * k[c];
+  return dot;
+}
+
+// RowDot for four keys at once: four independent chains of multiply-adds, and q loaded once for
+// all four, so that a key's reduction does not hold up the loads of the next.
+template <class D, class T = hn::TFromD<D>>
+HWY_INLINE void RowDot4(D d, const T* HWY_RESTRICT q, const T* HWY_RESTRICT k0, const T* HWY_RESTRICT k1,
+                        const T* HWY_RESTRICT k2, const T* HWY_RESTRICT k3, size_t cols, T* HWY_RESTRICT dots) {
+  const size_t N = hn::Lanes(d);
+  hn::Vec<D> a0 = hn::Zero(d), a1 = hn::Zero(d), a2 = hn::Zero(d), a3 = hn::Zero(d);
+  size_t c = 0;
+  for (; c + N <= cols; c += N) {
+    const hn::Vec<D> qc = hn::LoadU(d, q + c);
+    a0 = hn::MulAdd(qc, hn::LoadU(d, k0 + c), a0);
+    a1 = hn::MulAdd(qc, hn::LoadU(d, k1 + c), a1);
+    a2 = hn::MulAdd(qc, hn::LoadU(d, k2 + c), a2);
+    a3 = hn::MulAdd(qc, hn::LoadU(d, k3 + c), a3);
+  }
+  T t0 = hn::GetLane(hn::SumOfLanes(d, a0)), t1 = hn::GetLane(hn::SumOfLanes(d, a1));
+  T t2 = hn::GetLane(hn::SumOfLanes(d, a2)), t3 = hn::GetLane(hn::SumOfLanes(d, a3));
+  for (; c < cols; ++c) {
+    t0 += q[c] * k0[c];
+    t1 += q[c] * k1[c];
+    t2 += q[c] * k2[c];
+    t3 += q[c] * k3[c];
+  }
+  dots[0] = t0;
+  dots[1] = t1;
+  dots[2] = t2;
+  dots[3] = t3;
+}
+
+// o_row[c, c + C·N) ← corr·o_row + Σ_j p[j]·v_j[c, c + C·N) over the block's nk keys: the block's
+// sum starts from zero in registers (blocked summation, as TileUpdate's) and the rescaling of the
+// older sum rides on the same multiply-add.
+template <size_t C, class D, class T = hn::TFromD<D>>
+HWY_INLINE void AccumulateWeightedColumns(D d, const fused::RowsView<const T>& v, int64_t b, int64_t h, int64_t j0,
+                                          size_t nk, const T* HWY_RESTRICT p, T corr, size_t c, T* HWY_RESTRICT o_row) {
+  const size_t N = hn::Lanes(d);
+  hn::Vec<D> sum[C];
+  HWY_UNROLL(8)
+  for (size_t g = 0; g < C; ++g) sum[g] = hn::Zero(d);
+  for (size_t j = 0; j < nk; ++j) {
+    const T* HWY_RESTRICT vj = v.row(b, h, j0 + static_cast<int64_t>(j)) + c;
+    const hn::Vec<D> pj = hn::Set(d, p[j]);
+    HWY_UNROLL(8)
+    for (size_t g = 0; g < C; ++g) sum[g] = hn::MulAdd(pj, hn::LoadU(d, vj + g * N), sum[g]);
+  }
+  HWY_UNROLL(8)
+  for (size_t g = 0; g < C; ++g) {
+    T* HWY_RESTRICT out = o_row + c + g * N;
+    hn::Store(hn::MulAdd(hn::Load(d, out), hn::Set(d, corr), sum[g]), d, out);
+  }
+}
+
+// o_row ← corr·o_row + Σ_j p[j]·v_j over all `cols` columns: kGroup column vectors at a
+// time, then single vectors, then the last partial vector one column at a time.
+template <class D, class T = hn::TFromD<D>>
+HWY_INLINE void AccumulateWeightedRows(D d, const fused::RowsView<const T>& v, int64_t b, int64_t h, int64_t j0,
+                                       size_t nk, const T* HWY_RESTRICT p, T corr, size_t cols, T* HWY_RESTRICT o_row) {
+  // Eight accumulators: enough independent chains for two 4-cycle FMA pipes on every x86 target
+  // (measured ≈ 1.05–1.1× decode on Zen 3 against 2·kTileVectors = 4 there).
+  constexpr size_t kGroup = 8;
+  const size_t N = hn::Lanes(d);
+  size_t c = 0;
+  for (; c + kGroup * N <= cols; c += kGroup * N) {
+    AccumulateWeightedColumns<kGroup>(d, v, b, h, j0, nk, p, corr, c, o_row);
+  }
+  for (; c + N <= cols; c += N) AccumulateWeightedColumns<1>(d, v, b, h, j0, nk, p, corr, c, o_row);
+  for (; c < cols; ++c) {
+    T sum = 0;
+    for (size_t j = 0; j < nk; ++j) sum += p[j] * v.row(b, h, j0 + static_cast<int64_t>(j))[c];
+    o_row[c] = o_row[c] * corr + sum;
+  }
+}
+
+// The forward for nq ≤ kFewQueries queries (decode): with a single query, lanes along queries
+// would leave all but one lane idle, so here the lanes run along keys instead. A block is one
+// vector of N keys: each score is a dot product along d (RowDot), the block's scores form one
+// vector for Scores and the exponential, and the block max and sum are reductions across lanes.
+// Every key is used by at most nq queries, so memory, not arithmetic, sets the pace: the kernel
+// does little more per key than load k and v once. Leaves m, l and o in the scratch like
+// AttendQueryBlock; o is summed in rows and transposed at the end.
+template <class D, class T = hn::TFromD<D>>
+void AttendFewQueries(D d, const Inputs<T>& in, int64_t b, int64_t h, int64_t q0, size_t nq, int64_t key_begin,
+                      int64_t key_end, ForwardScratch<T>& s) {
+  const size_t N = hn::Lanes(d);
+  const size_t dk = ToSize(in.dk);
+  const hn::Vec<D> neg_inf = hn::Set(d, -std::numeric_limits<T>::infinity());
+  const size_t dv = ToSize(in.dv);
+  T* HWY_RESTRICT p = s.st.get();
+  std::fill(s.few.get(), s.few.get() + nq * s.few_row, T{0});
+  const auto prefetch_keys = static_cast<int64_t>(RoundUp(kFewQueriesPrefetchBytes / (dk * sizeof(T)) + 1, N));
+  for (int64_t j0 = key_begin; j0 < key_end; j0 += static_cast<int64_t>(N)) {
+    const size_t nk = ToSize(std::min<int64_t>(static_cast<int64_t>(N), key_end - j0));
+    const int64_t ahead = j0 + prefetch_keys;
+    if (ahead < key_end) {
+      const int64_t n_ahead = std::min<int64_t>(static_cast<int64_t>(N), key_end - ahead);
+      PrefetchRows(in.k, b, h, ahead, n_ahead, dk);
+      PrefetchRows(in.v, b, h, ahead, n_ahead, dv);
+    }
+    for (size_t i = 0; i < nq; ++i) {
+      const int64_t qi = q0 + static_cast<int64_t>(i);
+      const T* HWY_RESTRICT q = in.q.row(b, h, qi);
+      size_t j = 0;
+      for (; j + 4 <= nk; j += 4) {
+        const T* k0 = in.k.row(b, h, j0 + static_cast<int64_t>(j));
+        const int64_t rs = in.k.row_stride;
+        RowDot4(d, q, k0, k0 + rs, k0 + 2 * rs, k0 + 3 * rs, dk, p + j);
+      }
+      for (; j < nk; ++j) p[j] = RowDot(d, q, in.k.row(b, h, j0 + static_cast<int64_t>(j)), dk);
+      const LaneRun run{.i = qi, .j = j0, .di = 0, .dj = 1, .count = nk};
+      const hn::Vec<D> scores = hn::IfThenElse(hn::FirstN(d, nk), Scores(d, in, b, h, run, hn::LoadU(d, p)), neg_inf);
+      const T old_max = s.max[i];
+      const T new_max = std::max(old_max, hn::GetLane(hn::MaxOfLanes(d, scores)));
+      // As in OnlineSoftmaxStep: a row that has seen no visible key shifts by 0, not by −inf.
+      const T shift = new_max == -std::numeric_limits<T>::infinity() ? T{0} : new_max;
+      const hn::Vec<D> weights = SoftmaxExp(d, hn::Sub(scores, hn::Set(d, shift)));
+      const T corr = hn::GetLane(SoftmaxExp(d, hn::Set(d, old_max - shift)));
+      hn::StoreU(weights, d, p);
+      s.sum[i] = s.sum[i] * corr + hn::GetLane(hn::SumOfLanes(d, weights));
+      s.max[i] = new_max;
+      AccumulateWeightedRows(d, in.v, b, h, j0, nk, p, corr, dv, s.few.get() + i * s.few_row);
+    }
+  }
+  for (size_t i = 0; i < nq; ++i) {
+    for (size_t c = 0; c < dv; ++c) s.acc[c * kQueryBlock + i] = s.few[i * s.few_row + c];
+  }
+}
+
+// Online softmax of queries [q0, q0 + nq) (nq ≤ Br) of head (b, h) over keys [key_begin, key_end):
+// leaves m, l and o in the scratch. With few_query_layout, a block of at most kFewQueries queries
+// takes AttendFewQueries (see ForwardParams::lse for when it must not).
+template <class D, class T = hn::TFromD<D>>
+void AttendQueryBlock(D d, const Inputs<T>& in, int64_t b, int64_t h, int64_t q0, size_t nq, int64_t key_begin,
+                      int64_t key_end, bool few_query_layout, ForwardScratch<T>& s) {
+  const size_t N = hn::Lanes(d);
+  const size_t ld = RoundUp(nq, N);
+  const size_t dv = ToSize(in.dv);
+  std::fill(s.max.get(), s.max.get() + ld, -std::numeric_limits<T>::infinity());
+  std::fill(s.sum.get(), s.sum.get() + ld, T{0});
+  // Causal: the last query of the block sees keys j < q0 + nq + Tk − Tq; later blocks are skipped.
+  if (in.causal) key_end = std::min(key_end, q0 + static_cast<int64_t>(nq) + in.tk - in.tq);
+  if (few_query_layout && nq <= kFewQueries) {
+    AttendFewQueries(d, in, b, h, q0, nq, key_begin, key_end, s);
+    return;
+  }
+  std::fill(s.acc.get(), s.acc.get() + dv * kQueryBlock, T{0});
+  PackTransposed(in.q, b, h, q0, nq, ToSize(in.dk), ld, s.qt.get());
+  for (int64_t j0 = key_begin; j0 < key_end; j0 += static_cast<int64_t>(kKeyBlock)) {
+    const size_t nk = ToSize(std::min<int64_t>(static_cast<int64_t>(kKeyBlock), key_end - j0));
+    if (nq <= static_cast<size_t>(kDecodeQueries)) {
+      // With few queries every key is used by few rows: memory, not arithmetic, is the limit, so
+      // the next block's K and V stream in while this block is computed.
+      const int64_t next = j0 + static_cast<int64_t>(kKeyBlock);
+      const int64_t next_n = std::min<int64_t>(static_cast<int64_t>(kKeyBlock), key_end - next);
+      PrefetchRows(in.k, b, h, next, next_n, ToSize(in.dk));
+      PrefetchRows(in.v, b, h, next, next_n, dv);
+    }
+    // Sᵀ [nk][ld] = K · Qᵀ
+    MatMul<false>(d,
+                  Gemm<T>{.a = in.k.row(b, h, j0),
+                          .a_row = ToSize(in.k.row_stride),
+                          .a_depth = 1,
+                          .b = s.qt.get(),
+                          .b_row = ld,
+                          .c = s.st.get(),
+                          .c_row = ld,
+                          .rows = nk,
+                          .depth = ToSize(in.dk)},
+                  ld / N);
+    OnlineSoftmaxStep(d, in, b, h, q0, nq, j0, nk, s);
+    for (size_t i = 0; i < ld; i += N) {
+      const hn::Vec<D> corr = hn::Load(d, s.corr.get() + i);
+      if (hn::AllTrue(d, hn::Eq(corr, hn::Set(d, T{1})))) continue;
+      for (size_t c = 0; c < dv; ++c) {
+        T* HWY_RESTRICT at = s.acc.get() + c * kQueryBlock + i;
+        hn::Store(hn::Mul(hn::Load(d, at), corr), d, at);
+      }
+    }
+    // oᵀ [Dv][nq] += Vᵀ · Pᵀ: V's elements are broadcast, each once per key block, and the vectors
+    // come from Pᵀ, which the softmax step has just left in L1; the other way round (o += P·V,
+    // vectors of V rows) reads every V row once per 4 queries.
+    MatMul<true>(d,
+                 Gemm<T>{.a = in.v.row(b, h, j0),
+                         .a_row = 1,
+                         .a_depth = ToSize(in.v.row_stride),
+                         .b = s.st.get(),
+                         .b_row = ld,
+                         .c = s.acc.get(),
+                         .c_row = kQueryBlock,
+                         .rows = dv,
+                         .depth = nk},
+                 ld / N);
+  }
+}
+
+// Stores lse rounded to T and, when wanted, the rest.
+template <class T>
+void WriteLse(const ForwardParams<T>& p, int64_t b, int64_t h, int64_t i, double lse) {
+  if (!p.lse) return;
+  const T rounded = static_cast<T>(lse);
+  p.lse.at(b, h, i) = rounded;
+  if (p.lse_lo) {
+    p.lse_lo[(b * p.in.heads + h) * p.in.tq + i] =
+        std::isinf(lse) ? T{0} : static_cast<T>(lse - static_cast<double>(rounded));
+  }
+}
+
+// out = o / l and lse = m + log l for the block's queries; 0 and −inf for rows that saw no key.
+template <class T>
+void WriteOutputs(const ForwardParams<T>& p, int64_t b, int64_t h, int64_t q0, size_t nq, const ForwardScratch<T>& s) {
+  for (size_t i = 0; i < nq; ++i) {
+    const int64_t qi = q0 + static_cast<int64_t>(i);
+    T* out = p.out.row(b, h, qi);
+    const bool empty = s.max[i] == -std::numeric_limits<T>::infinity();
+    for (size_t c = 0; c < ToSize(p.in.dv); ++c) {
+      out[static_cast<int64_t>(c) * p.out.col_stride] = empty ? T{0} : s.output(i, c) / s.sum[i];
+    }
+    const double lse = empty ? -std::numeric_limits<double>::infinity()
+                             : static_cast<double>(s.max[i]) + std::log(static_cast<double>(s.sum[i]));
+    WriteLse(p, b, h, qi, lse);
+  }
+}
+
+// Chunks the keys of a decode problem are split into: enough tasks for any core count, none
+// shorter than kDecodeMinChunk keys. Depends only on the problem, so results do not depend on
+// the thread count.
+template <class T>
+int64_t DecodeChunks(const Inputs<T>& in) {
+  if (in.tq > kDecodeQueries || in.tk < 2 * kDecodeMinChunk) return 1;
+  const int64_t by_length = in.tk / kDecodeMinChunk;
+  const int64_t by_tasks = std::max<int64_t>(1, kDecodeTasks / std::max<int64_t>(1, in.heads_total()));
+  return std::max<int64_t>(1, std::min(by_length, by_tasks));
+}
+
+// Decode: every (head, key chunk) task leaves its partial (m, l, o) for the Tq ≤ 16 queries; a
+// second parallel_for merges the chunks of each head by log-sum-exp:
+//   M = max_c m_c,  w_c = exp(m_c − M) (0 for a chunk that saw no key),  l = Σ_c w_c l_c,
+//   out = Σ_c w_c o_c / l,  lse = M + log l;  M = −inf: out 0, lse −inf.
+template <class D, class T = hn::TFromD<D>>
+void ForwardDecode(D d, const ForwardParams<T>& p, int64_t chunks, std::vector<ForwardScratch<T>>& scratch) {
+  const Inputs<T>& in = p.in;
+  const size_t nq = ToSize(in.tq);
+  const size_t dv = ToSize(in.dv);
+  const int64_t chunk_len =
+      static_cast<int64_t>(RoundUp(ToSize((in.tk + chunks - 1) / chunks), kKeyBlock));  // whole key blocks
+  const int64_t heads = in.heads_total();
+  const size_t parts = ToSize(heads * chunks);
+  std::vector<T> part_max(parts * nq), part_sum(parts * nq), part_acc(parts * nq * dv);
+  parallel_for(
+      heads * chunks,
+      [&](int64_t task, int worker) HWY_ATTR {
+        const int64_t bh = task / chunks;
+        const int64_t chunk = task % chunks;
+        const int64_t b = bh / in.heads, h = bh % in.heads;
+        ForwardScratch<T>& s = scratch[ToSize(worker)];
+        const int64_t begin = std::min(in.tk, chunk * chunk_len);
+        AttendQueryBlock(d, in, b, h, 0, nq, begin, std::min(in.tk, begin + chunk_len), !p.lse, s);
+        const size_t part = ToSize(task);
+        std::copy(s.max.get(), s.max.get() + nq, part_max.begin() + static_cast<ptrdiff_t>(part * nq));
+        std::copy(s.sum.get(), s.sum.get() + nq, part_sum.begin() + static_cast<ptrdiff_t>(part * nq));
+        for (size_t i = 0; i < nq; ++i) {
+          for (size_t c = 0; c < dv; ++c) part_acc[(part * nq + i) * dv + c] = s.output(i, c);
+        }
+      },
+      ThreadLimit(in));
+  parallel_for(
+      heads,
+      [&](int64_t bh, int /*worker*/) HWY_ATTR {
+        const int64_t b = bh / in.heads, h = bh % in.heads;
+        std::vector<double> weight(ToSize(chunks));
+        for (size_t i = 0; i < nq; ++i) {
+          auto at = [&](int64_t chunk) { return ToSize(bh * chunks + chunk) * nq + i; };
+          double max = -std::numeric_limits<double>::infinity();
+          for (int64_t c = 0; c < chunks; ++c) max = std::max(max, static_cast<double>(part_max[at(c)]));
+          T* out = p.out.row(b, h, static_cast<int64_t>(i));
+          if (max == -std::numeric_limits<double>::infinity()) {
+            for (int64_t c = 0; c < in.dv; ++c) out[c * p.out.col_stride] = T{0};
+            WriteLse(p, b, h, static_cast<int64_t>(i), max);
+            continue;
+          }
+          double sum = 0;
+          for (int64_t c = 0; c < chunks; ++c) {
+            weight[ToSize(c)] = std::exp(static_cast<double>(part_max[at(c)]) - max);  // exp(−inf) = 0
+            sum += weight[ToSize(c)] * static_cast<double>(part_sum[at(c)]);
+          }
+          for (int64_t col = 0; col < in.dv; ++col) {
+            double value = 0;
+            for (int64_t c = 0; c < chunks; ++c)
+              value += weight[ToSize(c)] * static_cast<double>(part_acc[at(c) * dv + ToSize(col)]);
+            out[col * p.out.col_stride] = static_cast<T>(value / sum);
+          }
+          WriteLse(p, b, h, static_cast<int64_t>(i), max + std::log(sum));
+        }
+      },
+      ThreadLimit(in));
+}
+
+template <class T>
+void ForwardImpl(const ForwardParams<T>& p) {
+  const hn::ScalableTag<T> d;
+  const Inputs<T>& in = p.in;
+  const size_t N = hn::Lanes(d);
+  const size_t dv_pad = RoundUp(ToSize(in.dv), N);
+  std::vector<ForwardScratch<T>> scratch;
+  scratch.reserve(ToSize(max_workers()));
+  for (int w = 0; w < max_workers(); ++w) scratch.emplace_back(ToSize(in.dk), ToSize(in.dv), dv_pad);
+
+  const int64_t chunks = DecodeChunks(in);
+  if (chunks > 1) {
+    ForwardDecode(d, p, chunks, scratch);
+    return;
+  }
+  const int64_t blocks = (in.tq + static_cast<int64_t>(kQueryBlock) - 1) / static_cast<int64_t>(kQueryBlock);
+  parallel_for(
+      in.heads_total() * blocks,
+      [&](int64_t task, int worker) HWY_ATTR {
+        const int64_t bh = task / blocks;
+        // The last query blocks see the most keys under causality: hand them out first.
+        const int64_t block = blocks - 1 - task % blocks;
+        const int64_t b = bh / in.heads, h = bh % in.heads;
+        const int64_t q0 = block * static_cast<int64_t>(kQueryBlock);
+        const size_t nq = ToSize(std::min(static_cast<int64_t>(kQueryBlock), in.tq - q0));
+        ForwardScratch<T>& s = scratch[ToSize(worker)];
+        AttendQueryBlock(d, in, b, h, q0, nq, 0, in.tk, !p.lse, s);
+        WriteOutputs(p, b, h, q0, nq, s);
+      },
+      ThreadLimit(in));
+}
+
+// ---- Backward ------------------------------------------------------------------------------------
+
+template <class T>
+struct BackwardScratch {
+  Buffer<T> kt;      // [Dk][Bc]      Kᵀ of the key block (one-pass and pass 1)
+  Buffer<T> vt;      // [Dv][Bc]      Vᵀ of the key block
+  Buffer<T> qt;      // [Dk][Br]      Qᵀ of the query block (pass 2)
+  Buffer<T> dot;     // [Dv][Br]      dOᵀ of the query block
+  Buffer<T> p;       // [Br·Bc]       P tile (either layout)
+  Buffer<T> ds;      // [Br·Bc]       dP, then dS, tile
+  Buffer<T> dk_acc;  // [Bc][Dk_pad]  Σ_i dS_ij q_i of the key block
+  Buffer<T> dv_acc;  // [Bc][Dv_pad]  Σ_i P_ij dO_i
+  Buffer<T> dq;      // [Br][Dk_pad]  Σ_j dS_ij k_j of one tile
+  Buffer<T> lse_hi;  // [Br]          lse of the query block (pass 2), high part
+  Buffer<T> lse_lo;  // [Br]          and low part
+  Buffer<T> delta;   // [Br]          D of the query block (pass 2)
+  Buffer<T> panel;   // [max(Br, Bc)][N]
+
+  BackwardScratch(size_t dk, size_t dv, size_t lanes)
+      : kt(Allocate<T>(dk * kKeyBlock)),
+        vt(Allocate<T>(dv * kKeyBlock)),
+        qt(Allocate<T>(dk * kQueryBlock)),
+        dot(Allocate<T>(dv * kQueryBlock)),
+        p(Allocate<T>(kQueryBlock * kKeyBlock)),
+        ds(Allocate<T>(kQueryBlock * kKeyBlock)),
+        dk_acc(Allocate<T>(kKeyBlock * RoundUp(dk, lanes))),
+        dv_acc(Allocate<T>(kKeyBlock * RoundUp(dv, lanes))),
+        dq(Allocate<T>(kQueryBlock * RoundUp(dk, lanes))),
+        lse_hi(Allocate<T>(kQueryBlock)),
+        lse_lo(Allocate<T>(kQueryBlock)),
+        delta(Allocate<T>(kQueryBlock)),
+        panel(Allocate<T>(std::max(kQueryBlock, kKeyBlock) * lanes)) {}
+};
+
+// P = exp((s − lse_hi) − lse_lo) and dS = P ∘ (dP − D) for one vector of (query, key) pairs, in
+// place: p_inout holds q·k, ds_inout dO·v. Shared by both tile layouts, so that both give
+// bit-identical P and dS.
+template <class D, class T = hn::TFromD<D>>
+HWY_INLINE void ProbabilityAndScoreGradient(D d, const Inputs<T>& in, int64_t b, int64_t h, const LaneRun& run,
+                                            hn::Vec<D> lse_hi, hn::Vec<D> lse_lo, hn::Vec<D> delta,
+                                            T* HWY_RESTRICT p_inout, T* HWY_RESTRICT ds_inout) {
+  const hn::Vec<D> s = Scores(d, in, b, h, run, hn::Load(d, p_inout));
+  const hn::Vec<D> p = SoftmaxExp(d, hn::Sub(hn::Sub(s, lse_hi), lse_lo));
+  hn::Store(p, d, p_inout);
+  hn::Store(hn::Mul(p, hn::Sub(hn::Load(d, ds_inout), delta)), d, ds_inout);
+}
+
+// rows of x += scale · tile. Not inlined: both backward schedules run this very code, so the
+// rounding of the update cannot differ between them.
+template <class T>
+HWY_NOINLINE void AddScaledRows(const fused::RowsView<T>& x, int64_t b, int64_t h, int64_t t0, size_t rows, size_t cols,
+                                const T* HWY_RESTRICT tile, size_t ld, T scale) {
+  const hn::ScalableTag<T> d;
+  const size_t N = hn::Lanes(d);
+  const auto factor = hn::Set(d, scale);
+  for (size_t r = 0; r < rows; ++r) {
+    T* dst = x.row(b, h, t0 + static_cast<int64_t>(r));
+    const T* src = tile + r * ld;
+    size_t c = 0;
+    if (x.col_stride == 1) {
+      for (; c + N <= cols; c += N)
+        hn::StoreU(hn::MulAdd(factor, hn::Load(d, src + c), hn::LoadU(d, dst + c)), d, dst + c);
+    }
+    for (; c < cols; ++c) {
+      const hn::CappedTag<T, 1> d1;
+      T* at = dst + static_cast<int64_t>(c) * x.col_stride;
+      hn::StoreU(hn::MulAdd(hn::Set(d1, scale), hn::Set(d1, src[c]), hn::LoadU(d1, at)), d1, at);
+    }
+  }
+}
+
+// D_i = dO_i·out_i of every row of every head [B·H·Tq], summed lane for lane as TileUpdate sums
+// dP_ij = dO_i·v_j: MulAdd over d, chunks of kDepthChunk from zero, each chunk added in turn.
+template <class T>
+std::vector<T> RowDeltas(const BackwardParams<T>& p) {
+  const Inputs<T>& in = p.in;
+  std::vector<T> delta(ToSize(in.heads_total() * in.tq));
+  parallel_for(
+      in.heads_total(),
+      [&](int64_t bh, int /*worker*/) HWY_ATTR {
+        const hn::CappedTag<T, 1> d1;
+        const int64_t b = bh / in.heads, h = bh % in.heads;
+        for (int64_t i = 0; i < in.tq; ++i) {
+          const T* dout = p.dout.row(b, h, i);
+          const T* out = p.out.row(b, h, i);
+          auto total = hn::Zero(d1);
+          for (int64_t c0 = 0; c0 < in.dv; c0 += static_cast<int64_t>(kDepthChunk)) {
+            auto acc = hn::Zero(d1);
+            const int64_t c1 = std::min(in.dv, c0 + static_cast<int64_t>(kDepthChunk));
+            for (int64_t c = c0; c < c1; ++c)
+              acc = hn::MulAdd(hn::Set(d1, dout[c]), hn::Set(d1, out[c * p.out.col_stride]), acc);
+            total = c0 == 0 ? acc : hn::Add(total, acc);
+          }
+          delta[ToSize(bh * in.tq + i)] = hn::GetLane(total);
+        }
+      },
+      ThreadLimit(in));
+  return delta;
+}
+
+// Adds one tile's dS (queries as rows, row stride ld) into dbias. Where the bias was broadcast over
+// queries, a tile's contributions to one element are first summed in float64, in query order, so
+// that an element shared by many rows takes one rounding per tile rather than one per score.
+template <class T>
+void AddTileToBias(const fused::ScoresView<T>& dbias, int64_t b, int64_t h, int64_t q0, size_t nq, int64_t j0,
+                   size_t nk, const T* HWY_RESTRICT ds, size_t ld) {
+  if (dbias.row_stride == 0) {
+    T* row = dbias.row(b, h, q0) + j0 * dbias.col_stride;
+    for (size_t j = 0; j < nk; ++j) {
+      double sum = 0;
+      for (size_t i = 0; i < nq; ++i) sum += static_cast<double>(ds[i * ld + j]);
+      row[static_cast<int64_t>(j) * dbias.col_stride] += static_cast<T>(sum);
+    }
+    return;
+  }
+  for (size_t i = 0; i < nq; ++i) {
+    T* row = dbias.row(b, h, q0 + static_cast<int64_t>(i)) + j0 * dbias.col_stride;
+    for (size_t j = 0; j < nk; ++j) row[static_cast<int64_t>(j) * dbias.col_stride] += ds[i * ld + j];
+  }
+}
+
+// The heads whose dbias elements coincide (a bias broadcast over B or H) form a group, run by one
+// task in increasing head order; otherwise every head is its own group.
+struct HeadGroups {
+  int64_t batch = 0, heads = 0;
+  bool share_batch = false, share_heads = false;
+
+  int64_t count() const { return (share_batch ? 1 : batch) * (share_heads ? 1 : heads); }
+  int64_t size() const { return (share_batch ? batch : 1) * (share_heads ? heads : 1); }
+  // Member m (in increasing b·H + h order) of group g, as (b, h).
+  std::pair<int64_t, int64_t> member(int64_t g, int64_t m) const {
+    const int64_t group_heads = share_heads ? 1 : heads;
+    const int64_t gb = share_batch ? 0 : g / group_heads, gh = share_heads ? 0 : g % group_heads;
+    const int64_t member_heads = share_heads ? heads : 1;
+    return {gb + (share_batch ? m / member_heads : 0), gh + (share_heads ? m % member_heads : 0)};
+  }
+};
+
+template <class T>
+class BackwardKernel {
+ public:
+  using D = hn::ScalableTag<T>;
+
+  explicit BackwardKernel(const BackwardParams<T>& p)
+      : p_(p),
+        in_(p.in),
+        // A bias broadcast over the keys (one value per query row) shifts every score of the row
+        // alike, which softmax ignores: its gradient Σ_j dS_ij is exactly 0 and is not summed.
+        dbias_(p.dbias && p.dbias.col_stride != 0 ? p.dbias : fused::ScoresView<T>{}),
+        N_(hn::Lanes(D())),
+        dk_(ToSize(in_.dk)),
+        dv_(ToSize(in_.dv)),
+        dk_pad_(RoundUp(dk_, N_)),
+        dv_pad_(RoundUp(dv_, N_)),
+        delta_(RowDeltas(p)) {
+    groups_ = HeadGroups{.batch = in_.batch,
+                         .heads = in_.heads,
+                         .share_batch = dbias_ && dbias_.batch_stride == 0 && in_.batch > 1,
+                         .share_heads = dbias_ && dbias_.head_stride == 0 && in_.heads > 1};
+    for (int w = 0; w < max_workers(); ++w) scratch_.emplace_back(dk_, dv_, N_);
+  }
+
+  void Run() {
+    const int64_t query_blocks = BlockCount(in_.tq, kQueryBlock);
+    const int64_t key_blocks = BlockCount(in_.tk, kKeyBlock);
+    const int64_t groups = groups_.count();
+    // Cost in tiles: one pass does 5 products per tile, two passes 7 (QKᵀ and dO Vᵀ twice) but
+    // split the heads' work over more tasks.
+    const int thread_limit = ThreadLimit(in_);
+    const int64_t workers = thread_limit == 1 ? 1 : max_workers();
+    const bool one_pass = 5 * workers * ((groups + workers - 1) / workers) <= 7 * groups;
+    if (one_pass) {
+      parallel_for(
+          groups,
+          [&](int64_t g, int worker) HWY_ATTR {
+            for (int64_t m = 0; m < groups_.size(); ++m) {
+              const auto [b, h] = groups_.member(g, m);
+              for (int64_t kb = 0; kb < key_blocks; ++kb)
+                KeyBlock(b, h, kb, query_blocks, scratch_[ToSize(worker)], true);
+            }
+          },
+          thread_limit);
+      return;
+    }
+    parallel_for(
+        groups * key_blocks,
+        [&](int64_t task, int worker) HWY_ATTR {
+          for (int64_t m = 0; m < groups_.size(); ++m) {
+            const auto [b, h] = groups_.member(task / key_blocks, m);
+            KeyBlock(b, h, task % key_blocks, query_blocks, scratch_[ToSize(worker)], false);
+          }
+        },
+        thread_limit);
+    parallel_for(
+        groups * query_blocks,
+        [&](int64_t task, int worker) HWY_ATTR {
+          for (int64_t m = 0; m < groups_.size(); ++m) {
+            const auto [b, h] = groups_.member(task / query_blocks, m);
+            QueryBlock(b, h, task % query_blocks, key_blocks, scratch_[ToSize(worker)]);
+          }
+        },
+        thread_limit);
+  }
+
+ private:
+  static int64_t BlockCount(int64_t n, size_t block) {
+    return (n + static_cast<int64_t>(block) - 1) / static_cast<int64_t>(block);
+  }
+  int64_t RowIndex(int64_t b, int64_t h, int64_t i) const { return (b * in_.heads + h) * in_.tq + i; }
+
+  // Key block kb of head (b, h) against every query block that sees it: dK, dV and dbias of its
+  // keys; with `with_dq` (one pass) also each tile's dQ.
+  void KeyBlock(int64_t b, int64_t h, int64_t kb, int64_t query_blocks, BackwardScratch<T>& s, bool with_dq) {
+    const D d;
+    const int64_t j0 = kb * static_cast<int64_t>(kKeyBlock);
+    const size_t nk = ToSize(std::min(static_cast<int64_t>(kKeyBlock), in_.tk - j0));
+    const size_t ld = RoundUp(nk, N_);
+    PackTransposed(in_.k, b, h, j0, nk, dk_, ld, s.kt.get());
+    PackTransposed(in_.v, b, h, j0, nk, dv_, ld, s.vt.get());
+    std::fill(s.dk_acc.get(), s.dk_acc.get() + nk * dk_pad_, T{0});
+    std::fill(s.dv_acc.get(), s.dv_acc.get() + nk * dv_pad_, T{0});
+    for (int64_t qb = 0; qb < query_blocks; ++qb) {
+      const int64_t q0 = qb * static_cast<int64_t>(kQueryBlock);
+      const size_t nq = ToSize(std::min(static_cast<int64_t>(kQueryBlock), in_.tq - q0));
+      if (!TileVisible(in_, q0, nq, j0)) continue;
+      // S [nq][ld] = Q·Kᵀ and dP = dO·Vᵀ
+      ScoreProducts(in_.q, p_.dout, b, h, q0, nq, s.kt.get(), s.vt.get(), ld, s);
+      for (size_t i = 0; i < nq; ++i) {
+        const int64_t qi = q0 + static_cast<int64_t>(i);
+        const hn::Vec<D> lse_hi = hn::Set(d, p_.lse_hi[RowIndex(b, h, qi)]);
+        const hn::Vec<D> lse_lo = hn::Set(d, p_.lse_lo[RowIndex(b, h, qi)]);
+        const hn::Vec<D> delta = hn::Set(d, delta_[ToSize(RowIndex(b, h, qi))]);
+        for (size_t j = 0; j < ld; j += N_) {
+          const LaneRun run{
+              .i = qi, .j = j0 + static_cast<int64_t>(j), .di = 0, .dj = 1, .count = std::min(N_, nk - j)};
+          ProbabilityAndScoreGradient(d, in_, b, h, run, lse_hi, lse_lo, delta, s.p.get() + i * ld + j,
+                                      s.ds.get() + i * ld + j);
+        }
+      }
+      if (dbias_) AddTileToBias(dbias_, b, h, q0, nq, j0, nk, s.ds.get(), ld);
+      // dV [nk] += Pᵀ·dO and dK += dSᵀ·Q (scaled when written out)
+      MatMulCols<true>(d,
+                       Gemm<T>{.a = s.p.get(),
+                               .a_row = 1,
+                               .a_depth = ld,
+                               .b = p_.dout.row(b, h, q0),
+                               .b_row = ToSize(p_.dout.row_stride),
+                               .c = s.dv_acc.get(),
+                               .c_row = dv_pad_,
+                               .rows = nk,
+                               .depth = nq},
+                       dv_, s.panel.get());
+      MatMulCols<true>(d,
+                       Gemm<T>{.a = s.ds.get(),
+                               .a_row = 1,
+                               .a_depth = ld,
+                               .b = in_.q.row(b, h, q0),
+                               .b_row = ToSize(in_.q.row_stride),
+                               .c = s.dk_acc.get(),
+                               .c_row = dk_pad_,
+                               .rows = nk,
+                               .depth = nq},
+                       dk_, s.panel.get());
+      // dQ tile [nq] = dS·K, added to dq now: tile by tile in key-block order, as pass 2 does.
+      if (with_dq) AddQueryGradientTile(b, h, q0, nq, j0, nk, ld, 1, s);
+    }
+    AddScaledRows(p_.dk, b, h, j0, nk, dk_, s.dk_acc.get(), dk_pad_, in_.scale);
+    AddScaledRows(p_.dv, b, h, j0, nk, dv_, s.dv_acc.get(), dv_pad_, T{1});
+  }
+
+  // Query block qb of head (b, h) against every key block it sees, tiles with keys as rows: dQ.
+  void QueryBlock(int64_t b, int64_t h, int64_t qb, int64_t key_blocks, BackwardScratch<T>& s) {
+    const D d;
+    const int64_t q0 = qb * static_cast<int64_t>(kQueryBlock);
+    const size_t nq = ToSize(std::min(static_cast<int64_t>(kQueryBlock), in_.tq - q0));
+    const size_t ld = RoundUp(nq, N_);
+    PackTransposed(in_.q, b, h, q0, nq, dk_, ld, s.qt.get());
+    PackTransposed(p_.dout, b, h, q0, nq, dv_, ld, s.dot.get());
+    for (size_t i = 0; i < ld; ++i) {
+      const int64_t qi = q0 + static_cast<int64_t>(i);
+      s.lse_hi[i] = i < nq ? p_.lse_hi[RowIndex(b, h, qi)] : std::numeric_limits<T>::infinity();
+      s.lse_lo[i] = i < nq ? p_.lse_lo[RowIndex(b, h, qi)] : T{0};
+      s.delta[i] = i < nq ? delta_[ToSize(RowIndex(b, h, qi))] : T{0};
+    }
+    for (int64_t kb = 0; kb < key_blocks; ++kb) {
+      const int64_t j0 = kb * static_cast<int64_t>(kKeyBlock);
+      if (!TileVisible(in_, q0, nq, j0)) break;
+      const size_t nk = ToSize(std::min(static_cast<int64_t>(kKeyBlock), in_.tk - j0));
+      // Sᵀ [nk][ld] = K·Qᵀ and dPᵀ = V·dOᵀ
+      ScoreProducts(in_.k, in_.v, b, h, j0, nk, s.qt.get(), s.dot.get(), ld, s);
+      for (size_t j = 0; j < nk; ++j) {
+        const int64_t kj = j0 + static_cast<int64_t>(j);
+        for (size_t i = 0; i < ld; i += N_) {
+          const LaneRun run{
+              .i = q0 + static_cast<int64_t>(i), .j = kj, .di = 1, .dj = 0, .count = std::min(N_, nq - i)};
+          ProbabilityAndScoreGradient(d, in_, b, h, run, hn::Load(d, s.lse_hi.get() + i),
+                                      hn::Load(d, s.lse_lo.get() + i), hn::Load(d, s.delta.get() + i),
+                                      s.p.get() + j * ld + i, s.ds.get() + j * ld + i);
+        }
+      }
+      // dQ tile [nq] = dS·K, with dS(i, j) = dSᵀ[j][i]
+      AddQueryGradientTile(b, h, q0, nq, j0, nk, 1, ld, s);
+    }
+  }
+
+  // The two products every tile starts from, in either layout: s.p = A·Bᵀ over Dk and
+  // s.ds = A'·B'ᵀ over Dv, for `rows` rows of A and A' from t0 on, read in place (Q and dO, or K
+  // and V), against the other side packed transposed (Kᵀ and Vᵀ, or Qᵀ and dOᵀ) with `ld` columns.
+  void ScoreProducts(const fused::RowsView<const T>& a, const fused::RowsView<const T>& a_dv, int64_t b, int64_t h,
+                     int64_t t0, size_t rows, const T* b_dk, const T* b_dv, size_t ld, BackwardScratch<T>& s) const {
+    const D d;
+    MatMul<false>(d,
+                  Gemm<T>{.a = a.row(b, h, t0),
+                          .a_row = ToSize(a.row_stride),
+                          .a_depth = 1,
+                          .b = b_dk,
+                          .b_row = ld,
+                          .c = s.p.get(),
+                          .c_row = ld,
+                          .rows = rows,
+                          .depth = dk_},
+                  ld / N_);
+    MatMul<false>(d,
+                  Gemm<T>{.a = a_dv.row(b, h, t0),
+                          .a_row = ToSize(a_dv.row_stride),
+                          .a_depth = 1,
+                          .b = b_dv,
+                          .b_row = ld,
+                          .c = s.ds.get(),
+                          .c_row = ld,
+                          .rows = rows,
+                          .depth = dv_},
+                  ld / N_);
+  }
+
+  // dq rows [q0, q0 + nq) += scale · dS·K for the tile's keys [j0, j0 + nk), dS read from s.ds with
+  // dS(i, j) at i·query_step + j·key_step: queries as rows (one pass) or keys as rows (pass 2).
+  void AddQueryGradientTile(int64_t b, int64_t h, int64_t q0, size_t nq, int64_t j0, size_t nk, size_t query_step,
+                            size_t key_step, BackwardScratch<T>& s) const {
+    MatMulCols<false>(D(),
+                      Gemm<T>{.a = s.ds.get(),
+                              .a_row = query_step,
+                              .a_depth = key_step,
+                              .b = in_.k.row(b, h, j0),
+                              .b_row = ToSize(in_.k.row_stride),
+                              .c = s.dq.get(),
+                              .c_row = dk_pad_,
+                              .rows = nq,
+                              .depth = nk},
+                      dk_, s.panel.get());
+    AddScaledRows(p_.dq, b, h, q0, nq, dk_, s.dq.get(), dk_pad_, in_.scale);
+  }
+
+  const BackwardParams<T>& p_;
+  const Inputs<T>& in_;
+  fused::ScoresView<T> dbias_;  // absent when not wanted or identically 0
+  size_t N_, dk_, dv_, dk_pad_, dv_pad_;
+  std::vector<T> delta_;  // [B·H·Tq] D_i
+  HeadGroups groups_;
+  std::vector<BackwardScratch<T>> scratch_;
+};
+
+// ---- Per-target entry points (non-templates, for HWY_EXPORT) ---------------------------------------
+
+void ForwardFloat(const ForwardParams<float>& p) { ForwardImpl(p); }
+void ForwardDouble(const ForwardParams<double>& p) { ForwardImpl(p); }
+void BackwardFloat(const BackwardParams<float>& p) { BackwardKernel<float>(p).Run(); }
+void BackwardDouble(const BackwardParams<double>& p) { BackwardKernel<double>(p).Run(); }
+
+}  // namespace qkv::HWY_NAMESPACE
+HWY_AFTER_NAMESPACE();
+
+#endif  // per-target include guard

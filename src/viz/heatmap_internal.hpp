@@ -1,0 +1,123 @@
+#pragma once
+// What the heatmap renderers (src/heatmap*.cpp) share: the figure (the matrices to draw, their
+// labels and scale, already checked) and its layout, the text styles, and the pango metrics.
+// Not installed: the public API is include/qkv/viz/heatmap.hpp.
+
+#include <pango/pangocairo.h>
+
+#include <cstdint>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+#include "qkv/viz/heatmap.hpp"
+
+namespace qkv::heatmap_detail {
+
+// Fonts of every text: Latin from DejaVu Sans (Debian's default sans), CJK from Noto Sans CJK SC;
+// fontconfig falls back to any font that has a character neither has.
+inline constexpr std::string_view kFontFamily = "DejaVu Sans, Noto Sans CJK SC, sans-serif";
+
+// Text sizes, in pixels.
+inline constexpr double kTitleSize = 16.0;
+inline constexpr double kCaptionSize = 13.0;
+inline constexpr double kLabelSize = 12.0;
+inline constexpr double kAxisTitleSize = 12.0;
+inline constexpr double kTickSize = 11.0;
+inline constexpr double kAnnotationSize = 11.0;
+
+// Lengths, in pixels.
+inline constexpr int64_t kTickLength = 4;
+inline constexpr int64_t kLabelGap = 3;  // between a tick and its label
+
+// Colours of the furniture (text, ticks, frame).
+inline constexpr Rgb kInk = {34, 34, 34};
+inline constexpr Rgb kMutedInk = {85, 85, 85};
+
+// A marked cell's outline: kMarkWidth px of kMarkColor on the cell's edge, lined inside with 1 px of
+// kMarkLining. No colour map is pure red, and the lining parts the frame from a red-ish cell.
+inline constexpr Rgb kMarkColor = {255, 0, 0};
+inline constexpr Rgb kMarkLining = {255, 255, 255};
+inline constexpr int64_t kMarkWidth = 2;
+
+// One [Tq, Tk] matrix of the figure.
+struct Panel {
+  int64_t head = 0;
+  std::string caption;         // "head 3"; empty for rank 2
+  std::vector<double> values;  // [Tq, Tk], row-major, finite
+};
+
+struct Figure {
+  Shape shape;  // alpha as given
+  int64_t tq = 0, tk = 0;
+  int64_t heads = 1;  // H (1 for rank 2)
+  int64_t batch = 0;
+  int64_t first_head = 0;               // where the page opens
+  std::vector<std::string> row_labels;  // Tq, sanitised; numbers when none were given
+  std::vector<std::string> col_labels;  // Tk
+  bool labels_given = false;
+  std::string title;
+  Colormap colormap = Colormap::viridis;
+  bool annotate = false;
+  std::vector<std::pair<int64_t, int64_t>> marked_cells;  // (row, column), checked
+  bool float32 = false;       // alpha was float: values are written as the shortest float that reads back
+  std::vector<Panel> panels;  // what an image draws (one head, or every head); the page carries all
+  HeatmapLayout layout;       // of the image; the page lays itself out
+  // Labels as the image draws them: cut with "…" to 160 px; only every k-th is set. Empty for the page.
+  std::vector<std::string> row_text;
+  std::vector<std::string> col_text;
+  std::vector<std::string> tick_text;  // one per layout.ticks
+
+  double position(double value) const;    // on the scale, in [0, 1]
+  std::string exact(double value) const;  // the value as given, digits enough to read it back
+  Rgb color(double value) const { return colormap_at(colormap, position(value)); }
+};
+
+// The figure of alpha for `format`: checks everything, selects the panels, computes the scale and
+// (for images) the layout.
+template <class T>
+Figure make_figure(TensorView<const T> alpha, const HeatmapOptions& options, HeatmapFormat format);
+
+// A cell's value as annotated: 2 decimals.
+std::string annotation(double value);
+
+// ---- pango metrics -----------------------------------------------------------------------------
+
+struct TextSize {
+  double width = 0.0;
+  double height = 0.0;  // the logical line height
+};
+
+// The logical extent of `text` in the style (kFontFamily at `size` px, bold or not), as cairo and
+// pango draw it with metric hinting off.
+TextSize measure_text(std::string_view text, double size, bool bold = false);
+
+// What every pango context of the heatmaps is set to (metric hinting off, grey antialiasing).
+void configure_context(PangoContext* context);
+
+// `text` in the style: kFontFamily at `size` px, bold or not.
+void set_text(PangoLayout* layout, std::string_view text, double size, bool bold);
+
+// Whether a marked cell of this size has room for the outline (else it is filled with kMarkColor)
+// and for the lining inside it.
+inline bool mark_has_outline(int64_t cell_width, int64_t cell_height) {
+  return cell_width > 2 * kMarkWidth && cell_height > 2 * kMarkWidth;
+}
+inline bool mark_has_lining(int64_t cell_width, int64_t cell_height) {
+  return cell_width > 2 * kMarkWidth + 2 && cell_height > 2 * kMarkWidth + 2;
+}
+
+// ---- renderers -----------------------------------------------------------------------------------
+
+// Matrices of more cells than this are drawn as one image (a pixel per cell) rather than a shape
+// per cell.
+inline constexpr int64_t kMaxVectorCells = 128 * 128;
+
+std::string render_cairo(const Figure& figure, HeatmapFormat format);  // PNG and PDF
+// A PNG of Tk × Tq pixels, one per cell of the panel, in the figure's colours.
+std::string matrix_png(const Figure& figure, const Panel& panel);
+std::string render_svg(const Figure& figure);
+std::string render_html(const Figure& figure);
+
+}  // namespace qkv::heatmap_detail

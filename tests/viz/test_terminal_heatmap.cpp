@@ -1,0 +1,349 @@
+// Tests of the terminal heatmap (src/viz/terminal_heatmap.cpp): exact plain layouts, alignment of CJK
+// labels by display width, colour escapes, the scale, label and option errors, terminal detection.
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <limits>
+#include <optional>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "qkv/core/error.hpp"
+#include "qkv/viz/terminal_heatmap.hpp"
+#include "testing.hpp"
+
+namespace qkv {
+namespace {
+
+constexpr float kInf = std::numeric_limits<float>::infinity();
+
+// Rows of α that fall clearly inside the shade bins (t·5 is never near an integer): 0.7 → ▓,
+// 0.25 and 0.3 → ░, 0.55 → ▒, 1 → █, below 0.2 → blank.
+Tensor<float> three_by_three() {
+  return Tensor<float>({3, 3}, {0.7F, 0.25F, 0.05F,  //
+                                0.0F, 1.0F, 0.0F,    //
+                                0.15F, 0.55F, 0.3F});
+}
+
+TerminalHeatmapOptions labelled(std::vector<std::string> labels) {
+  TerminalHeatmapOptions options;
+  options.row_labels = labels;
+  options.col_labels = labels;
+  return options;
+}
+
+std::vector<std::string> lines_of(const std::string& text) {
+  std::vector<std::string> lines;
+  std::istringstream stream(text);
+  for (std::string line; std::getline(stream, line);) lines.push_back(line);
+  return lines;
+}
+
+// Sets an environment variable for the life of the object, then restores what was there.
+class ScopedEnv {
+ public:
+  ScopedEnv(const char* name, const char* value) : name_(name) {
+    if (const char* old = std::getenv(name)) old_ = old;
+    if (value) {
+      setenv(name, value, 1);
+    } else {
+      unsetenv(name);
+    }
+  }
+  ~ScopedEnv() {
+    if (old_) {
+      setenv(name_, old_->c_str(), 1);
+    } else {
+      unsetenv(name_);
+    }
+  }
+  ScopedEnv(const ScopedEnv&) = delete;
+  ScopedEnv& operator=(const ScopedEnv&) = delete;
+
+ private:
+  const char* name_;
+  std::optional<std::string> old_;
+};
+
+TEST(TerminalHeatmap, PlainShadesMatchExactly) {
+  const std::string expected =
+      "    the cat sat\n"
+      "the ▓▓▓ ░░░\n"
+      "cat     ███\n"
+      "sat     ▒▒▒ ░░░\n"
+      "scale: 0.000 [ ░▒▓█] 1.000\n";
+  EXPECT_EQ(render_terminal_heatmap(three_by_three().cview(), labelled({"the", "cat", "sat"})), expected);
+}
+
+TEST(TerminalHeatmap, PlainValuesMatchExactly) {
+  TerminalHeatmapOptions options = labelled({"the", "cat", "sat"});
+  options.show_values = true;
+  options.decimals = 2;
+  options.legend = false;
+  const std::string expected =
+      "      the   cat   sat\n"
+      "the ▓0.70 ░0.25  0.05\n"
+      "cat  0.00 █1.00  0.00\n"
+      "sat  0.15 ▒0.55 ░0.30\n";
+  EXPECT_EQ(render_terminal_heatmap(three_by_three().cview(), options), expected);
+}
+
+TEST(TerminalHeatmap, DoubleMatchesFloat) {
+  const Tensor<float> alpha = three_by_three();
+  const Tensor<double> alpha64 = testing::cast<double>(alpha);
+  const TerminalHeatmapOptions options = labelled({"the", "cat", "sat"});
+  EXPECT_EQ(render_terminal_heatmap(alpha64.cview(), options), render_terminal_heatmap(alpha.cview(), options));
+}
+
+TEST(TerminalHeatmap, CjkLabelsAlignByDisplayWidth) {
+  // Every cell is full (█), so no line loses trailing blanks: each must span the header's width.
+  const Tensor<float> ones({3, 3}, 1.0F);
+  const std::string rendered = render_terminal_heatmap(ones.cview(), labelled({"我", "阅读", "书"}));
+  const std::string expected =
+      "     我 阅读 书\n"
+      "我   ██ ████ ██\n"
+      "阅读 ██ ████ ██\n"
+      "书   ██ ████ ██\n"
+      "scale: 0.000 [ ░▒▓█] 1.000\n";
+  EXPECT_EQ(rendered, expected);
+  const std::vector<std::string> lines = lines_of(rendered);
+  for (size_t i = 1; i <= 3; ++i) EXPECT_EQ(display_width(lines[i]), display_width(lines[0])) << lines[i];
+}
+
+TEST(TerminalHeatmap, MixedScriptLabelsAlign) {
+  const Tensor<float> ones({2, 3}, 1.0F);
+  TerminalHeatmapOptions options;
+  options.row_labels = {"I", "書を"};
+  options.col_labels = {"read", "本", "ｂｏｏｋ"};
+  const std::vector<std::string> lines = lines_of(render_terminal_heatmap(ones.cview(), options));
+  ASSERT_EQ(lines.size(), 4U);
+  EXPECT_EQ(lines[0], "     read 本 ｂｏｏｋ");
+  EXPECT_EQ(display_width(lines[1]), display_width(lines[0]));
+  EXPECT_EQ(display_width(lines[2]), display_width(lines[0]));
+}
+
+TEST(TerminalHeatmap, ColorUsesViridisBackgrounds) {
+  TerminalHeatmapOptions options = labelled({"the", "cat", "sat"});
+  options.color = true;
+  options.truecolor = true;
+  const std::string rendered = render_terminal_heatmap(three_by_three().cview(), options);
+  // α = 1 takes the top of the map and α = 0 its bottom.
+  EXPECT_NE(rendered.find("\x1b[48;2;253;231;37m"), std::string::npos);
+  EXPECT_NE(rendered.find("\x1b[48;2;68;1;84m"), std::string::npos);
+  EXPECT_NE(rendered.find("\x1b[0m"), std::string::npos);
+  EXPECT_EQ(rendered.find("█"), std::string::npos);
+
+  options.truecolor = false;
+  const std::string cube = render_terminal_heatmap(three_by_three().cview(), options);
+  EXPECT_NE(cube.find("\x1b[48;5;"), std::string::npos);
+  EXPECT_EQ(cube.find("\x1b[48;2;"), std::string::npos);
+
+  options.color = false;
+  EXPECT_EQ(render_terminal_heatmap(three_by_three().cview(), options).find('\x1b'), std::string::npos);
+}
+
+TEST(TerminalHeatmap, ColorValuesContrastWithTheirBackground) {
+  TerminalHeatmapOptions options = labelled({"a", "b", "c"});
+  options.color = true;
+  options.truecolor = true;
+  options.show_values = true;
+  const std::string rendered = render_terminal_heatmap(three_by_three().cview(), options);
+  // Black on viridis' yellow end, bright white on its purple end.
+  EXPECT_NE(rendered.find("\x1b[48;2;253;231;37m\x1b[30m 1.000\x1b[0m"), std::string::npos) << rendered;
+  EXPECT_NE(rendered.find("\x1b[48;2;68;1;84m\x1b[97m 0.000\x1b[0m"), std::string::npos) << rendered;
+}
+
+TEST(TerminalHeatmap, LabelsCannotInjectEscapes) {
+  TerminalHeatmapOptions options;
+  options.row_labels = {"a\x1b[31m", "b\xff"};
+  options.col_labels = {"x", "y"};
+  const Tensor<float> alpha({2, 2}, 0.5F);
+  const std::string rendered = render_terminal_heatmap(alpha.cview(), options);
+  EXPECT_EQ(rendered.find('\x1b'), std::string::npos);
+  EXPECT_NE(rendered.find("a?[31m"), std::string::npos);
+  EXPECT_NE(rendered.find("b\uFFFD"), std::string::npos);
+}
+
+TEST(TerminalHeatmap, MissingLabelsAreNumbered) {
+  const Tensor<float> alpha({2, 3}, 1.0F);
+  TerminalHeatmapOptions options;
+  options.legend = false;
+  EXPECT_EQ(render_terminal_heatmap(alpha.cview(), options),
+            "   0  1  2\n"
+            "0 ██ ██ ██\n"
+            "1 ██ ██ ██\n");
+}
+
+TEST(TerminalHeatmap, LabelCountsMustMatchTheAxes) {
+  const Tensor<float> alpha({3, 4});
+  TerminalHeatmapOptions options;
+  options.row_labels = {"a", "b"};
+  options.col_labels = {"w", "x", "y", "z"};
+  try {
+    render_terminal_heatmap(alpha.cview(), options);
+    FAIL() << "expected ShapeError";
+  } catch (const ShapeError& e) {
+    EXPECT_STREQ(e.what(), "row_labels: expected 3 labels (one per row of alpha [3, 4]), got 2");
+  }
+  options.row_labels = {"a", "b", "c"};
+  options.col_labels = {"w", "x", "y", "z", "extra"};
+  try {
+    render_terminal_heatmap(alpha.cview(), options);
+    FAIL() << "expected ShapeError";
+  } catch (const ShapeError& e) {
+    EXPECT_STREQ(e.what(), "col_labels: expected 4 labels (one per column of alpha [3, 4]), got 5");
+  }
+}
+
+TEST(TerminalHeatmap, AlphaMustBeAMatrix) {
+  const Tensor<float> alpha({1, 3, 3});
+  try {
+    render_terminal_heatmap(alpha.cview(), {});
+    FAIL() << "expected ShapeError";
+  } catch (const ShapeError& e) {
+    EXPECT_STREQ(e.what(), "alpha: expected a matrix [Tq, Tk], got shape [1, 3, 3]");
+  }
+}
+
+TEST(TerminalHeatmap, RefusesBadOptions) {
+  const Tensor<float> alpha = three_by_three();
+  TerminalHeatmapOptions options;
+  options.decimals = 10;
+  EXPECT_THROW(render_terminal_heatmap(alpha.cview(), options), ValueError);
+  options.decimals = -1;
+  EXPECT_THROW(render_terminal_heatmap(alpha.cview(), options), ValueError);
+  options = {};
+  options.vmax = 0.0;  // not above the default vmin of 0
+  EXPECT_THROW(render_terminal_heatmap(alpha.cview(), options), ValueError);
+  options.vmax = std::nan("");
+  EXPECT_THROW(render_terminal_heatmap(alpha.cview(), options), ValueError);
+  options = {};
+  options.vmin = -kInf;
+  EXPECT_THROW(render_terminal_heatmap(alpha.cview(), options), ValueError);
+}
+
+TEST(TerminalHeatmap, GivenScaleMovesTheShades) {
+  // With vmax = 2, α = 1 sits at the middle of the scale (▒) and nothing reaches █.
+  TerminalHeatmapOptions options = labelled({"the", "cat", "sat"});
+  options.vmax = 2.0;
+  const std::string rendered = render_terminal_heatmap(three_by_three().cview(), options);
+  EXPECT_EQ(lines_of(rendered)[2], "cat     ▒▒▒");
+  EXPECT_EQ(lines_of(rendered)[4], "scale: 0.000 [ ░▒▓█] 2.000");
+}
+
+TEST(TerminalHeatmap, NonFiniteCellsStayBlank) {
+  // Scores of a causal mask: −inf above the diagonal. The scale comes from the finite values.
+  const Tensor<float> scores({2, 2}, {-1.0F, -kInf, 0.5F, 1.0F});
+  TerminalHeatmapOptions options = labelled({"a", "b"});
+  options.show_values = true;
+  options.decimals = 1;
+  const std::string expected =
+      "      a     b\n"
+      "a  -1.0  -inf\n"
+      "b ▓▓0.5 ██1.0\n"
+      "scale: -1.0 [ ░▒▓█] 1.0\n";
+  EXPECT_EQ(render_terminal_heatmap(scores.cview(), options), expected);
+  options.color = true;
+  const std::string colored = render_terminal_heatmap(scores.cview(), options);
+  EXPECT_NE(colored.find(" -inf"), std::string::npos);
+}
+
+TEST(TerminalHeatmap, SingleTokenAndEmptyMatrix) {
+  const Tensor<float> one({1, 1}, 1.0F);
+  EXPECT_EQ(render_terminal_heatmap(one.cview(), labelled({"书"})), "   书\n书 ██\nscale: 0.000 [ ░▒▓█] 1.000\n");
+  const Tensor<float> empty({0, 2});
+  TerminalHeatmapOptions options;
+  options.legend = false;
+  EXPECT_EQ(render_terminal_heatmap(empty.cview(), options), "  0  1\n");
+}
+
+TEST(DisplayWidth, CountsTerminalColumns) {
+  EXPECT_EQ(display_width(""), 0);
+  EXPECT_EQ(display_width("book"), 4);
+  EXPECT_EQ(display_width("我阅读这本书。"), 14);  // ideographs and the ideographic full stop are wide
+  EXPECT_EQ(display_width("한국어"), 6);
+  EXPECT_EQ(display_width("カタカナ"), 8);
+  EXPECT_EQ(display_width("ｂｏｏｋ"), 8);  // fullwidth forms
+  EXPECT_EQ(display_width("\U0001F600"), 2);
+  EXPECT_EQ(display_width("\U00020000"), 2);  // CJK extension B, beyond the BMP
+  EXPECT_EQ(display_width("e\u0301"), 1);     // a combining accent takes no column
+  EXPECT_EQ(display_width("a\u200Bb"), 2);    // zero-width space
+  EXPECT_EQ(display_width("ｱ"), 1);           // halfwidth katakana
+  EXPECT_EQ(display_width("é→·"), 3);
+  EXPECT_EQ(display_width("\xff"), 1);          // invalid byte
+  EXPECT_EQ(display_width("\xe4\xb8"), 2);      // truncated sequence: two invalid bytes
+  EXPECT_EQ(display_width("\xc0\xaf"), 2);      // overlong '/'
+  EXPECT_EQ(display_width("\xed\xa0\x80"), 3);  // a UTF-16 surrogate is not UTF-8
+}
+
+TEST(Viridis, EndsAndMiddle) {
+  EXPECT_EQ(viridis(0.0), (Rgb{68, 1, 84}));
+  EXPECT_EQ(viridis(1.0), (Rgb{253, 231, 37}));
+  EXPECT_EQ(viridis(0.5), (Rgb{33, 144, 140}));
+  EXPECT_EQ(viridis(-3.0), viridis(0.0));
+  EXPECT_EQ(viridis(7.0), viridis(1.0));
+  EXPECT_EQ(viridis(std::nan("")), viridis(0.0));
+}
+
+TEST(Viridis, LightnessGrowsAlongTheMap) {
+  // What makes viridis readable in grey: its luma rises monotonically from 0 to 1.
+  double previous = -1.0;
+  for (int k = 0; k <= 256; ++k) {
+    const Rgb c = viridis(k / 256.0);
+    const double luma = 0.2126 * c.r + 0.7152 * c.g + 0.0722 * c.b;
+    EXPECT_GE(luma, previous - 0.5) << "t = " << k / 256.0;
+    previous = luma;
+  }
+}
+
+TEST(TerminalDetection, HonoursNoColorTermAndTty) {
+  std::FILE* file = std::tmpfile();
+  ASSERT_NE(file, nullptr);
+  {
+    const ScopedEnv no_color("NO_COLOR", nullptr);
+    const ScopedEnv term("TERM", "xterm-256color");
+    EXPECT_FALSE(terminal_supports_color(file));  // a file is not a terminal
+  }
+  {
+    const ScopedEnv no_color("NO_COLOR", "1");
+    const ScopedEnv term("TERM", "xterm-256color");
+    EXPECT_FALSE(terminal_supports_color(stdout));
+  }
+  {
+    const ScopedEnv no_color("NO_COLOR", nullptr);
+    const ScopedEnv term("TERM", "dumb");
+    EXPECT_FALSE(terminal_supports_color(stdout));
+  }
+  {
+    const ScopedEnv no_color("NO_COLOR", nullptr);
+    const ScopedEnv term("TERM", nullptr);
+    EXPECT_FALSE(terminal_supports_color(stdout));
+  }
+  std::fclose(file);
+}
+
+TEST(TerminalDetection, TruecolorFromColorterm) {
+  {
+    const ScopedEnv colorterm("COLORTERM", "truecolor");
+    EXPECT_TRUE(terminal_supports_truecolor());
+  }
+  {
+    const ScopedEnv colorterm("COLORTERM", "24bit");
+    EXPECT_TRUE(terminal_supports_truecolor());
+  }
+  {
+    const ScopedEnv colorterm("COLORTERM", "");
+    EXPECT_FALSE(terminal_supports_truecolor());
+  }
+  {
+    const ScopedEnv colorterm("COLORTERM", nullptr);
+    EXPECT_FALSE(terminal_supports_truecolor());
+  }
+}
+
+}  // namespace
+}  // namespace qkv
