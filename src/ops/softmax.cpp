@@ -49,13 +49,22 @@ Shape row_shape(const Shape& shape) {
   return Shape(std::span<const int64_t>(shape.dims().data(), static_cast<size_t>(shape.rank() - 1)));
 }
 
-template <class T>
-double row_logsumexp(const Rows<T>& rows, int64_t r) {
+// The one softmax of a row of n scores, in float64: x(j) reads score j, y(j, value) stores weight
+// j, and the row's log-sum-exp is returned. A row of −inf (every key masked) or an empty row gets
+// weights 0 and lse −inf, never NaN.
+template <class Load, class Store>
+double softmax_of_row(int64_t n, Load&& x, Store&& y) {
   double max = kNegInf;
-  for (int64_t j = 0; j < rows.length(); ++j) max = std::max(max, static_cast<double>(rows.at(r, j)));
-  if (max == kNegInf) return kNegInf;  // guards −inf − (−inf) below
+  for (int64_t j = 0; j < n; ++j) max = std::max(max, static_cast<double>(x(j)));
+  if (max == kNegInf) {  // guards −inf − (−inf) below
+    for (int64_t j = 0; j < n; ++j) y(j, 0.0);
+    return kNegInf;
+  }
   double sum = 0.0;
-  for (int64_t j = 0; j < rows.length(); ++j) sum += std::exp(static_cast<double>(rows.at(r, j)) - max);
+  for (int64_t j = 0; j < n; ++j) sum += std::exp(static_cast<double>(x(j)) - max);
+  // exp(x − max) / Σ rather than exp(x − lse): lse carries an absolute error of ε·|lse|, which for
+  // large scores would become a relative error of every weight.
+  for (int64_t j = 0; j < n; ++j) y(j, std::exp(static_cast<double>(x(j)) - max) / sum);
   return max + std::log(sum);
 }
 
@@ -63,8 +72,22 @@ double row_logsumexp(const Rows<T>& rows, int64_t r) {
 
 template <class T>
 double logsumexp(std::span<const T> row) {
-  const TensorView<const T> view = make_view(row.data(), Shape{static_cast<int64_t>(row.size())});
-  return row_logsumexp(Rows<const T>(view, "row"), 0);
+  double max = kNegInf;
+  for (const T x : row) max = std::max(max, static_cast<double>(x));
+  if (max == kNegInf) return kNegInf;
+  double sum = 0.0;
+  for (const T x : row) sum += std::exp(static_cast<double>(x) - max);
+  return max + std::log(sum);
+}
+
+template <class T>
+double softmax(std::span<const T> x, std::span<T> y) {
+  if (y.size() != x.size()) {
+    throw ShapeError(fmt::format("y: expected {} elements like x, got {}", x.size(), y.size()));
+  }
+  return softmax_of_row(
+      static_cast<int64_t>(x.size()), [&](int64_t j) { return x[static_cast<size_t>(j)]; },
+      [&](int64_t j, double w) { y[static_cast<size_t>(j)] = static_cast<T>(w); });
 }
 
 template <class T>
@@ -74,18 +97,10 @@ void softmax_forward(TensorView<const T> x, TensorView<T> y, std::optional<Tenso
   if (lse) check_shape("lse", lse->shape, row_shape(x.shape));
   const Rows<T> ys(y, "y");
   for (int64_t r = 0; r < xs.count(); ++r) {
-    double max = kNegInf;
-    for (int64_t j = 0; j < xs.length(); ++j) max = std::max(max, static_cast<double>(xs.at(r, j)));
-    // exp(x − max) / Σ rather than exp(x − lse): lse carries an absolute error of ε·|lse|, which for
-    // large scores would become a relative error of every weight.
-    double sum = 0.0;
-    if (max != kNegInf) {
-      for (int64_t j = 0; j < xs.length(); ++j) sum += std::exp(static_cast<double>(xs.at(r, j)) - max);
-    }
-    for (int64_t j = 0; j < xs.length(); ++j) {
-      ys.at(r, j) = max == kNegInf ? T{0} : static_cast<T>(std::exp(static_cast<double>(xs.at(r, j)) - max) / sum);
-    }
-    if (lse) at_flat(as_rank4(*lse), r) = static_cast<T>(max == kNegInf ? kNegInf : max + std::log(sum));
+    const double row_lse = softmax_of_row(
+        xs.length(), [&](int64_t j) { return xs.at(r, j); },
+        [&](int64_t j, double w) { ys.at(r, j) = static_cast<T>(w); });
+    if (lse) at_flat(as_rank4(*lse), r) = static_cast<T>(row_lse);
   }
 }
 
@@ -129,6 +144,7 @@ void logsumexp_backward(TensorView<const T> x, TensorView<const T> lse, TensorVi
 
 #define QKV_INSTANTIATE_SOFTMAX(T)                                                                 \
   template double logsumexp(std::span<const T>);                                                   \
+  template double softmax(std::span<const T>, std::span<T>);                                       \
   template void softmax_forward(TensorView<const T>, TensorView<T>, std::optional<TensorView<T>>); \
   template void softmax_backward(TensorView<const T>, TensorView<const T>, TensorView<T>);         \
   template void logsumexp_backward(TensorView<const T>, TensorView<const T>, TensorView<const T>, TensorView<T>);

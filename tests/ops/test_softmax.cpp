@@ -5,7 +5,9 @@
 
 #include <cmath>
 #include <limits>
+#include <vector>
 
+#include "qkv/core/error.hpp"
 #include "qkv/ops/softmax.hpp"
 #include "testing.hpp"
 
@@ -74,6 +76,27 @@ TEST(Softmax, NegativeInfinityMasksAndEmptyRowsGiveZero) {
   for (int j = 3; j < 6; ++j) EXPECT_EQ(y[j], 0.0);
   EXPECT_EQ(lse[1], -kInf);
   EXPECT_EQ(logsumexp<double>(std::span<const double>()), -kInf);
+}
+
+TEST(Softmax, OneRowMatchesTheTensorFormInPlaceAndMasked) {
+  Rng rng(7);
+  const Tensor<float> x = random_tensor<float>({3, 5}, rng, 4.0);
+  Tensor<float> y({3, 5}), lse({3});
+  softmax_forward<float>(x.cview(), y.view(), lse.view());
+  for (int64_t r = 0; r < 3; ++r) {
+    std::vector<float> row(x.data() + r * 5, x.data() + (r + 1) * 5);
+    const double row_lse = softmax<float>(row, row);  // in place
+    EXPECT_EQ(static_cast<float>(row_lse), lse[r]);
+    for (int64_t j = 0; j < 5; ++j) EXPECT_EQ(row[static_cast<size_t>(j)], y[r * 5 + j]) << "row " << r << ", " << j;
+  }
+  const double inf = std::numeric_limits<double>::infinity();
+  std::vector<double> masked = {-inf, -inf, -inf};
+  EXPECT_EQ(softmax<double>(masked, masked), -inf);
+  EXPECT_EQ(masked, (std::vector<double>{0, 0, 0}));
+  std::vector<double> empty;
+  EXPECT_EQ(softmax<double>(empty, empty), -inf);
+  std::vector<double> shorter(2);
+  EXPECT_THROW(softmax<double>(masked, shorter), ShapeError);
 }
 
 TEST(Softmax, BackwardMatchesFiniteDifferences) {

@@ -18,6 +18,11 @@ namespace qkv {
 template <class T>
 double logsumexp(std::span<const T> row);
 
+// The softmax of one row: y_j = exp(x_j − lse) (y may be x itself); returns lse. The one softmax
+// every op, layer and experiment of qkv uses for a row it holds in memory.
+template <class T>
+double softmax(std::span<const T> x, std::span<T> y);
+
 // y [..., N] (overwritten); lse [...] (overwritten) when given.
 template <class T>
 void softmax_forward(TensorView<const T> x, TensorView<T> y, std::optional<TensorView<T>> lse = std::nullopt);
