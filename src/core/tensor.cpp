@@ -89,6 +89,12 @@ Tensor<To> to_tensor(TensorView<const From> view) {
   return result;
 }
 
+Shape leading_dims_with(const Shape& shape, int leading_rank, std::initializer_list<int64_t> tail) {
+  std::vector<int64_t> dims(shape.dims().begin(), shape.dims().begin() + leading_rank);
+  dims.insert(dims.end(), tail.begin(), tail.end());
+  return Shape(std::span<const int64_t>(dims));
+}
+
 template <class T>
 TensorView<T> as_bhtd(TensorView<T> view, std::string_view name) {
   if (view.rank() < 2 || view.rank() > 4) {

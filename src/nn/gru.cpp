@@ -66,7 +66,7 @@ RecurrentOutputs<T> Gru<T>::forward(const RecurrentInputs<T>& inputs, GruCache<T
   for (int64_t s = 0; s < n.steps; ++s) {
     recurrent::previous_states(s, cache.lengths, config_.reverse, cache.h0, cache.h, prev);
     recurrent::matvec(w_hh_.value, std::span<const T* const>(prev), wh);
-    recurrent::for_each_block(n.batch, 3 * hidden * kNonlinearityWork, [&](int64_t begin, int64_t end) {
+    parallel_for_blocks(n.batch, 3 * hidden * kNonlinearityWork, [&](int64_t begin, int64_t end) {
       for (int64_t b = begin; b < end; ++b) {
         const T* h_prev = prev[static_cast<size_t>(b)];
         if (h_prev == nullptr) continue;
@@ -131,7 +131,7 @@ void Gru<T>::backward(const GruCache<T>& cache, const RecurrentOutputGradients<T
       dhp_rows[static_cast<size_t>(b)] =
           s < length ? dhp.data() + 3 * offset(b, time_of(s, length, config_.reverse)) : nullptr;
     }
-    recurrent::for_each_block(batch, 3 * hidden, [&](int64_t begin, int64_t end) {
+    parallel_for_blocks(batch, 3 * hidden, [&](int64_t begin, int64_t end) {
       for (int64_t b = begin; b < end; ++b) {
         const int64_t length = cache.lengths[static_cast<size_t>(b)];
         if (s >= length) continue;

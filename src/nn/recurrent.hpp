@@ -24,9 +24,6 @@
 
 namespace qkv::recurrent {
 
-// Multiply-adds per parallel task: enough that handing out a task costs little next to it. A step
-// smaller than that runs on the calling thread without a parallel region.
-inline constexpr int64_t kTaskWork = int64_t{1} << 14;
 // The cost of one tanh or sigmoid in multiply-adds, to size the tasks of elementwise phases.
 inline constexpr int64_t kNonlinearityWork = 16;
 
@@ -195,12 +192,6 @@ void project_backward(const Tensor<T>& x, const Tensor<T>& dy, Parameter<T>& w, 
                      {.dx = dx, .dw = w.grad.view(), .db = bias ? std::optional(b.grad.view()) : std::nullopt});
 }
 
-// Runs fn(begin, end) over [0, count) in blocks of items that each cost `work_per_item`.
-template <class Fn>
-void for_each_block(int64_t count, int64_t work_per_item, Fn&& fn) {
-  rows::for_each_block(count, work_per_item, kTaskWork, std::forward<Fn>(fn));
-}
-
 // Σ_i a_i b_i in float64 over four interleaved partial sums (fixed, so the result does not depend
 // on the caller; independent sums let the compiler vectorise without reassociating).
 template <class T>
@@ -231,17 +222,20 @@ void matvec(const Tensor<T>& w, std::span<const T* const> vectors, Tensor<double
   const int64_t elements_per_task =
       blocks > 1 ? 1 : std::max<int64_t>(1, kTaskWork / std::max<int64_t>(rows * cols, 1));
   const int64_t element_tasks = (batch + elements_per_task - 1) / elements_per_task;
-  parallel_for(element_tasks * blocks, [&](int64_t task, int /*worker*/) {
-    const int64_t first = (task / blocks) * elements_per_task;
-    const int64_t block = task % blocks;
-    const int64_t row_end = std::min(rows, (block + 1) * rows_per_block);
-    for (int64_t b = first; b < std::min(batch, first + elements_per_task); ++b) {
-      const T* v = vectors[static_cast<size_t>(b)];
-      if (v == nullptr) continue;
-      double* out_row = out.data() + b * rows;
-      for (int64_t r = block * rows_per_block; r < row_end; ++r) out_row[r] = dot(w.data() + r * cols, v, cols);
-    }
-  });
+  parallel_for(
+      element_tasks * blocks,
+      [&](int64_t task, int /*worker*/) {
+        const int64_t first = (task / blocks) * elements_per_task;
+        const int64_t block = task % blocks;
+        const int64_t row_end = std::min(rows, (block + 1) * rows_per_block);
+        for (int64_t b = first; b < std::min(batch, first + elements_per_task); ++b) {
+          const T* v = vectors[static_cast<size_t>(b)];
+          if (v == nullptr) continue;
+          double* out_row = out.data() + b * rows;
+          for (int64_t r = block * rows_per_block; r < row_end; ++r) out_row[r] = dot(w.data() + r * cols, v, cols);
+        }
+      },
+      thread_limit(static_cast<double>(batch) * static_cast<double>(rows * cols)));
 }
 
 // w [R, C] as a contiguous [C, R], so that wᵀ v reads rows.

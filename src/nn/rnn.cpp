@@ -34,7 +34,7 @@ RecurrentOutputs<T> Rnn<T>::forward(const RecurrentInputs<T>& inputs, RnnCache<T
   for (int64_t s = 0; s < n.steps; ++s) {
     recurrent::previous_states(s, cache.lengths, config_.reverse, cache.h0, cache.h, prev);
     recurrent::matvec(w_hh_.value, std::span<const T* const>(prev), recurrent_part);
-    recurrent::for_each_block(n.batch, hidden * kNonlinearityWork, [&](int64_t begin, int64_t end) {
+    parallel_for_blocks(n.batch, hidden * kNonlinearityWork, [&](int64_t begin, int64_t end) {
       for (int64_t b = begin; b < end; ++b) {
         if (prev[static_cast<size_t>(b)] == nullptr) continue;
         const int64_t t = time_of(s, cache.lengths[static_cast<size_t>(b)], config_.reverse);
@@ -74,7 +74,7 @@ void Rnn<T>::backward(const RnnCache<T>& cache, const RecurrentOutputGradients<T
   const auto row = [&](const Tensor<T>& t, int64_t b, int64_t time) { return t.data() + (b * steps + time) * hidden; };
   std::vector<const T*> da_rows(static_cast<size_t>(batch));
   for (int64_t s = steps - 1; s >= 0; --s) {
-    recurrent::for_each_block(batch, hidden, [&](int64_t begin, int64_t end) {
+    parallel_for_blocks(batch, hidden, [&](int64_t begin, int64_t end) {
       for (int64_t b = begin; b < end; ++b) {
         const int64_t length = cache.lengths[static_cast<size_t>(b)];
         if (s >= length) continue;

@@ -6,100 +6,51 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <span>
 #include <string_view>
 #include <vector>
 
+#include "attention_problem.hpp"
 #include "qkv/core/error.hpp"
 #include "qkv/core/memory.hpp"
+#include "qkv/ops/softmax.hpp"
 
 namespace qkv {
 namespace {
 
 constexpr double kNegInf = -std::numeric_limits<double>::infinity();
 
-// The arguments once checked: q, k, v padded to [B, H, T, D], the mask parts broadcast to
-// [B, H, Tq, Tk], and the sizes read off them.
+// The arguments once checked: the operands every attention shares (attention_problem.hpp) and
+// the score's weights.
 template <class T>
-struct Problem {
-  int64_t batch = 0, heads = 0, tq = 0, tk = 0, dq = 0, dk = 0, dv = 0, hidden = 0;
-  Shape q_shape;            // q as the caller gave it: the leading dims of every output
-  TensorView<const T> q;    // [B, H, Tq, Dq]
-  TensorView<const T> k;    // [B, H, Tk, Dk]
-  TensorView<const T> v;    // [B, H, Tk, Dv]
+struct Problem : detail::AttentionOperands<T> {
+  int64_t hidden = 0;       // A
   TensorView<const T> w_q;  // [A, Dq]
   TensorView<const T> w_k;  // [A, Dk]
   std::vector<double> w;    // [A]
-  bool causal = false;
-  std::optional<TensorView<const uint8_t>> allowed;  // [B, H, Tq, Tk]
-  std::optional<TensorView<const T>> bias;           // [B, H, Tq, Tk]
-
-  // Whether the mask lets query i see key j, bias aside (a −inf bias masks through the score).
-  bool visible(int64_t b, int64_t h, int64_t i, int64_t j) const {
-    if (causal && j > i + tk - tq) return false;
-    return !allowed || (*allowed)(b, h, i, j) != 0;
-  }
 };
-
-// q's shape with its last two dims replaced by `tail`: the shape of an output that shares q's
-// leading dims (which may be absent).
-Shape with_leading_dims_of(const Shape& q_shape, std::initializer_list<int64_t> tail) {
-  std::vector<int64_t> dims(q_shape.dims().begin(), q_shape.dims().end() - 2);
-  dims.insert(dims.end(), tail.begin(), tail.end());
-  return Shape(std::span<const int64_t>(dims));
-}
-
-template <class T>
-void check_sizes_and_layout(TensorView<T> view, std::string_view name) {
-  for (int axis = 0; axis < view.rank(); ++axis) {
-    if (view.shape[axis] < 0) {
-      throw ShapeError(
-          fmt::format("{}: dimension {} must not be negative, got shape {}", name, axis, view.shape.str()));
-    }
-  }
-  check_last_dim_contiguous(view, name);
-}
 
 template <class T>
 void check_tensor(TensorView<T> view, std::string_view name, const Shape& expected) {
-  check_sizes_and_layout(view, name);
+  detail::check_dims_not_negative(TensorView<const T>(view), name);
+  check_last_dim_contiguous(view, name);
   check_shape(name, view.shape, expected);
 }
 
 template <class T>
 Problem<T> check_params(const AdditiveAttentionParams<T>& params) {
-  Problem<T> p;
-  p.q = as_bhtd(params.q, "q");
-  p.k = as_bhtd(params.k, "k");
-  p.v = as_bhtd(params.v, "v");
-  check_sizes_and_layout(params.q, "q");
-  check_sizes_and_layout(params.k, "k");
-  check_sizes_and_layout(params.v, "v");
-  p.q_shape = params.q.shape;
-  p.batch = p.q.shape[0];
-  p.heads = p.q.shape[1];
-  p.tq = p.q.shape[2];
-  p.dq = p.q.shape[3];
-  p.tk = p.k.shape[2];
-  p.dk = p.k.shape[3];
-  p.dv = p.v.shape[3];
-  check_shape("k", params.k.shape, with_leading_dims_of(p.q_shape, {p.tk, p.dk}));
-  check_shape("v", params.v.shape, with_leading_dims_of(p.q_shape, {p.tk, p.dv}));
-
-  if (params.w_q.rank() != 2 || params.w_q.shape[1] != p.dq) {
-    throw ShapeError(fmt::format("w_q: expected shape [A, {}] ([A, Dq]), got {}", p.dq, params.w_q.shape.str()));
+  Problem<T> p{detail::make_attention_operands(params.q, params.k, params.v, params.mask, detail::KeyDim::any)};
+  if (params.w_q.rank() != 2 || params.w_q.shape[1] != p.dq()) {
+    throw ShapeError(fmt::format("w_q: expected shape [A, {}] ([A, Dq]), got {}", p.dq(), params.w_q.shape.str()));
   }
-  check_sizes_and_layout(params.w_q, "w_q");
+  detail::check_dims_not_negative(params.w_q, "w_q");
+  check_last_dim_contiguous(params.w_q, "w_q");
   p.hidden = params.w_q.shape[0];
-  check_tensor(params.w_k, "w_k", Shape{p.hidden, p.dk});
+  check_tensor(params.w_k, "w_k", Shape{p.hidden, p.dk()});
   check_tensor(params.w, "w", Shape{p.hidden});
   p.w_q = params.w_q;
   p.w_k = params.w_k;
   for (int64_t a = 0; a < p.hidden; ++a) p.w.push_back(static_cast<double>(params.w(a)));
-
-  const Shape scores{p.batch, p.heads, p.tq, p.tk};
-  p.causal = params.mask.causal;
-  if (params.mask.allowed) p.allowed = broadcast_to(*params.mask.allowed, scores, "mask");
-  if (params.mask.bias) p.bias = broadcast_to(*params.mask.bias, scores, "bias");
   return p;
 }
 
@@ -110,7 +61,7 @@ void check_fits_in_memory(const Problem<T>& p, double doubles, std::string_view 
   check_allocation_fits(doubles * static_cast<double>(sizeof(double)),
                         fmt::format("{} (Tq = {}, Tk = {}, A = {}: the reference materialises one float64 Tq×Tk "
                                     "matrix and the Tq×A, Tk×A projections per head)",
-                                    op, p.tq, p.tk, p.hidden));
+                                    op, p.tq(), p.tk(), p.hidden));
 }
 
 // The hidden pre-activations of one head's rows: proj[t, a] = Σ_d weight[a, d] x[b, h, t, d], [T, A].
@@ -133,30 +84,21 @@ void project(TensorView<const T> x, TensorView<const T> weight, int64_t b, int64
 template <class T>
 void head_softmax(const Problem<T>& p, int64_t b, int64_t h, const std::vector<double>& pq,
                   const std::vector<double>& pk, std::vector<double>& probs, std::vector<double>& lse) {
-  const int64_t tq = p.tq, tk = p.tk, hidden = p.hidden;
+  const int64_t tq = p.tq(), tk = p.tk(), hidden = p.hidden;
   probs.assign(static_cast<size_t>(tq * tk), kNegInf);
   lse.assign(static_cast<size_t>(tq), kNegInf);
   for (int64_t i = 0; i < tq; ++i) {
-    double* e = probs.data() + i * tk;
+    const std::span<double> e(probs.data() + i * tk, static_cast<size_t>(tk));
     const double* pq_i = pq.data() + i * hidden;
-    double max = kNegInf;
     for (int64_t j = 0; j < tk; ++j) {
       if (!p.visible(b, h, i, j)) continue;
       const double* pk_j = pk.data() + j * hidden;
       double score = 0.0;
       for (int64_t a = 0; a < hidden; ++a) score += p.w[a] * std::tanh(pq_i[a] + pk_j[a]);
       if (p.bias) score += static_cast<double>((*p.bias)(b, h, i, j));
-      e[j] = score;
-      max = std::max(max, score);
+      e[static_cast<size_t>(j)] = score;
     }
-    if (max == kNegInf) {
-      std::fill(e, e + tk, 0.0);
-      continue;
-    }
-    double sum = 0.0;
-    for (int64_t j = 0; j < tk; ++j) sum += std::exp(e[j] - max);
-    lse[i] = max + std::log(sum);
-    for (int64_t j = 0; j < tk; ++j) e[j] = std::exp(e[j] - lse[i]);
+    lse[i] = softmax<double>(e, e);
   }
 }
 
@@ -165,14 +107,14 @@ void head_softmax(const Problem<T>& p, int64_t b, int64_t h, const std::vector<d
 template <class T>
 void additive_attention_forward(const AdditiveAttentionParams<T>& params, const AttentionOutputs<T>& outputs) {
   const Problem<T> p = check_params(params);
-  check_tensor(outputs.out, "out", with_leading_dims_of(p.q_shape, {p.tq, p.dv}));
-  if (outputs.weights) check_tensor(*outputs.weights, "weights", with_leading_dims_of(p.q_shape, {p.tq, p.tk}));
-  if (outputs.lse) check_tensor(*outputs.lse, "lse", with_leading_dims_of(p.q_shape, {p.tq}));
+  check_tensor(outputs.out, "out", p.with_leading({p.tq(), p.dv()}));
+  if (outputs.weights) check_tensor(*outputs.weights, "weights", p.with_leading({p.tq(), p.tk()}));
+  if (outputs.lse) check_tensor(*outputs.lse, "lse", p.with_leading({p.tq()}));
   // probs, lse, pq, pk and one output row.
   check_fits_in_memory(p,
-                       static_cast<double>(p.tq) * static_cast<double>(p.tk) +
-                           static_cast<double>(p.tq + p.tk) * static_cast<double>(p.hidden) +
-                           static_cast<double>(p.tq + p.dv),
+                       static_cast<double>(p.tq()) * static_cast<double>(p.tk()) +
+                           static_cast<double>(p.tq() + p.tk()) * static_cast<double>(p.hidden) +
+                           static_cast<double>(p.tq() + p.dv()),
                        "additive_attention_forward");
 
   const TensorView<T> out = as_rank4(outputs.out);
@@ -180,22 +122,22 @@ void additive_attention_forward(const AdditiveAttentionParams<T>& params, const 
   if (outputs.weights) weights = as_rank4(*outputs.weights);
   if (outputs.lse) lse_out = as_rank4(*outputs.lse);  // [1, B, H, Tq] once padded
 
-  std::vector<double> pq, pk, probs, lse, row(static_cast<size_t>(p.dv));
-  for (int64_t b = 0; b < p.batch; ++b) {
-    for (int64_t h = 0; h < p.heads; ++h) {
+  std::vector<double> pq, pk, probs, lse, row(static_cast<size_t>(p.dv()));
+  for (int64_t b = 0; b < p.batch(); ++b) {
+    for (int64_t h = 0; h < p.heads(); ++h) {
       project(p.q, p.w_q, b, h, pq);
       project(p.k, p.w_k, b, h, pk);
       head_softmax(p, b, h, pq, pk, probs, lse);
-      for (int64_t i = 0; i < p.tq; ++i) {
-        const double* alpha = probs.data() + i * p.tk;
+      for (int64_t i = 0; i < p.tq(); ++i) {
+        const double* alpha = probs.data() + i * p.tk();
         std::fill(row.begin(), row.end(), 0.0);
-        for (int64_t j = 0; j < p.tk; ++j) {
+        for (int64_t j = 0; j < p.tk(); ++j) {
           if (alpha[j] == 0.0) continue;
-          for (int64_t d = 0; d < p.dv; ++d) row[d] += alpha[j] * static_cast<double>(p.v(b, h, j, d));
+          for (int64_t d = 0; d < p.dv(); ++d) row[d] += alpha[j] * static_cast<double>(p.v(b, h, j, d));
         }
-        for (int64_t d = 0; d < p.dv; ++d) out(b, h, i, d) = static_cast<T>(row[d]);
+        for (int64_t d = 0; d < p.dv(); ++d) out(b, h, i, d) = static_cast<T>(row[d]);
         if (weights) {
-          for (int64_t j = 0; j < p.tk; ++j) (*weights)(b, h, i, j) = static_cast<T>(alpha[j]);
+          for (int64_t j = 0; j < p.tk(); ++j) (*weights)(b, h, i, j) = static_cast<T>(alpha[j]);
         }
         if (lse_out) (*lse_out)(0, b, h, i) = static_cast<T>(lse[i]);
       }
@@ -224,7 +166,7 @@ template <class T>
 void additive_attention_backward(const AdditiveAttentionParams<T>& params, TensorView<const T> dout,
                                  const AdditiveAttentionGradients<T>& grads) {
   const Problem<T> p = check_params(params);
-  check_tensor(dout, "dout", with_leading_dims_of(p.q_shape, {p.tq, p.dv}));
+  check_tensor(dout, "dout", p.with_leading({p.tq(), p.dv()}));
   check_tensor(grads.dq, "dq", params.q.shape);
   check_tensor(grads.dk, "dk", params.k.shape);
   check_tensor(grads.dv, "dv", params.v.shape);
@@ -238,9 +180,9 @@ void additive_attention_backward(const AdditiveAttentionParams<T>& params, Tenso
   // probs, lse, pq, dpq, pk, dpk, dv of one head, and the dbias accumulator.
   const double bias_numel = params.mask.bias ? static_cast<double>(params.mask.bias->numel()) : 0.0;
   check_fits_in_memory(p,
-                       static_cast<double>(p.tq) * static_cast<double>(p.tk) + static_cast<double>(p.tq) +
-                           2.0 * static_cast<double>(p.tq + p.tk) * static_cast<double>(p.hidden) +
-                           static_cast<double>(p.tk) * static_cast<double>(p.dv) + bias_numel,
+                       static_cast<double>(p.tq()) * static_cast<double>(p.tk()) + static_cast<double>(p.tq()) +
+                           2.0 * static_cast<double>(p.tq() + p.tk()) * static_cast<double>(p.hidden) +
+                           static_cast<double>(p.tk()) * static_cast<double>(p.dv()) + bias_numel,
                        "additive_attention_backward");
 
   const TensorView<const T> dout4 = as_rank4(dout);
@@ -248,43 +190,43 @@ void additive_attention_backward(const AdditiveAttentionParams<T>& params, Tenso
   const int64_t hidden = p.hidden;
 
   // Weight and bias gradients sum over every head: they are accumulated in float64 and added once.
-  std::vector<double> dw_q(static_cast<size_t>(hidden * p.dq), 0.0), dw_k(static_cast<size_t>(hidden * p.dk), 0.0);
+  std::vector<double> dw_q(static_cast<size_t>(hidden * p.dq()), 0.0), dw_k(static_cast<size_t>(hidden * p.dk()), 0.0);
   std::vector<double> dw(static_cast<size_t>(hidden), 0.0);
   std::optional<Tensor<double>> dbias;
   std::optional<TensorView<double>> dbias_scores;  // [B, H, Tq, Tk], stride 0 along broadcast dims
   if (grads.dbias) {
     dbias.emplace(params.mask.bias->shape);
-    dbias_scores = broadcast_to(dbias->view(), Shape{p.batch, p.heads, p.tq, p.tk}, "bias");
+    dbias_scores = broadcast_to(dbias->view(), Shape{p.batch(), p.heads(), p.tq(), p.tk()}, "bias");
   }
 
-  std::vector<double> pq, pk, de, lse, dpq, dpk, dalpha(static_cast<size_t>(p.tk)), dv_head;
-  for (int64_t b = 0; b < p.batch; ++b) {
-    for (int64_t h = 0; h < p.heads; ++h) {
+  std::vector<double> pq, pk, de, lse, dpq, dpk, dalpha(static_cast<size_t>(p.tk())), dv_head;
+  for (int64_t b = 0; b < p.batch(); ++b) {
+    for (int64_t h = 0; h < p.heads(); ++h) {
       project(p.q, p.w_q, b, h, pq);
       project(p.k, p.w_k, b, h, pk);
       head_softmax(p, b, h, pq, pk, de, lse);  // de holds α; each row is overwritten by its de below
-      dpq.assign(static_cast<size_t>(p.tq * hidden), 0.0);
-      dpk.assign(static_cast<size_t>(p.tk * hidden), 0.0);
-      dv_head.assign(static_cast<size_t>(p.tk * p.dv), 0.0);
+      dpq.assign(static_cast<size_t>(p.tq() * hidden), 0.0);
+      dpk.assign(static_cast<size_t>(p.tk() * hidden), 0.0);
+      dv_head.assign(static_cast<size_t>(p.tk() * p.dv()), 0.0);
 
-      for (int64_t i = 0; i < p.tq; ++i) {
-        double* row = de.data() + i * p.tk;
+      for (int64_t i = 0; i < p.tq(); ++i) {
+        double* row = de.data() + i * p.tk();
         double expected_dalpha = 0.0;  // Σ_l α_il dα_il
-        for (int64_t j = 0; j < p.tk; ++j) {
+        for (int64_t j = 0; j < p.tk(); ++j) {
           dalpha[j] = 0.0;
           if (row[j] == 0.0) continue;
-          for (int64_t d = 0; d < p.dv; ++d) {
+          for (int64_t d = 0; d < p.dv(); ++d) {
             const double g = static_cast<double>(dout4(b, h, i, d));
             dalpha[j] += g * static_cast<double>(p.v(b, h, j, d));
-            dv_head[j * p.dv + d] += row[j] * g;
+            dv_head[j * p.dv() + d] += row[j] * g;
           }
           expected_dalpha += row[j] * dalpha[j];
         }
-        for (int64_t j = 0; j < p.tk; ++j) row[j] *= dalpha[j] - expected_dalpha;
+        for (int64_t j = 0; j < p.tk(); ++j) row[j] *= dalpha[j] - expected_dalpha;
 
         const double* pq_i = pq.data() + i * hidden;
         double* dpq_i = dpq.data() + i * hidden;
-        for (int64_t j = 0; j < p.tk; ++j) {
+        for (int64_t j = 0; j < p.tk(); ++j) {
           const double de_ij = row[j];
           if (de_ij == 0.0) continue;
           if (dbias_scores) (*dbias_scores)(b, h, i, j) += de_ij;
@@ -300,33 +242,33 @@ void additive_attention_backward(const AdditiveAttentionParams<T>& params, Tenso
         }
       }
 
-      for (int64_t i = 0; i < p.tq; ++i) {
-        for (int64_t d = 0; d < p.dq; ++d) {
+      for (int64_t i = 0; i < p.tq(); ++i) {
+        for (int64_t d = 0; d < p.dq(); ++d) {
           double sum = 0.0;
           for (int64_t a = 0; a < hidden; ++a) {
             sum += dpq[i * hidden + a] * static_cast<double>(p.w_q(a, d));
-            dw_q[a * p.dq + d] += dpq[i * hidden + a] * static_cast<double>(p.q(b, h, i, d));
+            dw_q[a * p.dq() + d] += dpq[i * hidden + a] * static_cast<double>(p.q(b, h, i, d));
           }
           dq(b, h, i, d) += static_cast<T>(sum);
         }
       }
-      for (int64_t j = 0; j < p.tk; ++j) {
-        for (int64_t d = 0; d < p.dk; ++d) {
+      for (int64_t j = 0; j < p.tk(); ++j) {
+        for (int64_t d = 0; d < p.dk(); ++d) {
           double sum = 0.0;
           for (int64_t a = 0; a < hidden; ++a) {
             sum += dpk[j * hidden + a] * static_cast<double>(p.w_k(a, d));
-            dw_k[a * p.dk + d] += dpk[j * hidden + a] * static_cast<double>(p.k(b, h, j, d));
+            dw_k[a * p.dk() + d] += dpk[j * hidden + a] * static_cast<double>(p.k(b, h, j, d));
           }
           dk(b, h, j, d) += static_cast<T>(sum);
         }
-        for (int64_t d = 0; d < p.dv; ++d) dv(b, h, j, d) += static_cast<T>(dv_head[j * p.dv + d]);
+        for (int64_t d = 0; d < p.dv(); ++d) dv(b, h, j, d) += static_cast<T>(dv_head[j * p.dv() + d]);
       }
     }
   }
 
   for (int64_t a = 0; a < hidden; ++a) {
-    for (int64_t d = 0; d < p.dq; ++d) grads.dw_q(a, d) += static_cast<T>(dw_q[a * p.dq + d]);
-    for (int64_t d = 0; d < p.dk; ++d) grads.dw_k(a, d) += static_cast<T>(dw_k[a * p.dk + d]);
+    for (int64_t d = 0; d < p.dq(); ++d) grads.dw_q(a, d) += static_cast<T>(dw_q[a * p.dq() + d]);
+    for (int64_t d = 0; d < p.dk(); ++d) grads.dw_k(a, d) += static_cast<T>(dw_k[a * p.dk() + d]);
     grads.dw(a) += static_cast<T>(dw[a]);
   }
   if (grads.dbias) {

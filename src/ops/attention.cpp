@@ -4,11 +4,14 @@
 
 #include <cmath>
 #include <limits>
+#include <span>
 #include <vector>
 
 #include "attention_problem.hpp"
 #include "qkv/core/error.hpp"
 #include "qkv/core/memory.hpp"
+#include "qkv/core/parallel.hpp"
+#include "qkv/ops/softmax.hpp"
 
 namespace qkv {
 namespace {
@@ -18,15 +21,17 @@ using detail::make_attention_problem;
 
 constexpr double kNegInf = -std::numeric_limits<double>::infinity();
 
-// Starting a parallel region costs microseconds, and far more while the cores are busy; a
-// problem of a few thousand multiply-adds, or of one head, runs faster on the calling thread.
+// parallel_for's thread limit for the whole problem, by the one policy (core/parallel.hpp).
 template <class T>
-bool worth_threads(const AttentionProblem<T>& p) {
-  constexpr double kMinWork = 1 << 16;
-  const double work = static_cast<double>(p.tq()) * static_cast<double>(p.tk()) * static_cast<double>(p.dk() + p.dv()) *
-                      static_cast<double>(p.batch() * p.heads());
-  return p.batch() * p.heads() > 1 && work >= kMinWork;
+int thread_limit_of(const AttentionProblem<T>& p) {
+  return thread_limit(static_cast<double>(p.tq()) * static_cast<double>(p.tk()) * static_cast<double>(p.dk() + p.dv()) *
+                      static_cast<double>(p.batch() * p.heads()));
 }
+
+// Per-worker float64 buffers of the reference, sized once per call.
+struct HeadScratch {
+  std::vector<double> probs, row_lse, acc, dscores, dq_row, dk_acc, dv_acc;
+};
 
 template <class T>
 void check_fits_reference(const AttentionProblem<T>& p, int matrices, std::string_view what) {
@@ -41,11 +46,10 @@ void check_fits_reference(const AttentionProblem<T>& p, int matrices, std::strin
 template <class T>
 void head_probabilities(const AttentionProblem<T>& p, int64_t b, int64_t h, std::vector<double>& probs,
                         std::vector<double>& lse) {
-  const int64_t tk = p.tk();
+  const auto tk = static_cast<size_t>(p.tk());
   for (int64_t i = 0; i < p.tq(); ++i) {
-    double* row = probs.data() + i * tk;
-    double max = kNegInf;
-    for (int64_t j = 0; j < tk; ++j) {
+    const std::span<double> row(probs.data() + static_cast<size_t>(i) * tk, tk);
+    for (int64_t j = 0; j < p.tk(); ++j) {
       double s = kNegInf;
       if (p.visible(b, h, i, j)) {
         double dot = 0.0;
@@ -53,19 +57,9 @@ void head_probabilities(const AttentionProblem<T>& p, int64_t b, int64_t h, std:
           dot += static_cast<double>(p.q(b, h, i, d)) * static_cast<double>(p.k(b, h, j, d));
         s = p.scale * dot + (p.bias ? static_cast<double>((*p.bias)(b, h, i, j)) : 0.0);
       }
-      row[j] = s;
-      max = std::max(max, s);
+      row[static_cast<size_t>(j)] = s;
     }
-    if (max == kNegInf) {
-      lse[static_cast<size_t>(i)] = kNegInf;
-      std::fill(row, row + tk, 0.0);
-      continue;
-    }
-    double sum = 0.0;
-    for (int64_t j = 0; j < tk; ++j) sum += std::exp(row[j] - max);
-    lse[static_cast<size_t>(i)] = max + std::log(sum);
-    // Normalising by the sum, not by exp(lse), keeps α's relative error at ε even for huge scores.
-    for (int64_t j = 0; j < tk; ++j) row[j] = std::exp(row[j] - max) / sum;
+    lse[static_cast<size_t>(i)] = softmax<double>(row, row);
   }
 }
 
@@ -73,12 +67,11 @@ void head_probabilities(const AttentionProblem<T>& p, int64_t b, int64_t h, std:
 
 double default_scale(int64_t dk) { return 1.0 / std::sqrt(static_cast<double>(dk)); }
 
+namespace detail {
+
 template <class T>
-void attention_forward_reference(const AttentionParams<T>& params, const AttentionOutputs<T>& outputs) {
-  const AttentionProblem<T> p = make_attention_problem(params);
-  check_shape("out", outputs.out.shape, p.with_leading({p.tq(), p.dv()}));
-  if (outputs.weights) check_shape("weights", outputs.weights->shape, p.with_leading({p.tq(), p.tk()}));
-  if (outputs.lse) check_shape("lse", outputs.lse->shape, p.with_leading({p.tq()}));
+void forward_reference(const AttentionProblem<T>& p, const AttentionOutputs<T>& outputs) {
+  check_forward_outputs(p, outputs);
   check_fits_reference(p, 1, "attention_forward_reference");
 
   const TensorView<T> out = as_bhtd(outputs.out, "out");
@@ -86,34 +79,34 @@ void attention_forward_reference(const AttentionParams<T>& params, const Attenti
       outputs.weights ? std::optional(as_bhtd(*outputs.weights, "weights")) : std::nullopt;
   const std::optional<TensorView<T>> lse = outputs.lse ? std::optional(as_rank4(*outputs.lse)) : std::nullopt;
 
-  const int64_t heads = p.batch() * p.heads();
-#pragma omp parallel if (worth_threads(p))
-  {
-    std::vector<double> probs(static_cast<size_t>(p.tq() * p.tk()));
-    std::vector<double> row_lse(static_cast<size_t>(p.tq()));
-    std::vector<double> acc(static_cast<size_t>(p.dv()));
-#pragma omp for schedule(dynamic)
-    for (int64_t bh = 0; bh < heads; ++bh) {
-      const int64_t b = bh / p.heads();
-      const int64_t h = bh % p.heads();
-      head_probabilities(p, b, h, probs, row_lse);
-      for (int64_t i = 0; i < p.tq(); ++i) {
-        std::fill(acc.begin(), acc.end(), 0.0);
-        for (int64_t j = 0; j < p.tk(); ++j) {
-          const double alpha = probs[static_cast<size_t>(i * p.tk() + j)];
-          if (alpha == 0.0) continue;
-          for (int64_t d = 0; d < p.dv(); ++d)
-            acc[static_cast<size_t>(d)] += alpha * static_cast<double>(p.v(b, h, j, d));
+  std::vector<HeadScratch> scratch(static_cast<size_t>(max_workers()));
+  parallel_for(
+      p.batch() * p.heads(),
+      [&](int64_t bh, int worker) {
+        HeadScratch& s = scratch[static_cast<size_t>(worker)];
+        s.probs.resize(static_cast<size_t>(p.tq() * p.tk()));
+        s.row_lse.resize(static_cast<size_t>(p.tq()));
+        s.acc.resize(static_cast<size_t>(p.dv()));
+        const int64_t b = bh / p.heads();
+        const int64_t h = bh % p.heads();
+        head_probabilities(p, b, h, s.probs, s.row_lse);
+        for (int64_t i = 0; i < p.tq(); ++i) {
+          std::fill(s.acc.begin(), s.acc.end(), 0.0);
+          for (int64_t j = 0; j < p.tk(); ++j) {
+            const double alpha = s.probs[static_cast<size_t>(i * p.tk() + j)];
+            if (alpha == 0.0) continue;
+            for (int64_t d = 0; d < p.dv(); ++d)
+              s.acc[static_cast<size_t>(d)] += alpha * static_cast<double>(p.v(b, h, j, d));
+          }
+          for (int64_t d = 0; d < p.dv(); ++d) out(b, h, i, d) = static_cast<T>(s.acc[static_cast<size_t>(d)]);
+          if (weights) {
+            for (int64_t j = 0; j < p.tk(); ++j)
+              (*weights)(b, h, i, j) = static_cast<T>(s.probs[static_cast<size_t>(i * p.tk() + j)]);
+          }
+          if (lse) (*lse)(0, b, h, i) = static_cast<T>(s.row_lse[static_cast<size_t>(i)]);
         }
-        for (int64_t d = 0; d < p.dv(); ++d) out(b, h, i, d) = static_cast<T>(acc[static_cast<size_t>(d)]);
-        if (weights) {
-          for (int64_t j = 0; j < p.tk(); ++j)
-            (*weights)(b, h, i, j) = static_cast<T>(probs[static_cast<size_t>(i * p.tk() + j)]);
-        }
-        if (lse) (*lse)(0, b, h, i) = static_cast<T>(row_lse[static_cast<size_t>(i)]);
-      }
-    }
-  }
+      },
+      thread_limit_of(p));
 }
 
 // Backward of one head, with P = α [Tq, Tk] recomputed in float64 and dO = ∂L/∂out:
@@ -123,99 +116,104 @@ void attention_forward_reference(const AttentionParams<T>& params, const Attenti
 // Masked entries have P_ij = 0 and hence dS_ij = 0: no gradient reaches a key a query cannot see,
 // and a fully masked row contributes nothing.
 template <class T>
-void attention_backward_reference(const AttentionParams<T>& params, TensorView<const T> dout,
-                                  const AttentionGradients<T>& grads) {
-  const AttentionProblem<T> p = make_attention_problem(params);
-  check_shape("dout", dout.shape, p.with_leading({p.tq(), p.dv()}));
-  check_shape("dq", grads.dq.shape, params.q.shape);
-  check_shape("dk", grads.dk.shape, params.k.shape);
-  check_shape("dv", grads.dv.shape, params.v.shape);
-  if (grads.dbias && !params.mask.bias) throw ShapeError("dbias: given, but the mask has no additive bias");
-  if (grads.dbias) check_shape("dbias", grads.dbias->shape, params.mask.bias->shape);
+void backward_reference(const AttentionProblem<T>& p, TensorView<const T> dout, const AttentionGradients<T>& grads) {
+  check_backward_arguments(p, dout, grads);
   check_fits_reference(p, 2, "attention_backward_reference");
 
   const TensorView<const T> dout4 = as_bhtd(dout, "dout");
   const TensorView<T> dq = as_bhtd(grads.dq, "dq");
   const TensorView<T> dk = as_bhtd(grads.dk, "dk");
   const TensorView<T> dv = as_bhtd(grads.dv, "dv");
-  const Shape scores{p.batch(), p.heads(), p.tq(), p.tk()};
   const std::optional<TensorView<T>> dbias =
-      grads.dbias ? std::optional(broadcast_to(*grads.dbias, scores, "dbias")) : std::nullopt;
+      grads.dbias ? std::optional(broadcast_to(*grads.dbias, p.scores(), "dbias")) : std::nullopt;
   // A bias broadcast over batch or heads sums the gradients of several heads into one element:
   // those heads run one after the other so that no two threads add to the same element.
   const bool heads_independent = !dbias || (dbias->strides[0] != 0 && dbias->strides[1] != 0);
 
-  const int64_t heads = p.batch() * p.heads();
   const auto tk = static_cast<size_t>(p.tk());
-#pragma omp parallel if (heads_independent && worth_threads(p))
-  {
-    std::vector<double> probs(static_cast<size_t>(p.tq()) * tk);
-    std::vector<double> row_lse(static_cast<size_t>(p.tq()));
-    std::vector<double> dscores(tk);
-    std::vector<double> dq_row(static_cast<size_t>(p.dk()));
-    std::vector<double> dk_acc(tk * static_cast<size_t>(p.dk()));
-    std::vector<double> dv_acc(tk * static_cast<size_t>(p.dv()));
-#pragma omp for schedule(dynamic)
-    for (int64_t bh = 0; bh < heads; ++bh) {
-      const int64_t b = bh / p.heads();
-      const int64_t h = bh % p.heads();
-      head_probabilities(p, b, h, probs, row_lse);
-      std::fill(dk_acc.begin(), dk_acc.end(), 0.0);
-      std::fill(dv_acc.begin(), dv_acc.end(), 0.0);
-      for (int64_t i = 0; i < p.tq(); ++i) {
-        const double* prob_row = probs.data() + static_cast<size_t>(i) * tk;
-        double row_dot = 0.0;  // D_i
-        for (int64_t j = 0; j < p.tk(); ++j) {
-          const double pij = prob_row[j];
-          double dp = 0.0;
-          if (pij != 0.0) {
-            for (int64_t d = 0; d < p.dv(); ++d)
-              dp += static_cast<double>(dout4(b, h, i, d)) * static_cast<double>(p.v(b, h, j, d));
-            for (int64_t d = 0; d < p.dv(); ++d)
-              dv_acc[static_cast<size_t>(j * p.dv() + d)] += pij * static_cast<double>(dout4(b, h, i, d));
+  std::vector<HeadScratch> scratch(static_cast<size_t>(max_workers()));
+  parallel_for(
+      p.batch() * p.heads(),
+      [&](int64_t bh, int worker) {
+        HeadScratch& s = scratch[static_cast<size_t>(worker)];
+        s.probs.resize(static_cast<size_t>(p.tq()) * tk);
+        s.row_lse.resize(static_cast<size_t>(p.tq()));
+        s.dscores.resize(tk);
+        s.dq_row.resize(static_cast<size_t>(p.dk()));
+        s.dk_acc.assign(tk * static_cast<size_t>(p.dk()), 0.0);
+        s.dv_acc.assign(tk * static_cast<size_t>(p.dv()), 0.0);
+        const int64_t b = bh / p.heads();
+        const int64_t h = bh % p.heads();
+        head_probabilities(p, b, h, s.probs, s.row_lse);
+        for (int64_t i = 0; i < p.tq(); ++i) {
+          const double* prob_row = s.probs.data() + static_cast<size_t>(i) * tk;
+          double row_dot = 0.0;  // D_i
+          for (int64_t j = 0; j < p.tk(); ++j) {
+            const double pij = prob_row[j];
+            double dp = 0.0;
+            if (pij != 0.0) {
+              for (int64_t d = 0; d < p.dv(); ++d)
+                dp += static_cast<double>(dout4(b, h, i, d)) * static_cast<double>(p.v(b, h, j, d));
+              for (int64_t d = 0; d < p.dv(); ++d)
+                s.dv_acc[static_cast<size_t>(j * p.dv() + d)] += pij * static_cast<double>(dout4(b, h, i, d));
+            }
+            s.dscores[static_cast<size_t>(j)] = dp;
+            row_dot += pij * dp;
           }
-          dscores[static_cast<size_t>(j)] = dp;
-          row_dot += pij * dp;
-        }
-        std::fill(dq_row.begin(), dq_row.end(), 0.0);
-        for (int64_t j = 0; j < p.tk(); ++j) {
-          const double pij = prob_row[j];
-          if (pij == 0.0) continue;
-          const double ds = pij * (dscores[static_cast<size_t>(j)] - row_dot);
-          if (dbias) (*dbias)(b, h, i, j) += static_cast<T>(ds);
-          for (int64_t d = 0; d < p.dk(); ++d) {
-            dq_row[static_cast<size_t>(d)] += ds * static_cast<double>(p.k(b, h, j, d));
-            dk_acc[static_cast<size_t>(j * p.dk() + d)] += ds * static_cast<double>(p.q(b, h, i, d));
+          std::fill(s.dq_row.begin(), s.dq_row.end(), 0.0);
+          for (int64_t j = 0; j < p.tk(); ++j) {
+            const double pij = prob_row[j];
+            if (pij == 0.0) continue;
+            const double ds = pij * (s.dscores[static_cast<size_t>(j)] - row_dot);
+            if (dbias) (*dbias)(b, h, i, j) += static_cast<T>(ds);
+            for (int64_t d = 0; d < p.dk(); ++d) {
+              s.dq_row[static_cast<size_t>(d)] += ds * static_cast<double>(p.k(b, h, j, d));
+              s.dk_acc[static_cast<size_t>(j * p.dk() + d)] += ds * static_cast<double>(p.q(b, h, i, d));
+            }
           }
+          for (int64_t d = 0; d < p.dk(); ++d)
+            dq(b, h, i, d) += static_cast<T>(p.scale * s.dq_row[static_cast<size_t>(d)]);
         }
-        for (int64_t d = 0; d < p.dk(); ++d) dq(b, h, i, d) += static_cast<T>(p.scale * dq_row[static_cast<size_t>(d)]);
-      }
-      for (int64_t j = 0; j < p.tk(); ++j) {
-        for (int64_t d = 0; d < p.dk(); ++d)
-          dk(b, h, j, d) += static_cast<T>(p.scale * dk_acc[static_cast<size_t>(j * p.dk() + d)]);
-        for (int64_t d = 0; d < p.dv(); ++d)
-          dv(b, h, j, d) += static_cast<T>(dv_acc[static_cast<size_t>(j * p.dv() + d)]);
-      }
-    }
-  }
+        for (int64_t j = 0; j < p.tk(); ++j) {
+          for (int64_t d = 0; d < p.dk(); ++d)
+            dk(b, h, j, d) += static_cast<T>(p.scale * s.dk_acc[static_cast<size_t>(j * p.dk() + d)]);
+          for (int64_t d = 0; d < p.dv(); ++d)
+            dv(b, h, j, d) += static_cast<T>(s.dv_acc[static_cast<size_t>(j * p.dv() + d)]);
+        }
+      },
+      heads_independent ? thread_limit_of(p) : 1);
+}
+
+}  // namespace detail
+
+template <class T>
+void attention_forward_reference(const AttentionParams<T>& params, const AttentionOutputs<T>& outputs) {
+  detail::forward_reference(make_attention_problem(params), outputs);
+}
+
+template <class T>
+void attention_backward_reference(const AttentionParams<T>& params, TensorView<const T> dout,
+                                  const AttentionGradients<T>& grads) {
+  detail::backward_reference(make_attention_problem(params), dout, grads);
 }
 
 template <class T>
 void attention_forward(const AttentionParams<T>& params, const AttentionOutputs<T>& outputs, AttentionImpl impl) {
+  const AttentionProblem<T> p = make_attention_problem(params);
   switch (impl) {
     case AttentionImpl::automatic:
       // Only the reference materialises α; everything else the fused kernel does faster.
       if (outputs.weights) {
-        attention_forward_reference(params, outputs);
+        detail::forward_reference(p, outputs);
       } else {
-        attention_forward_fused(params, outputs);
+        detail::forward_fused(p, outputs);
       }
       return;
     case AttentionImpl::reference:
-      attention_forward_reference(params, outputs);
+      detail::forward_reference(p, outputs);
       return;
     case AttentionImpl::fused:
-      attention_forward_fused(params, outputs);
+      detail::forward_fused(p, outputs);
       return;
   }
 }
@@ -223,13 +221,14 @@ void attention_forward(const AttentionParams<T>& params, const AttentionOutputs<
 template <class T>
 void attention_backward(const AttentionParams<T>& params, TensorView<const T> dout, const AttentionGradients<T>& grads,
                         const std::optional<AttentionSaved<T>>& saved, AttentionImpl impl) {
+  const AttentionProblem<T> p = make_attention_problem(params);
   switch (impl) {
     case AttentionImpl::automatic:
     case AttentionImpl::fused:
-      attention_backward_fused(params, dout, grads, saved);
+      detail::backward_fused(p, dout, grads, saved);
       return;
     case AttentionImpl::reference:
-      attention_backward_reference(params, dout, grads);
+      detail::backward_reference(p, dout, grads);
       return;
   }
 }

@@ -164,15 +164,16 @@ template <class T>
 struct ForwardParams {
   Inputs<T> in;
   RowsView<T> out;  // [B, H, Tq, Dv], overwritten; any col stride
-  // [B, H, Tq], overwritten; absent: not wanted. An lse is what a backward recomputes P from, so a
-  // forward that returns one computes every score by the backward's own chain of roundings (see
-  // "Accuracy" above): the few-query layout, which sums q·k in another order, serves only
-  // forwards without an lse.
+  // [B, H, Tq], overwritten; absent: not wanted.
   RowStatView<T> lse;
   // [B·H·Tq] contiguous, row (b·H + h)·Tq + i, or null: what rounding lse to T lost (lse is
   // computed in float64), so that the backward can recompute P = exp(s − lse) without that error.
   // Only the backward's own forward asks for it.
   T* lse_lo = nullptr;
+  // Whether every score must be computed by the backward's own chain of roundings (see "Accuracy"
+  // above), as it must when the lse is returned, since a backward recomputes P from it. Then the
+  // few-query layout, which sums q·k in another order, is not taken.
+  bool scores_as_backward = false;
 };
 
 template <class T>
@@ -250,15 +251,11 @@ constexpr int kTileRows = 6;
 constexpr int kTileVectors = 2;  // 12 accumulators + 2 + 1 of 16 registers
 #endif
 
-// Problems with fewer multiply-adds than this (≈ 10 µs) run on the calling thread alone: waking
-// threads would cost more than it saves.
-constexpr double kMinParallelMacs = 1 << 20;
-
+// parallel_for's thread limit for the whole problem, by the one policy (core/parallel.hpp).
 template <class T>
 int ThreadLimit(const Inputs<T>& in) {
-  const double macs = static_cast<double>(in.heads_total()) * static_cast<double>(in.tq) * static_cast<double>(in.tk) *
-                      static_cast<double>(in.dk + in.dv);
-  return macs < kMinParallelMacs ? 1 : 0;
+  return thread_limit(static_cast<double>(in.heads_total()) * static_cast<double>(in.tq) * static_cast<double>(in.tk) *
+                      static_cast<double>(in.dk + in.dv));
 }
 
 inline size_t RoundUp(size_t x, size_t multiple) { return (x + multiple - 1) / multiple * multiple; }
@@ -748,7 +745,7 @@ void AttendFewQueries(D d, const Inputs<T>& in, int64_t b, int64_t h, int64_t q0
 
 // Online softmax of queries [q0, q0 + nq) (nq ≤ Br) of head (b, h) over keys [key_begin, key_end):
 // leaves m, l and o in the scratch. With few_query_layout, a block of at most kFewQueries queries
-// takes AttendFewQueries (see ForwardParams::lse for when it must not).
+// takes AttendFewQueries (see ForwardParams::scores_as_backward for when it must not).
 template <class D, class T = hn::TFromD<D>>
 void AttendQueryBlock(D d, const Inputs<T>& in, int64_t b, int64_t h, int64_t q0, size_t nq, int64_t key_begin,
                       int64_t key_end, bool few_query_layout, ForwardScratch<T>& s) {
@@ -874,7 +871,7 @@ void ForwardDecode(D d, const ForwardParams<T>& p, int64_t chunks, std::vector<F
         const int64_t b = bh / in.heads, h = bh % in.heads;
         ForwardScratch<T>& s = scratch[ToSize(worker)];
         const int64_t begin = std::min(in.tk, chunk * chunk_len);
-        AttendQueryBlock(d, in, b, h, 0, nq, begin, std::min(in.tk, begin + chunk_len), !p.lse, s);
+        AttendQueryBlock(d, in, b, h, 0, nq, begin, std::min(in.tk, begin + chunk_len), !p.scores_as_backward, s);
         const size_t part = ToSize(task);
         std::copy(s.max.get(), s.max.get() + nq, part_max.begin() + static_cast<ptrdiff_t>(part * nq));
         std::copy(s.sum.get(), s.sum.get() + nq, part_sum.begin() + static_cast<ptrdiff_t>(part * nq));
@@ -941,7 +938,7 @@ void ForwardImpl(const ForwardParams<T>& p) {
         const int64_t q0 = block * static_cast<int64_t>(kQueryBlock);
         const size_t nq = ToSize(std::min(static_cast<int64_t>(kQueryBlock), in.tq - q0));
         ForwardScratch<T>& s = scratch[ToSize(worker)];
-        AttendQueryBlock(d, in, b, h, q0, nq, 0, in.tk, !p.lse, s);
+        AttendQueryBlock(d, in, b, h, q0, nq, 0, in.tk, !p.scores_as_backward, s);
         WriteOutputs(p, b, h, q0, nq, s);
       },
       ThreadLimit(in));

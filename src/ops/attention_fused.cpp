@@ -45,48 +45,35 @@ fused::StridedView4<T> strided_of(TensorView<T> view4) {
           .col_stride = view4.strides[3]};
 }
 
-// The inputs of one call, checked by make_attention_problem (as the reference checks them), seen as
-// [B, H, T, D].
+// The problem as the kernels read it.
 template <class T>
-struct Call {
-  fused::Inputs<T> in;
-  Shape leading;  // the leading dims of q as given (rank 0 to 2), for the shapes of outputs
-
-  Shape with_leading(std::initializer_list<int64_t> tail) const {
-    std::vector<int64_t> dims(leading.dims().begin(), leading.dims().end());
-    dims.insert(dims.end(), tail.begin(), tail.end());
-    return Shape(std::span<const int64_t>(dims));
-  }
-  Shape scores() const { return {in.batch, in.heads, in.tq, in.tk}; }
-};
-
-template <class T>
-Call<T> make_call(const AttentionParams<T>& params) {
-  const detail::AttentionProblem<T> problem = detail::make_attention_problem(params);
-  Call<T> call;
-  call.leading = problem.leading;
-  call.in = {.batch = problem.batch(),
-             .heads = problem.heads(),
-             .tq = problem.tq(),
-             .tk = problem.tk(),
-             .dk = problem.dk(),
-             .dv = problem.dv(),
-             .q = strided_of(problem.q),
-             .k = strided_of(problem.k),
-             .v = strided_of(problem.v),
-             .allowed = {},
-             .bias = {},
-             .causal = problem.causal,
-             .scale = static_cast<T>(problem.scale)};
-  if (problem.allowed) call.in.allowed = strided_of(*problem.allowed);
-  if (problem.bias) call.in.bias = strided_of(*problem.bias);
-  return call;
+fused::Inputs<T> kernel_inputs(const detail::AttentionProblem<T>& p) {
+  fused::Inputs<T> in{.batch = p.batch(),
+                      .heads = p.heads(),
+                      .tq = p.tq(),
+                      .tk = p.tk(),
+                      .dk = p.dk(),
+                      .dv = p.dv(),
+                      .q = strided_of(p.q),
+                      .k = strided_of(p.k),
+                      .v = strided_of(p.v),
+                      .allowed = {},
+                      .bias = {},
+                      .causal = p.causal,
+                      .scale = static_cast<T>(p.scale)};
+  if (p.allowed) in.allowed = strided_of(*p.allowed);
+  if (p.bias) in.bias = strided_of(*p.bias);
+  return in;
 }
 
 template <class T>
-fused::ForwardParams<T> forward_params(const Call<T>& call, TensorView<T> out, std::optional<TensorView<T>> lse,
+fused::ForwardParams<T> forward_params(const fused::Inputs<T>& in, TensorView<T> out, std::optional<TensorView<T>> lse,
                                        T* lse_lo = nullptr) {
-  fused::ForwardParams<T> p{.in = call.in, .out = strided_of(as_bhtd(out, "out")), .lse = {}, .lse_lo = lse_lo};
+  fused::ForwardParams<T> p{.in = in,
+                            .out = strided_of(as_bhtd(out, "out")),
+                            .lse = {},
+                            .lse_lo = lse_lo,
+                            .scores_as_backward = lse.has_value()};
   if (lse) {
     const TensorView<T> lse4 = as_rank4(*lse);  // [1, B, H, Tq]
     p.lse = {
@@ -117,35 +104,28 @@ void dispatch_backward(const fused::BackwardParams<T>& p) {
 
 }  // namespace
 
+namespace detail {
+
 template <class T>
-void attention_forward_fused(const AttentionParams<T>& params, const AttentionOutputs<T>& outputs) {
-  const Call<T> call = make_call(params);
-  const fused::Inputs<T>& in = call.in;
-  check_shape("out", outputs.out.shape, call.with_leading({in.tq, in.dv}));
+void forward_fused(const AttentionProblem<T>& problem, const AttentionOutputs<T>& outputs) {
   if (outputs.weights) {
     throw ValueError(
         "weights: the fused kernel never materialises the Tq×Tk weights α; use AttentionImpl::reference (or automatic) "
         "to get them");
   }
-  if (outputs.lse) check_shape("lse", outputs.lse->shape, call.with_leading({in.tq}));
-  dispatch_forward(forward_params(call, outputs.out, outputs.lse));
+  check_forward_outputs(problem, outputs);
+  dispatch_forward(forward_params(kernel_inputs(problem), outputs.out, outputs.lse));
 }
 
 template <class T>
-void attention_backward_fused(const AttentionParams<T>& params, TensorView<const T> dout,
-                              const AttentionGradients<T>& grads, const std::optional<AttentionSaved<T>>& saved) {
-  const Call<T> call = make_call(params);
-  const fused::Inputs<T>& in = call.in;
-  check_shape("dout", dout.shape, call.with_leading({in.tq, in.dv}));
-  check_shape("dq", grads.dq.shape, params.q.shape);
-  check_shape("dk", grads.dk.shape, params.k.shape);
-  check_shape("dv", grads.dv.shape, params.v.shape);
-  if (grads.dbias && !params.mask.bias) throw ShapeError("dbias: given, but the mask has no additive bias");
-  if (grads.dbias) check_shape("dbias", grads.dbias->shape, params.mask.bias->shape);
+void backward_fused(const AttentionProblem<T>& problem, TensorView<const T> dout, const AttentionGradients<T>& grads,
+                    const std::optional<AttentionSaved<T>>& saved) {
+  check_backward_arguments(problem, dout, grads);
   if (saved) {
-    check_shape("saved.out", saved->out.shape, call.with_leading({in.tq, in.dv}));
-    check_shape("saved.lse", saved->lse.shape, call.with_leading({in.tq}));
+    check_shape("saved.out", saved->out.shape, problem.with_leading({problem.tq(), problem.dv()}));
+    check_shape("saved.lse", saved->lse.shape, problem.with_leading({problem.tq()}));
   }
+  const fused::Inputs<T> in = kernel_inputs(problem);
 
   // Without the forward's results, run it: out and lse are O(T·d), never O(T²). Its lse then
   // comes in two parts, so P is recomputed without the rounding of lse to T (a relative error of
@@ -156,9 +136,9 @@ void attention_backward_fused(const AttentionParams<T>& params, TensorView<const
   TensorView<const T> out = saved ? saved->out : TensorView<const T>{};
   TensorView<const T> lse = saved ? saved->lse : TensorView<const T>{};
   if (!saved) {
-    recomputed_out = Tensor<T>(call.with_leading({in.tq, in.dv}));
-    recomputed_lse = Tensor<T>(call.with_leading({in.tq}));
-    dispatch_forward(forward_params<T>(call, recomputed_out.view(), recomputed_lse.view(), lse_lo.data()));
+    recomputed_out = Tensor<T>(problem.with_leading({in.tq, in.dv}));
+    recomputed_lse = Tensor<T>(problem.with_leading({in.tq}));
+    dispatch_forward(forward_params<T>(in, recomputed_out.view(), recomputed_lse.view(), lse_lo.data()));
     out = recomputed_out.cview();
     lse = recomputed_lse.cview();
   }
@@ -190,11 +170,27 @@ void attention_backward_fused(const AttentionParams<T>& params, TensorView<const
                              .dk = strided_of(as_bhtd(grads.dk, "dk")),
                              .dv = strided_of(as_bhtd(grads.dv, "dv")),
                              .dbias = {}};
-  if (grads.dbias) p.dbias = strided_of(broadcast_to(*grads.dbias, call.scores(), "dbias"));
+  if (grads.dbias) p.dbias = strided_of(broadcast_to(*grads.dbias, problem.scores(), "dbias"));
   dispatch_backward(p);
 }
 
+}  // namespace detail
+
+template <class T>
+void attention_forward_fused(const AttentionParams<T>& params, const AttentionOutputs<T>& outputs) {
+  detail::forward_fused(detail::make_attention_problem(params), outputs);
+}
+
+template <class T>
+void attention_backward_fused(const AttentionParams<T>& params, TensorView<const T> dout,
+                              const AttentionGradients<T>& grads, const std::optional<AttentionSaved<T>>& saved) {
+  detail::backward_fused(detail::make_attention_problem(params), dout, grads, saved);
+}
+
 #define QKV_INSTANTIATE_ATTENTION_FUSED(T)                                                                             \
+  template void detail::forward_fused(const detail::AttentionProblem<T>&, const AttentionOutputs<T>&);                 \
+  template void detail::backward_fused(const detail::AttentionProblem<T>&, TensorView<const T>,                        \
+                                       const AttentionGradients<T>&, const std::optional<AttentionSaved<T>>&);         \
   template void attention_forward_fused(const AttentionParams<T>&, const AttentionOutputs<T>&);                        \
   template void attention_backward_fused(const AttentionParams<T>&, TensorView<const T>, const AttentionGradients<T>&, \
                                          const std::optional<AttentionSaved<T>>&);

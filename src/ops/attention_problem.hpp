@@ -1,45 +1,48 @@
 #pragma once
-// The checks every scaled dot-product attention implementation makes at the API boundary, in one
-// place so that the reference and the fused kernel accept exactly the same calls with the same
-// error messages. Internal to libqkv (not installed).
+// The one validated form of an attention call, built at the API boundary and passed on: the
+// reference and the fused dot-product attention and the additive attention all check their
+// operands here, so they accept exactly the same calls with the same error messages. Internal to
+// the ops layer (not installed).
 
 #include <fmt/format.h>
 
 #include <cmath>
 #include <initializer_list>
 #include <optional>
-#include <span>
-#include <vector>
+#include <string_view>
 
 #include "qkv/core/error.hpp"
 #include "qkv/ops/attention.hpp"
 
 namespace qkv::detail {
 
-// The operands of one call, validated and seen as [B, H, T, D]; masks broadcast to [B, H, Tq, Tk].
+// q, k, v seen as [B, H, T, D] and the mask broadcast to [B, H, Tq, Tk]: what every attention
+// reads, whatever its score.
 template <class T>
-struct AttentionProblem {
-  TensorView<const T> q;                             // [B, H, Tq, Dk]
+struct AttentionOperands {
+  TensorView<const T> q;                             // [B, H, Tq, Dq]
   TensorView<const T> k;                             // [B, H, Tk, Dk]
   TensorView<const T> v;                             // [B, H, Tk, Dv]
   std::optional<TensorView<const uint8_t>> allowed;  // [B, H, Tq, Tk]
   std::optional<TensorView<const T>> bias;           // [B, H, Tq, Tk]
   bool causal = false;
-  double scale = 1.0;
   Shape leading;  // the leading dims of q as given (rank 0 to 2), for output shapes
+  // The arguments' shapes as given, which their gradients must have.
+  Shape q_shape, k_shape, v_shape;
+  std::optional<Shape> bias_shape;
 
   int64_t batch() const { return q.shape[0]; }
   int64_t heads() const { return q.shape[1]; }
   int64_t tq() const { return q.shape[2]; }
   int64_t tk() const { return k.shape[2]; }
-  int64_t dk() const { return q.shape[3]; }
+  int64_t dq() const { return q.shape[3]; }
+  int64_t dk() const { return k.shape[3]; }
   int64_t dv() const { return v.shape[3]; }
+  Shape scores() const { return {batch(), heads(), tq(), tk()}; }
 
   // The shape `leading` + tail, e.g. with_leading({Tq, Dv}) for the output.
   Shape with_leading(std::initializer_list<int64_t> tail) const {
-    std::vector<int64_t> dims(leading.dims().begin(), leading.dims().end());
-    dims.insert(dims.end(), tail.begin(), tail.end());
-    return Shape(std::span<const int64_t>(dims));
+    return leading_dims_with(leading, leading.rank(), tail);
   }
 
   // Whether query i of head (b, h) may see key j, before any additive bias.
@@ -49,32 +52,101 @@ struct AttentionProblem {
   }
 };
 
+// A dot-product attention call: its operands and the scale of q·k.
+template <class T>
+struct AttentionProblem : AttentionOperands<T> {
+  double scale = 1.0;
+};
+
+// Which dims of k a score needs: dot products need Dk = Dq, additive scores take any Dk.
+enum class KeyDim { same_as_query, any };
+
+template <class T>
+void check_dims_not_negative(TensorView<const T> view, std::string_view name) {
+  for (int axis = 0; axis < view.rank(); ++axis) {
+    if (view.shape[axis] < 0) {
+      throw ShapeError(
+          fmt::format("{}: dimension {} must not be negative, got shape {}", name, axis, view.shape.str()));
+    }
+  }
+}
+
+template <class T>
+AttentionOperands<T> make_attention_operands(TensorView<const T> q, TensorView<const T> k, TensorView<const T> v,
+                                             const AttentionMask<T>& mask, KeyDim key_dim) {
+  AttentionOperands<T> p;
+  p.q = as_bhtd(q, "q");
+  check_dims_not_negative(q, "q");
+  p.leading = leading_dims_with(q.shape, q.rank() - 2);
+  const int64_t dq = q.shape.from_back(1);
+  if (key_dim == KeyDim::same_as_query && dq == 0) {
+    throw ShapeError(fmt::format("q: d_k must be at least 1, got shape {}", q.shape.str()));
+  }
+  // k and v carry q's leading dims; their token count Tk is theirs to choose.
+  const int64_t tk = k.rank() >= 2 ? k.shape.from_back(2) : 0;
+  const int64_t dk = key_dim == KeyDim::same_as_query ? dq : (k.rank() >= 1 ? k.shape.from_back(1) : 0);
+  check_dims_not_negative(k, "k");
+  check_shape("k", k.shape, p.with_leading({tk, dk}));
+  const int64_t dv = v.rank() >= 1 ? v.shape.from_back(1) : 0;
+  check_dims_not_negative(v, "v");
+  check_shape("v", v.shape, p.with_leading({tk, dv}));
+  check_last_dim_contiguous(q, "q");
+  check_last_dim_contiguous(k, "k");
+  check_last_dim_contiguous(v, "v");
+  p.k = as_bhtd(k, "k");
+  p.v = as_bhtd(v, "v");
+
+  p.q_shape = q.shape;
+  p.k_shape = k.shape;
+  p.v_shape = v.shape;
+
+  if (mask.allowed) p.allowed = broadcast_to(*mask.allowed, p.scores(), "mask");
+  if (mask.bias) {
+    p.bias = broadcast_to(*mask.bias, p.scores(), "bias");
+    p.bias_shape = mask.bias->shape;
+  }
+  p.causal = mask.causal;
+  return p;
+}
+
 template <class T>
 AttentionProblem<T> make_attention_problem(const AttentionParams<T>& params) {
-  AttentionProblem<T> p;
-  p.q = as_bhtd(params.q, "q");
-  const int leading_rank = params.q.rank() - 2;
-  p.leading = Shape(std::span<const int64_t>(params.q.shape.dims().data(), static_cast<size_t>(leading_rank)));
-  const int64_t dk = params.q.shape.from_back(1);
-  if (dk == 0) throw ShapeError(fmt::format("q: d_k must be at least 1, got shape {}", params.q.shape.str()));
-  // k and v carry q's leading dims; their token count Tk is theirs to choose.
-  const int64_t tk = params.k.rank() >= 2 ? params.k.shape.from_back(2) : 0;
-  check_shape("k", params.k.shape, p.with_leading({tk, dk}));
-  const int64_t dv = params.v.rank() >= 1 ? params.v.shape.from_back(1) : 0;
-  check_shape("v", params.v.shape, p.with_leading({tk, dv}));
-  check_last_dim_contiguous(params.q, "q");
-  check_last_dim_contiguous(params.k, "k");
-  check_last_dim_contiguous(params.v, "v");
-  p.k = as_bhtd(params.k, "k");
-  p.v = as_bhtd(params.v, "v");
-
-  const Shape scores{p.batch(), p.heads(), p.tq(), tk};
-  if (params.mask.allowed) p.allowed = broadcast_to(*params.mask.allowed, scores, "mask");
-  if (params.mask.bias) p.bias = broadcast_to(*params.mask.bias, scores, "bias");
-  p.causal = params.mask.causal;
-  p.scale = params.scale.value_or(default_scale(dk));
+  AttentionProblem<T> p{make_attention_operands(params.q, params.k, params.v, params.mask, KeyDim::same_as_query)};
+  p.scale = params.scale.value_or(default_scale(p.dq()));
   if (!std::isfinite(p.scale)) throw ValueError(fmt::format("scale: expected a finite number, got {}", p.scale));
   return p;
 }
+
+// The forward's outputs against the problem.
+template <class T>
+void check_forward_outputs(const AttentionOperands<T>& p, const AttentionOutputs<T>& outputs) {
+  check_shape("out", outputs.out.shape, p.with_leading({p.tq(), p.dv()}));
+  if (outputs.weights) check_shape("weights", outputs.weights->shape, p.with_leading({p.tq(), p.tk()}));
+  if (outputs.lse) check_shape("lse", outputs.lse->shape, p.with_leading({p.tq()}));
+}
+
+// dO and the gradients of q, k, v and the bias (AttentionGradients or AdditiveAttentionGradients)
+// against the problem: dbias only with a bias, of the bias's shape.
+template <class T, class Gradients>
+void check_backward_arguments(const AttentionOperands<T>& p, TensorView<const T> dout, const Gradients& grads) {
+  check_shape("dout", dout.shape, p.with_leading({p.tq(), p.dv()}));
+  check_shape("dq", grads.dq.shape, p.q_shape);
+  check_shape("dk", grads.dk.shape, p.k_shape);
+  check_shape("dv", grads.dv.shape, p.v_shape);
+  if (grads.dbias && !p.bias_shape) throw ShapeError("dbias: given, but the mask has no additive bias");
+  if (grads.dbias) check_shape("dbias", grads.dbias->shape, *p.bias_shape);
+}
+
+// The implementations behind attention_forward and attention_backward, on a problem built once
+// (attention.cpp: the reference; attention_fused.cpp: the fused kernel).
+template <class T>
+void forward_reference(const AttentionProblem<T>& p, const AttentionOutputs<T>& outputs);
+template <class T>
+void backward_reference(const AttentionProblem<T>& p, TensorView<const T> dout, const AttentionGradients<T>& grads);
+template <class T>
+void forward_fused(const AttentionProblem<T>& p, const AttentionOutputs<T>& outputs);
+template <class T>
+void backward_fused(const AttentionProblem<T>& p, TensorView<const T> dout, const AttentionGradients<T>& grads,
+                    const std::optional<AttentionSaved<T>>& saved);
 
 }  // namespace qkv::detail

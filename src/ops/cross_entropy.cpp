@@ -10,21 +10,20 @@
 
 #include "qkv/core/detail/rows.hpp"
 #include "qkv/core/error.hpp"
+#include "qkv/core/parallel.hpp"
 
 namespace qkv {
 namespace {
 
 constexpr double kNegInf = -std::numeric_limits<double>::infinity();
 
-// exp() calls per parallel task: enough that handing out a task costs little next to it.
-constexpr int64_t kTaskWork = int64_t{1} << 13;
+// The cost of one exp() in multiply-adds, to size the tasks (core/parallel.hpp).
+constexpr int64_t kExpWork = 4;
 
-using rows::for_each_block;
 using rows::Rows;
 
-Shape leading_shape(const Shape& shape) {
-  return Shape(std::span<const int64_t>(shape.dims().data(), static_cast<size_t>(shape.rank() - 1)));
-}
+// The leading dims of a [..., C] shape: the shape of its per-row quantities.
+Shape leading_shape(const Shape& shape) { return leading_dims_with(shape, shape.rank() - 1); }
 
 }  // namespace
 
@@ -60,7 +59,7 @@ double cross_entropy_forward(const CrossEntropyParams<T>& params, CrossEntropyCa
 
   if (!(cache.probs.shape() == Shape{rows, classes})) cache.probs = Tensor<T>(Shape{rows, classes});
   std::vector<double> losses(static_cast<size_t>(rows), 0.0);
-  for_each_block(rows, classes, kTaskWork, [&](int64_t begin, int64_t end) {
+  parallel_for_blocks(rows, classes * kExpWork, [&](int64_t begin, int64_t end) {
     for (int64_t n = begin; n < end; ++n) {
       T* probs = cache.probs.data() + n * classes;
       const int64_t target = cache.targets[n];
@@ -116,7 +115,7 @@ void cross_entropy_backward(const CrossEntropyCache<T>& cache, double dloss, Ten
   if (cache.counted == 0) return;
   const double scale = dloss / static_cast<double>(cache.counted);
   const Rows<T> dxs(dlogits);
-  for_each_block(rows, classes, kTaskWork, [&](int64_t begin, int64_t end) {
+  parallel_for_blocks(rows, classes * kExpWork, [&](int64_t begin, int64_t end) {
     for (int64_t n = begin; n < end; ++n) {
       const int64_t target = cache.targets[n];
       if (target < 0) continue;

@@ -7,14 +7,11 @@
 
 #include "qkv/core/detail/rows.hpp"
 #include "qkv/core/error.hpp"
+#include "qkv/core/parallel.hpp"
 
 namespace qkv {
 namespace {
 
-// Element operations per parallel task: enough that handing out a task costs little next to it.
-constexpr int64_t kTaskWork = int64_t{1} << 15;
-
-using rows::for_each_block;
 using rows::Rows;
 
 }  // namespace
@@ -44,7 +41,7 @@ Tensor<T> LayerNorm<T>::forward(TensorView<const T> x, LayerNormCache<T>& cache)
   if (!(cache.xhat.shape() == x.shape)) cache.xhat = Tensor<T>(x.shape);
   if (!(cache.rstd.shape() == Shape{xs.count()})) cache.rstd = Tensor<T>(Shape{xs.count()});
   Tensor<T> y(x.shape);
-  for_each_block(xs.count(), 4 * dim, kTaskWork, [&](int64_t begin, int64_t end) {
+  parallel_for_blocks(xs.count(), 4 * dim, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const T* x_row = xs.row(r);
       double sum = 0.0;
@@ -92,7 +89,7 @@ void LayerNorm<T>::backward(const LayerNormCache<T>& cache, TensorView<const T> 
     const double g = static_cast<double>(dy_row[j * dys.step()]);
     return config_.affine ? g * static_cast<double>(gamma_.value[j]) : g;
   };
-  for_each_block(rows, 4 * dim, kTaskWork, [&](int64_t begin, int64_t end) {
+  parallel_for_blocks(rows, 4 * dim, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const T* dy_row = dys.row(r);
       const T* xhat_row = cache.xhat.data() + r * dim;
@@ -114,7 +111,7 @@ void LayerNorm<T>::backward(const LayerNormCache<T>& cache, TensorView<const T> 
     }
   });
   if (!config_.affine) return;
-  for_each_block(dim, 2 * rows, kTaskWork, [&](int64_t begin, int64_t end) {
+  parallel_for_blocks(dim, 2 * rows, [&](int64_t begin, int64_t end) {
     for (int64_t j = begin; j < end; ++j) {
       double dgamma = 0.0;
       double dbeta = 0.0;

@@ -136,9 +136,6 @@ constexpr size_t kBlockTiles = 8;
 constexpr size_t kTargetTasks = 16;
 // Depth chunks packed at once: bounds the copy of B (x, for dW) at 16·128 rows.
 constexpr size_t kSuperChunks = 16;
-// Products with fewer multiply-adds than this (≈ 10 µs) run on the calling thread alone: waking
-// threads would cost more than it saves.
-constexpr double kMinParallelMacs = 1 << 20;
 
 inline size_t ToSize(int64_t x) { return static_cast<size_t>(x); }
 inline size_t DivCeil(size_t x, size_t y) { return (x + y - 1) / y; }
@@ -464,8 +461,7 @@ void GemmImpl(const GemmParams<T>& p) {
   const hn::ScalableTag<T> d;
   const size_t N = hn::Lanes(d);
   const size_t m = ToSize(p.m), n = ToSize(p.n), k = ToSize(p.k);
-  const int max_threads =
-      static_cast<double>(p.m) * static_cast<double>(p.n) * static_cast<double>(p.k) < kMinParallelMacs ? 1 : 0;
+  const int max_threads = thread_limit(static_cast<double>(p.m) * static_cast<double>(p.n) * static_cast<double>(p.k));
 
   Packed<T> packed{.depth = std::min(k, kSuperChunks * kDepthChunk),
                    .width = kTileVectors * N,
@@ -555,7 +551,7 @@ void ColumnSumsImpl(const ColumnSumParams<T>& p) {
   if (p.cols == 0) return;
   const hn::ScalableTag<T> d;
   const size_t block = kSumBlockVectors * hn::Lanes(d);
-  const int max_threads = static_cast<double>(p.rows) * static_cast<double>(p.cols) < kMinParallelMacs ? 1 : 0;
+  const int max_threads = thread_limit(static_cast<double>(p.rows) * static_cast<double>(p.cols));
   parallel_for(
       static_cast<int64_t>(DivCeil(ToSize(p.cols), block)),
       [&](int64_t task, int /*worker*/) { ColumnSumBlock(d, p, ToSize(task) * block); }, max_threads);

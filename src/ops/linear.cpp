@@ -66,17 +66,6 @@ void column_sums(const ColumnSumParams<T>& p) {
 
 namespace {
 
-// Multiply-adds per parallel task: enough that handing out a task costs little next to it, and a
-// problem smaller than one task runs on the calling thread without a parallel region.
-constexpr int64_t kTaskWork = int64_t{1} << 15;
-
-// Runs fn(begin, end, worker) over [0, count) in blocks of items that each cost `work_per_item`
-// multiply-adds, about kTaskWork per block.
-template <class Fn>
-void for_each_block(int64_t count, int64_t work_per_item, Fn&& fn) {
-  rows::for_each_block(count, work_per_item, kTaskWork, std::forward<Fn>(fn));
-}
-
 using rows::Rows;
 
 // x's leading dims followed by `last`.
@@ -134,7 +123,7 @@ void forward_reference(const LinearParams<T>& params, const Sizes& n, TensorView
   const Rows<const T> xs(params.x);
   const Rows<T> ys(y);
   const TensorView<const T> w = params.w;
-  for_each_block(xs.count(), n.in * n.out, [&](int64_t begin, int64_t end, int /*worker*/) {
+  parallel_for_blocks(xs.count(), n.in * n.out, [&](int64_t begin, int64_t end, int /*worker*/) {
     for (int64_t r = begin; r < end; ++r) {
       const T* x_row = xs.row(r);
       T* y_row = ys.row(r);
@@ -162,7 +151,7 @@ void backward_dx_reference(const LinearParams<T>& params, const Sizes& n, Tensor
   const Rows<T> dxs(dx);
   const TensorView<const T> w = params.w;
   std::vector<std::vector<double>> scratch(static_cast<size_t>(max_workers()), std::vector<double>(n.in));
-  for_each_block(dys.count(), n.in * n.out, [&](int64_t begin, int64_t end, int worker) {
+  parallel_for_blocks(dys.count(), n.in * n.out, [&](int64_t begin, int64_t end, int worker) {
     std::vector<double>& acc = scratch[static_cast<size_t>(worker)];
     for (int64_t r = begin; r < end; ++r) {
       const T* dy_row = dys.row(r);
@@ -184,7 +173,7 @@ void backward_dw_reference(const LinearParams<T>& params, const Sizes& n, Tensor
   const Rows<const T> xs(params.x);
   const Rows<const T> dys(dy);
   std::vector<std::vector<double>> scratch(static_cast<size_t>(max_workers()), std::vector<double>(n.in));
-  for_each_block(n.out, dys.count() * n.in, [&](int64_t begin, int64_t end, int worker) {
+  parallel_for_blocks(n.out, dys.count() * n.in, [&](int64_t begin, int64_t end, int worker) {
     std::vector<double>& acc = scratch[static_cast<size_t>(worker)];
     for (int64_t o = begin; o < end; ++o) {
       std::fill(acc.begin(), acc.end(), 0.0);

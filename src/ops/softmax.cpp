@@ -45,9 +45,7 @@ T& at_flat(const TensorView<T>& v4, int64_t flat) {
 }
 
 // The leading dims of a [..., N] shape: the shape of its per-row quantities.
-Shape row_shape(const Shape& shape) {
-  return Shape(std::span<const int64_t>(shape.dims().data(), static_cast<size_t>(shape.rank() - 1)));
-}
+Shape row_shape(const Shape& shape) { return leading_dims_with(shape, shape.rank() - 1); }
 
 // The one softmax of a row of n scores, in float64: x(j) reads score j, y(j, value) stores weight
 // j, and the row's log-sum-exp is returned. A row of −inf (every key masked) or an empty row gets

@@ -118,6 +118,10 @@ TensorView<T> as_bhtd(TensorView<T> view, std::string_view name);
 template <class T>
 TensorView<T> broadcast_to(TensorView<T> view, const Shape& target, std::string_view name);
 
+// The first `leading_rank` dims of `shape` followed by `tail`: the shape of a result that keeps an
+// argument's leading (batch) dims, e.g. leading_dims_with(q.shape, q.rank() - 2, {Tq, Dv}).
+Shape leading_dims_with(const Shape& shape, int leading_rank, std::initializer_list<int64_t> tail = {});
+
 // Throws ShapeError "`name`: expected shape E, got A" when the shapes differ.
 void check_shape(std::string_view name, const Shape& actual, const Shape& expected);
 
