@@ -215,6 +215,8 @@ struct BackwardParams {
 #include "hwy/contrib/math/math-inl.h"
 #include "hwy/highway.h"
 #include "qkv/core/parallel.hpp"
+#include "simd/buffers.hpp"
+#include "simd/micro_gemm-inl.h"
 
 HWY_BEFORE_NAMESPACE();
 namespace qkv::HWY_NAMESPACE {
@@ -243,13 +245,9 @@ constexpr size_t kFewQueriesPrefetchBytes = 32 * 1024;
 constexpr size_t kDepthChunk = 16;
 // Micro-kernel tile: rows × vectors of accumulators, sized to the register file. Two FMA pipes of
 // four cycles' latency need at least 8 independent accumulators; more hide the loads' latency too.
-#if HWY_ARCH_X86 && HWY_TARGET <= HWY_AVX3
-constexpr int kTileRows = 4;
-constexpr int kTileVectors = 4;  // 16 accumulators + 4 B vectors + 1 broadcast of 32 registers
-#else
-constexpr int kTileRows = 6;
-constexpr int kTileVectors = 2;  // 12 accumulators + 2 + 1 of 16 registers
-#endif
+constexpr int kTileRows = simd::HWY_NAMESPACE::kVectorRegisters == 32 ? 4 : 6;
+// 16 accumulators + 4 B vectors + 1 broadcast of 32 registers, or 12 + 2 + 1 of 16.
+constexpr int kTileVectors = simd::HWY_NAMESPACE::kVectorRegisters == 32 ? 4 : 2;
 
 // parallel_for's thread limit for the whole problem, by the one policy (core/parallel.hpp).
 template <class T>
@@ -258,16 +256,10 @@ int ThreadLimit(const Inputs<T>& in) {
                       static_cast<double>(in.dk + in.dv));
 }
 
-inline size_t RoundUp(size_t x, size_t multiple) { return (x + multiple - 1) / multiple * multiple; }
-inline size_t ToSize(int64_t x) { return static_cast<size_t>(x); }
-
-template <class T>
-using Buffer = hwy::AlignedFreeUniquePtr<T[]>;
-
-template <class T>
-Buffer<T> Allocate(size_t n) {
-  return hwy::AllocateAligned<T>(std::max<size_t>(n, 1));
-}
+using simd::Allocate;
+using simd::Buffer;
+using simd::RoundUp;
+using simd::ToSize;
 
 // ---- The micro-kernel ------------------------------------------------------------------------------
 
@@ -286,39 +278,21 @@ struct Gemm {
   size_t depth = 0;
 };
 
-// One R × (C vectors) tile of C at (r0, col0). The depth is summed in chunks of kDepthChunk, each
-// chunk in registers from zero and then added to C: blocked summation, whose rounding error grows
-// with chunk + depth/chunk terms instead of depth (≈ 2× more accurate at d = 64, for about one
-// load, add and store per accumulator and chunk).
+// One R × (C vectors) tile of C at (r0, col0), by the one micro-kernel: the depth summed in chunks
+// of kDepthChunk, each added to C (≈ 2× more accurate at d = 64 than one sum, for about one load,
+// add and store per accumulator and chunk).
 template <int R, int C, bool kAccumulate, class D, class T = hn::TFromD<D>>
 HWY_INLINE void TileUpdate(D d, const Gemm<T>& g, size_t r0, size_t col0) {
   const size_t N = hn::Lanes(d);
-  const T* HWY_RESTRICT a = g.a + r0 * g.a_row;
-  const T* HWY_RESTRICT b = g.b + col0;
   T* HWY_RESTRICT c = g.c + r0 * g.c_row + col0;
-  hn::Vec<D> acc[R][C];
-  size_t k0 = 0;
-  do {
-    const size_t k1 = std::min(g.depth, k0 + kDepthChunk);
-    HWY_UNROLL(8)
-    for (int r = 0; r < R; ++r) {
-      HWY_UNROLL(8)
-      for (int v = 0; v < C; ++v) acc[r][v] = hn::Zero(d);
-    }
-    for (size_t k = k0; k < k1; ++k) {
-      const T* HWY_RESTRICT bk = b + k * g.b_row;
-      const T* HWY_RESTRICT ak = a + k * g.a_depth;
-      hn::Vec<D> bv[C];
-      HWY_UNROLL(8)
-      for (int v = 0; v < C; ++v) bv[v] = hn::LoadU(d, bk + v * N);
-      HWY_UNROLL(8)
-      for (int r = 0; r < R; ++r) {
-        const hn::Vec<D> ar = hn::Set(d, ak[r * g.a_row]);
-        HWY_UNROLL(8)
-        for (int v = 0; v < C; ++v) acc[r][v] = hn::MulAdd(ar, bv[v], acc[r][v]);
-      }
-    }
-    const bool overwrite = !kAccumulate && k0 == 0;
+  const simd::HWY_NAMESPACE::TileOperands<T> operands{.a = g.a + r0 * g.a_row,
+                                                      .a_row = g.a_row,
+                                                      .a_depth = g.a_depth,
+                                                      .b = g.b + col0,
+                                                      .b_row = g.b_row,
+                                                      .depth = g.depth};
+  simd::HWY_NAMESPACE::MicroTile<R, C, kDepthChunk>(d, operands, [&](const auto& acc, bool first) HWY_ATTR {
+    const bool overwrite = !kAccumulate && first;
     HWY_UNROLL(8)
     for (int r = 0; r < R; ++r) {
       HWY_UNROLL(8)
@@ -327,8 +301,7 @@ HWY_INLINE void TileUpdate(D d, const Gemm<T>& g, size_t r0, size_t col0) {
         hn::StoreU(overwrite ? acc[r][v] : hn::Add(hn::LoadU(d, out), acc[r][v]), d, out);
       }
     }
-    k0 = k1;
-  } while (k0 < g.depth);
+  });
 }
 
 // R rows of C, all `vectors` column vectors.

@@ -113,20 +113,18 @@ struct ColumnSumParams {
 #include <cstddef>
 #include <vector>
 
-#include "hwy/aligned_allocator.h"
 #include "hwy/highway.h"
 #include "qkv/core/parallel.hpp"
+#include "simd/buffers.hpp"
+#include "simd/micro_gemm-inl.h"
 
 HWY_BEFORE_NAMESPACE();
 namespace qkv::linear_simd::HWY_NAMESPACE {
 namespace hn = hwy::HWY_NAMESPACE;
 
-// Micro-kernel tile: rows × vectors of accumulators, sized to the register file.
-#if HWY_ARCH_X86 && HWY_TARGET <= HWY_AVX3
-constexpr size_t kTileRows = 8;  // 24 accumulators + 3 B vectors + 1 broadcast of 32 registers
-#else
-constexpr size_t kTileRows = 4;  // 12 + 3 + 1 of 16 registers
-#endif
+// Micro-kernel tile: rows × vectors of accumulators, sized to the register file: 24 accumulators
+// + 3 B vectors + 1 broadcast of 32 registers, or 12 + 3 + 1 of 16.
+constexpr size_t kTileRows = simd::HWY_NAMESPACE::kVectorRegisters == 32 ? 8 : 4;
 constexpr size_t kTileVectors = 3;
 // Depth summed in registers before it is added to C: the summation block and the L1 panel chunk.
 constexpr size_t kDepthChunk = 128;
@@ -137,16 +135,10 @@ constexpr size_t kTargetTasks = 16;
 // Depth chunks packed at once: bounds the copy of B (x, for dW) at 16·128 rows.
 constexpr size_t kSuperChunks = 16;
 
-inline size_t ToSize(int64_t x) { return static_cast<size_t>(x); }
-inline size_t DivCeil(size_t x, size_t y) { return (x + y - 1) / y; }
-
-template <class T>
-using Buffer = hwy::AlignedFreeUniquePtr<T[]>;
-
-template <class T>
-Buffer<T> Allocate(size_t n) {
-  return hwy::AllocateAligned<T>(std::max<size_t>(n, 1));
-}
+using simd::Allocate;
+using simd::Buffer;
+using simd::DivCeil;
+using simd::ToSize;
 
 // What the first chunk of the depth does with C: overwrite it, start from the bias, or (every
 // later chunk, and every chunk when accumulating) add to it.
@@ -330,45 +322,33 @@ HWY_INLINE void StoreVector(D d, Store store, V acc, const T* bias, T* HWY_RESTR
   std::copy_n(buffer, lanes, out);
 }
 
-// C [R rows][C vectors] (+)= A·B over one depth chunk: the micro-kernel. Not inlined: inlined into
-// the loops over panels and tiles, GCC spilled half of the accumulators to the stack.
+// C [R rows][C vectors] (+)= A·B over one depth chunk, by the one micro-kernel (its chunk is
+// kDepthChunk too, so it sums the whole call in registers). Not inlined: inlined into the loops
+// over panels and tiles, GCC spilled half of the accumulators to the stack.
 template <size_t R, size_t C, Order kOrderA, class D, class T = hn::TFromD<D>>
 HWY_NOINLINE void Tile(D d, const TileArgs<T>& t) {
   const size_t N = hn::Lanes(d);
-  hn::Vec<D> acc[R][C];
-  HWY_UNROLL(8)
-  for (size_t r = 0; r < R; ++r) {
-    HWY_UNROLL(4)
-    for (size_t v = 0; v < C; ++v) acc[r][v] = hn::Zero(d);
-  }
-  // Row-major A: one pointer per row, walked along the depth. Column-major: the R elements of a
-  // depth step are neighbours.
-  const T* HWY_RESTRICT a_rows[R];
-  HWY_UNROLL(8)
-  for (size_t r = 0; r < R; ++r) a_rows[r] = t.a + r * t.a_stride;
-  const T* HWY_RESTRICT b = t.b;
-  for (size_t k = 0; k < t.depth; ++k) {
-    hn::Vec<D> bv[C];
-    HWY_UNROLL(4)
-    for (size_t v = 0; v < C; ++v) bv[v] = hn::Load(d, b + k * t.b_width + v * N);
-    const T* HWY_RESTRICT a_step = t.a + k * t.a_stride;
+  // Row-major A: rows a_stride apart, walked along the depth. Column-major (packed): the R
+  // elements of a depth step are neighbours, steps a_stride apart.
+  const simd::HWY_NAMESPACE::TileOperands<T> operands{.a = t.a,
+                                                      .a_row = kOrderA == Order::kRowMajor ? t.a_stride : 1,
+                                                      .a_depth = kOrderA == Order::kRowMajor ? 1 : t.a_stride,
+                                                      .b = t.b,
+                                                      .b_row = t.b_width,
+                                                      .depth = t.depth};
+  simd::HWY_NAMESPACE::MicroTile<R, C, kDepthChunk>(d, operands, [&](const auto& acc, bool first) HWY_ATTR {
+    const Store store = first ? t.store : Store::kAdd;
     HWY_UNROLL(8)
     for (size_t r = 0; r < R; ++r) {
-      const hn::Vec<D> av = hn::Set(d, kOrderA == Order::kRowMajor ? a_rows[r][k] : a_step[r]);
       HWY_UNROLL(4)
-      for (size_t v = 0; v < C; ++v) acc[r][v] = hn::MulAdd(av, bv[v], acc[r][v]);
-    }
-  }
-  HWY_UNROLL(8)
-  for (size_t r = 0; r < R; ++r) {
-    HWY_UNROLL(4)
-    for (size_t v = 0; v < C; ++v) {
-      const size_t first = v * N;
-      if (first < t.cols) {
-        StoreVector(d, t.store, acc[r][v], t.bias + first, t.c + r * t.c_stride + first, std::min(N, t.cols - first));
+      for (size_t v = 0; v < C; ++v) {
+        const size_t col = v * N;
+        if (col < t.cols) {
+          StoreVector(d, store, acc[r][v], t.bias + col, t.c + r * t.c_stride + col, std::min(N, t.cols - col));
+        }
       }
     }
-  }
+  });
 }
 
 // Rows [m0, m1) of one panel. Row-major A is read in place (t.a at row m0, t.a_stride between
