@@ -1,5 +1,5 @@
 #pragma once
-// What the heatmap renderers (src/heatmap*.cpp) share: the figure (the matrices to draw, their
+// What the heatmap renderers (src/viz/heatmap*.cpp) share: the figure (the matrices to draw, their
 // labels and scale, already checked) and its layout, the text styles, and the pango metrics.
 // Not installed: the public API is include/qkv/viz/heatmap.hpp.
 
@@ -45,7 +45,7 @@ inline constexpr int64_t kMarkWidth = 2;
 struct Panel {
   int64_t head = 0;
   std::string caption;         // "head 3"; empty for rank 2
-  std::vector<double> values;  // [Tq, Tk], row-major, finite
+  std::vector<double> values;  // [Tq, Tk], row-major; finite but in a terminal figure
 };
 
 struct Figure {
@@ -60,16 +60,17 @@ struct Figure {
   std::string title;
   Colormap colormap = Colormap::viridis;
   bool annotate = false;
+  TerminalStyle terminal;
   std::vector<std::pair<int64_t, int64_t>> marked_cells;  // (row, column), checked
   bool float32 = false;       // alpha was float: values are written as the shortest float that reads back
   std::vector<Panel> panels;  // what an image draws (one head, or every head); the page carries all
-  HeatmapLayout layout;       // of the image; the page lays itself out
+  HeatmapLayout layout;       // of the image (the scale only for the page and the terminal)
   // Labels as the image draws them: cut with "…" to 160 px; only every k-th is set. Empty for the page.
   std::vector<std::string> row_text;
   std::vector<std::string> col_text;
   std::vector<std::string> tick_text;  // one per layout.ticks
 
-  double position(double value) const;    // on the scale, in [0, 1]
+  double position(double value) const;    // of a finite value on the scale, in [0, 1]
   std::string exact(double value) const;  // the value as given, digits enough to read it back
   Rgb color(double value) const { return colormap_at(colormap, position(value)); }
 };
@@ -119,5 +120,6 @@ std::string render_cairo(const Figure& figure, HeatmapFormat format);  // PNG an
 std::string matrix_png(const Figure& figure, const Panel& panel);
 std::string render_svg(const Figure& figure);
 std::string render_html(const Figure& figure);
+std::string render_terminal(const Figure& figure);
 
 }  // namespace qkv::heatmap_detail
