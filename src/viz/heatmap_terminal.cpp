@@ -35,7 +35,7 @@ std::string background_escape(Rgb c, TerminalColor color) {
 }
 
 // Black text on light backgrounds, bright white on dark ones.
-std::string_view foreground_escape(Rgb c) { return luma(c) > 128.0 ? "\x1b[30m" : "\x1b[97m"; }
+std::string_view foreground_escape(Rgb c) { return is_light(c) ? "\x1b[30m" : "\x1b[97m"; }
 
 constexpr std::string_view kReset = "\x1b[0m";
 constexpr std::array<std::string_view, 5> kShades = {" ", "░", "▒", "▓", "█"};
