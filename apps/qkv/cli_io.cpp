@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cerrno>
 #include <cmath>
+#include <cstdio>
 #include <limits>
 #include <stdexcept>
 #include <system_error>
@@ -172,6 +173,12 @@ void OutputFiles::commit() {
   } catch (const IoError& e) {
     throw IoError(fmt::format("outputs: {}", e.what()));
   }
+}
+
+TerminalColor terminal_color(std::string_view when) {
+  const bool color = when == "always" || (when == "auto" && terminal_supports_color(stdout));
+  if (!color) return TerminalColor::none;
+  return terminal_supports_truecolor() ? TerminalColor::truecolor : TerminalColor::palette256;
 }
 
 }  // namespace qkv::cli

@@ -1,6 +1,7 @@
 #pragma once
 // Helpers shared by the qkv subcommands: reading .npy inputs as float32 tensors, refusing
-// non-finite values, and writing outputs so that a failed run leaves no file behind.
+// non-finite values, writing outputs so that a failed run leaves no file behind, and the colours
+// --color asks of the terminal.
 //
 // Every error names the option at fault ("--q", "-o"), what was expected and what came, and is a
 // qkv::Error, which main() prints as one line with exit code 2.
@@ -14,6 +15,7 @@
 
 #include "qkv/core/tensor.hpp"
 #include "qkv/io/npy.hpp"
+#include "qkv/viz/heatmap.hpp"
 
 namespace qkv::cli {
 
@@ -83,5 +85,12 @@ class OutputFiles {
   };
   std::vector<File> files_;
 };
+
+// ---- The terminal ---------------------------------------------------------------------------
+
+// The colours of a grid printed to standard output with --color `when` (auto, always or never):
+// auto colours only what terminal_supports_color(stdout) says a terminal shows, and colours are
+// 24-bit where terminal_supports_truecolor() says so, else the nearest of the 256-colour cube.
+TerminalColor terminal_color(std::string_view when);
 
 }  // namespace qkv::cli

@@ -31,12 +31,12 @@
 #include "qkv/core/error.hpp"
 #include "qkv/core/rng.hpp"
 #include "qkv/core/tensor.hpp"
+#include "qkv/core/text.hpp"
 #include "qkv/io/npy.hpp"
 #include "qkv/io/staged_files.hpp"
 #include "qkv/ops/attention.hpp"
 #include "qkv/ops/linear.hpp"
 #include "qkv/viz/heatmap.hpp"
-#include "qkv/viz/terminal_heatmap.hpp"
 
 namespace qkv::cli {
 namespace {
@@ -60,16 +60,6 @@ struct DemoOptions {
   std::string out_dir = ".";
   bool no_files = false;
 };
-
-std::string pad_right(std::string_view text, int64_t width) {
-  std::string out(text);
-  out.append(static_cast<size_t>(std::max<int64_t>(0, width - display_width(text))), ' ');
-  return out;
-}
-
-std::string pad_left(std::string_view text, int64_t width) {
-  return std::string(static_cast<size_t>(std::max<int64_t>(0, width - display_width(text))), ' ') + std::string(text);
-}
 
 // m [T, T] with token labels on both axes, 3 decimals, and a last column of row sums when asked.
 // Columns are as wide as their label or their widest value, whichever is wider.
@@ -219,19 +209,15 @@ void run_demo(const DemoOptions& options) {
     text += '\n';
   }
 
-  const bool color = options.color == "always" || (options.color == "auto" && terminal_supports_color(stdout));
-  TerminalHeatmapOptions heatmap;
+  HeatmapOptions heatmap;
   heatmap.row_labels = tokens;
   heatmap.col_labels = tokens;
-  heatmap.color = color;
-  heatmap.truecolor = terminal_supports_truecolor();
+  heatmap.terminal.color = terminal_color(options.color);
   text += "heatmap of α: who looks at whom (rows = queries, columns = keys)\n";
-  text += render_terminal_heatmap(alpha.cview(), heatmap);
+  text += render_heatmap(alpha.cview(), HeatmapFormat::terminal, heatmap);
   text += '\n';
   if (!options.no_files) {
-    HeatmapOptions picture;
-    picture.row_labels = tokens;
-    picture.col_labels = tokens;
+    HeatmapOptions picture = heatmap;
     picture.title = fmt::format("α = softmax(Q Kᵀ / √{}): who looks at whom", kDim);
     picture.annotate = t <= kAnnotatedTokens;
     const std::string png = render_heatmap(alpha.cview(), HeatmapFormat::png, picture);

@@ -23,10 +23,10 @@
 #include "cli_io.hpp"
 #include "commands.hpp"
 #include "qkv/core/error.hpp"
+#include "qkv/core/text.hpp"
 #include "qkv/io/npy.hpp"
 #include "qkv/io/staged_files.hpp"
 #include "qkv/viz/heatmap.hpp"
-#include "qkv/viz/terminal_heatmap.hpp"
 
 namespace qkv::cli {
 namespace {
@@ -86,51 +86,16 @@ std::vector<std::string> axis_labels(const HeatmapCliOptions& o, const CLI::Opti
   return labels;
 }
 
-// The [Tq, Tk] matrix of head h in batch entry b of alpha [B, H, Tq, Tk] (padded to rank 4).
-TensorView<const float> matrix_of(const Tensor<float>& alpha, int64_t b, int64_t h) {
-  const TensorView<const float> a4 = as_rank4(alpha.cview());
-  return make_view(&a4(b, h, 0, 0), Shape{a4.shape[2], a4.shape[3]});
-}
-
 int64_t terminal_columns() {
   winsize size{};
   if (::ioctl(STDOUT_FILENO, TIOCGWINSZ, &size) == 0 && size.ws_col > 0) return size.ws_col;
   return 0;
 }
 
-void print_terminal(const Tensor<float>& alpha, const HeatmapCliOptions& o, const HeatmapOptions& options,
-                    const std::vector<int64_t>& heads) {
-  TerminalHeatmapOptions t;
-  t.row_labels = options.row_labels;
-  t.col_labels = options.col_labels;
-  t.color = o.color == "always" || (o.color == "auto" && terminal_supports_color(stdout));
-  t.truecolor = terminal_supports_truecolor();
-  t.colormap = options.colormap;
-  t.show_values = o.annotate;
-  t.decimals = 2;
-  // One scale for every head drawn, so that a colour means the same weight in each grid.
-  t.vmin = 0.0;
-  if (options.vmax) {
-    t.vmax = options.vmax;
-  } else {
-    float top = 0.0f;
-    for (const int64_t h : heads) {
-      const TensorView<const float> m = matrix_of(alpha, options.batch, h);
-      for (int64_t i = 0; i < m.shape[0]; ++i)
-        for (int64_t j = 0; j < m.shape[1]; ++j) top = std::max(top, m(i, j));
-    }
-    if (top > 0.0f) t.vmax = top;
-  }
-
-  std::string text;
-  if (!options.title.empty()) text += sanitize_label(options.title) + '\n';
-  for (const int64_t h : heads) {
-    if (alpha.shape().rank() >= 3) {
-      text += alpha.shape().rank() == 4 ? fmt::format("batch {} · head {}\n", options.batch, h)
-                                        : fmt::format("head {}\n", h);
-    }
-    text += render_terminal_heatmap(matrix_of(alpha, options.batch, h), t);
-  }
+void print_terminal(const Tensor<float>& alpha, const HeatmapCliOptions& o, HeatmapOptions options) {
+  options.terminal.color = terminal_color(o.color);
+  options.terminal.decimals = 2;
+  const std::string text = render_heatmap(alpha.cview(), HeatmapFormat::terminal, options);
   std::fputs(text.c_str(), stdout);
   std::fflush(stdout);
 
@@ -231,11 +196,7 @@ void run_heatmap(const HeatmapCliOptions& o) {
   }
 
   if (terminal) {
-    std::vector<int64_t> drawn;
-    for (int64_t h = 0; h < heads; ++h) {
-      if (!options.head || *options.head == h) drawn.push_back(h);
-    }
-    print_terminal(alpha, o, options, drawn);
+    print_terminal(alpha, o, options);
     return;
   }
 

@@ -17,12 +17,13 @@
 #include <string>
 #include <vector>
 
+#include "cli_io.hpp"
 #include "commands.hpp"
 #include "experiments/seq2seq.hpp"
 #include "qkv/core/error.hpp"
+#include "qkv/core/text.hpp"
 #include "qkv/io/model_file.hpp"
 #include "qkv/viz/heatmap.hpp"
-#include "qkv/viz/terminal_heatmap.hpp"
 
 namespace qkv::cli {
 namespace {
@@ -80,17 +81,16 @@ void run_translate(const TranslateOptions& o) {
     return;
   }
   if (result.finished) output.emplace_back("<eos>");
-  TerminalHeatmapOptions heatmap;
+  HeatmapOptions heatmap;
   heatmap.row_labels = output;
   heatmap.col_labels = words;
-  heatmap.color = o.color == "always" || (o.color == "auto" && terminal_supports_color(stdout));
-  heatmap.truecolor = terminal_supports_truecolor();
   heatmap.vmin = 0.0;
   heatmap.vmax = 1.0;
-  heatmap.show_values = o.values;
-  heatmap.decimals = 2;
+  heatmap.annotate = o.values;
+  heatmap.terminal.color = terminal_color(o.color);
+  heatmap.terminal.decimals = 2;
   fmt::print("\nalignment α (rows: output words, columns: source words):\n{}",
-             render_terminal_heatmap<float>(result.alpha.cview(), heatmap));
+             render_heatmap<float>(result.alpha.cview(), HeatmapFormat::terminal, heatmap));
   std::fflush(stdout);
 }
 

@@ -14,7 +14,7 @@
 
 #include "heatmap_internal.hpp"
 #include "qkv/core/error.hpp"
-#include "qkv/viz/terminal_heatmap.hpp"
+#include "qkv/core/text.hpp"
 
 namespace qkv {
 namespace heatmap_detail {
@@ -137,6 +137,7 @@ void compute_scale(Figure& f, const HeatmapOptions& options) {
   double hi = -std::numeric_limits<double>::infinity();
   for (const Panel& panel : f.panels) {
     for (const double v : panel.values) {
+      if (!std::isfinite(v)) continue;
       lo = std::min(lo, v);
       hi = std::max(hi, v);
     }
@@ -377,7 +378,8 @@ Figure make_figure(TensorView<const T> alpha, const HeatmapOptions& options, Hea
   f.tq = a4.shape[2];
   f.tk = a4.shape[3];
   const std::string described = fmt::format("alpha {} {}", shape_names(rank), alpha.shape.str());
-  if (f.tq == 0 || f.tk == 0 || f.heads == 0 || batches == 0) {
+  const bool terminal = format == HeatmapFormat::terminal;
+  if ((!terminal && (f.tq == 0 || f.tk == 0)) || f.heads == 0 || batches == 0) {
     throw ShapeError(
         fmt::format("alpha: expected at least one query, key, head and batch entry, got shape {}", alpha.shape.str()));
   }
@@ -401,6 +403,10 @@ Figure make_figure(TensorView<const T> alpha, const HeatmapOptions& options, Hea
   f.title = sanitize_label(options.title);
   f.colormap = options.colormap;
   f.annotate = options.annotate;
+  if (terminal && (options.terminal.decimals < 0 || options.terminal.decimals > 9)) {
+    throw ValueError(fmt::format("terminal.decimals: expected 0 to 9, got {}", options.terminal.decimals));
+  }
+  f.terminal = options.terminal;
   for (const auto& [row, col] : options.marked_cells) {
     if (row < 0 || row >= f.tq || col < 0 || col >= f.tk) {
       throw ValueError(fmt::format("marked_cells: expected (row, column) within [0, {}) × [0, {}) of {}, got ({}, {})",
@@ -415,7 +421,9 @@ Figure make_figure(TensorView<const T> alpha, const HeatmapOptions& options, Hea
     if (!page && options.head && h != *options.head) continue;
     Panel panel;
     panel.head = h;
-    if (rank == 4 && batches > 1) {
+    // The terminal names the batch entry of any rank-4 alpha, as `qkv heatmap` always printed it;
+    // an image only when there are several to tell apart.
+    if (rank == 4 && (batches > 1 || terminal)) {
       panel.caption = fmt::format("batch {} · head {}", f.batch, h);
     } else if (rank >= 3) {
       panel.caption = fmt::format("head {}", h);
@@ -424,7 +432,7 @@ Figure make_figure(TensorView<const T> alpha, const HeatmapOptions& options, Hea
     for (int64_t i = 0; i < f.tq; ++i) {
       for (int64_t j = 0; j < f.tk; ++j) {
         const auto value = static_cast<double>(a4(f.batch, h, i, j));
-        if (!std::isfinite(value)) {
+        if (!terminal && !std::isfinite(value)) {
           std::vector<int64_t> index{f.batch, h, i, j};
           index.erase(index.begin(), index.begin() + (4 - rank));
           throw ValueError(fmt::format("alpha: expected finite values, got {} at [{}]", value, fmt::join(index, ", ")));
@@ -435,7 +443,7 @@ Figure make_figure(TensorView<const T> alpha, const HeatmapOptions& options, Hea
     f.panels.push_back(std::move(panel));
   }
   compute_scale(f, options);
-  if (!page) compute_layout(f);
+  if (!page && !terminal) compute_layout(f);
   return f;
 }
 
@@ -464,6 +472,8 @@ std::string_view heatmap_format_name(HeatmapFormat format) {
       return "PDF";
     case HeatmapFormat::html:
       return "HTML";
+    case HeatmapFormat::terminal:
+      return "terminal";
     case HeatmapFormat::png:
       break;
   }
@@ -483,6 +493,8 @@ std::string render_heatmap(TensorView<const T> alpha, HeatmapFormat format, cons
       return heatmap_detail::render_svg(figure);
     case HeatmapFormat::html:
       return heatmap_detail::render_html(figure);
+    case HeatmapFormat::terminal:
+      return heatmap_detail::render_terminal(figure);
     case HeatmapFormat::png:
     case HeatmapFormat::pdf:
       break;
@@ -566,17 +578,6 @@ AttentionWeightsReport check_attention_weights(TensorView<const T> alpha, std::s
                                  negative.count, negative.count == 1 ? "" : "s", negative.first, negative.where));
   }
   return report;
-}
-
-std::vector<std::string> split_labels(std::string_view text) {
-  std::vector<std::string> labels;
-  constexpr std::string_view kSpace = " \t\n\r\f\v";
-  for (size_t pos = text.find_first_not_of(kSpace); pos != std::string_view::npos;) {
-    const size_t end = text.find_first_of(kSpace, pos);
-    labels.emplace_back(text.substr(pos, end - pos));
-    pos = end == std::string_view::npos ? end : text.find_first_not_of(kSpace, end);
-  }
-  return labels;
 }
 
 template HeatmapLayout heatmap_layout(TensorView<const float>, const HeatmapOptions&);

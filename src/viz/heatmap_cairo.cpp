@@ -48,36 +48,41 @@ void check(cairo_status_t status, std::string_view what) {
 
 void set_color(cairo_t* cr, Rgb c) { cairo_set_source_rgb(cr, c.r / 255.0, c.g / 255.0, c.b / 255.0); }
 
-enum class Anchor { start, centre, end };
+void fill_rect(cairo_t* cr, double x, double y, double w, double h, Rgb color) {
+  set_color(cr, color);
+  cairo_rectangle(cr, x, y, w, h);
+  cairo_fill(cr);
+}
 
-// Draws text with pango: horizontally anchored at x by `anchor`, vertically centred on y, along the
-// current rotation.
-class TextPainter {
+// Ticks as cairo rectangles, text with pango: horizontally anchored at x, vertically centred on y,
+// along the current rotation.
+class CairoPainter final : public Painter {
  public:
-  explicit TextPainter(cairo_t* cr) : cr_(cr), layout_(pango_cairo_create_layout(cr)) {
+  explicit CairoPainter(cairo_t* cr) : cr_(cr), layout_(pango_cairo_create_layout(cr)) {
     configure_context(pango_layout_get_context(layout_.get()));
     pango_layout_context_changed(layout_.get());
   }
 
-  void draw(std::string_view text, double size, bool bold, Rgb color, double x, double y, Anchor anchor) {
-    set_text(layout_.get(), text, size, bold);
+  void box(double x, double y, double w, double h, Rgb color) override { fill_rect(cr_, x, y, w, h, color); }
+
+  void text(std::string_view content, double size, bool bold, Rgb color, double x, double y, Anchor anchor) override {
+    set_text(layout_.get(), content, size, bold);
     pango_cairo_update_layout(cr_, layout_.get());
     PangoRectangle logical;
     pango_layout_get_extents(layout_.get(), nullptr, &logical);
     const double width = static_cast<double>(logical.width) / PANGO_SCALE;
     const double height = static_cast<double>(logical.height) / PANGO_SCALE;
-    const double shift = anchor == Anchor::start ? 0.0 : anchor == Anchor::centre ? width / 2 : width;
+    const double shift = anchor == Anchor::start ? 0.0 : anchor == Anchor::middle ? width / 2 : width;
     set_color(cr_, color);
     cairo_move_to(cr_, x - shift - static_cast<double>(logical.x) / PANGO_SCALE, y - height / 2);
     pango_cairo_show_layout(cr_, layout_.get());
   }
 
-  // The same, turned a quarter left (reading upwards), with its anchor at (x, y).
-  void draw_rotated(std::string_view text, double size, Rgb color, double x, double y, Anchor anchor) {
+  void rotated_text(std::string_view content, double size, Rgb color, double x, double y, Anchor anchor) override {
     cairo_save(cr_);
     cairo_translate(cr_, x, y);
     cairo_rotate(cr_, -std::numbers::pi / 2);
-    draw(text, size, false, color, 0.0, 0.0, anchor);
+    text(content, size, false, color, 0.0, 0.0, anchor);
     cairo_restore(cr_);
   }
 
@@ -85,12 +90,6 @@ class TextPainter {
   cairo_t* cr_;
   Layout layout_;
 };
-
-void fill_rect(cairo_t* cr, double x, double y, double w, double h, Rgb color) {
-  set_color(cr, color);
-  cairo_rectangle(cr, x, y, w, h);
-  cairo_fill(cr);
-}
 
 // One pixel per cell, in the figure's colours.
 Surface cell_image(const Figure& f, const Panel& panel) {
@@ -171,56 +170,16 @@ void draw_marks(cairo_t* cr, const Figure& f, const HeatmapPanelLayout& p) {
   }
 }
 
-void draw_panel(cairo_t* cr, TextPainter& text, const Figure& f, const Panel& panel, const HeatmapPanelLayout& p,
+void draw_panel(cairo_t* cr, CairoPainter& painter, const Figure& f, const Panel& panel, const HeatmapPanelLayout& p,
                 bool vector_seams) {
-  const auto mx = static_cast<double>(p.matrix.x);
-  const auto my = static_cast<double>(p.matrix.y);
-  const auto cw = static_cast<double>(p.cell_width);
-  const auto ch = static_cast<double>(p.cell_height);
-  if (p.caption.height > 0) {
-    text.draw(panel.caption, kCaptionSize, false, kInk, mx + static_cast<double>(p.matrix.width) / 2,
-              static_cast<double>(p.caption.y) + static_cast<double>(p.caption.height) / 2, Anchor::centre);
-  }
+  paint_caption(painter, panel, p);
   draw_cells(cr, f, panel, p, vector_seams);
   draw_marks(cr, f, p);
-
-  if (f.annotate) {
-    for (int64_t i = 0; i < f.tq; ++i) {
-      for (int64_t j = 0; j < f.tk; ++j) {
-        const double value = panel.values[static_cast<size_t>(i * f.tk + j)];
-        const Rgb ink = luma(f.color(value)) > 128.0 ? Rgb{0, 0, 0} : Rgb{255, 255, 255};
-        text.draw(annotation(value), kAnnotationSize, false, ink, mx + (static_cast<double>(j) + 0.5) * cw,
-                  my + (static_cast<double>(i) + 0.5) * ch, Anchor::centre);
-      }
-    }
-  }
-
-  // Ticks are whole-pixel rectangles, crisp in a PNG; labels are centred on their cell.
-  if (p.row_labels.width > 0) {
-    for (int64_t i = 0; i < f.tq; i += p.row_label_step) {
-      const double centre = my + (static_cast<double>(i) + 0.5) * ch;
-      fill_rect(cr, mx - kTickLength, std::floor(centre), kTickLength, 1, kMutedInk);
-      text.draw(f.row_text[static_cast<size_t>(i)], kLabelSize, false, kInk,
-                static_cast<double>(p.row_labels.x + p.row_labels.width), centre, Anchor::end);
-    }
-  }
-  if (p.col_labels.height > 0) {
-    const double bottom = my + static_cast<double>(p.matrix.height);
-    for (int64_t j = 0; j < f.tk; j += p.col_label_step) {
-      const double centre = mx + (static_cast<double>(j) + 0.5) * cw;
-      fill_rect(cr, std::floor(centre), bottom, 1, kTickLength, kMutedInk);
-      const std::string& label = f.col_text[static_cast<size_t>(j)];
-      if (p.col_labels_rotated) {
-        text.draw_rotated(label, kLabelSize, kInk, centre, static_cast<double>(p.col_labels.y), Anchor::end);
-      } else {
-        text.draw(label, kLabelSize, false, kInk, centre,
-                  static_cast<double>(p.col_labels.y) + static_cast<double>(p.col_labels.height) / 2, Anchor::centre);
-      }
-    }
-  }
+  if (f.annotate) paint_annotations(painter, f, panel, p);
+  paint_axis_labels(painter, f, p);
 }
 
-void draw_colorbar(cairo_t* cr, TextPainter& text, const Figure& f) {
+void draw_colorbar(cairo_t* cr, CairoPainter& painter, const Figure& f) {
   const HeatmapLayout& layout = f.layout;
   const auto x = static_cast<double>(layout.colorbar.x);
   const auto y = static_cast<double>(layout.colorbar.y);
@@ -242,32 +201,18 @@ void draw_colorbar(cairo_t* cr, TextPainter& text, const Figure& f) {
   cairo_set_line_width(cr, 1.0);
   cairo_rectangle(cr, x - 0.5, y - 0.5, w + 1, h + 1);
   cairo_stroke(cr);
-  for (size_t k = 0; k < layout.ticks.size(); ++k) {
-    const double ty = y + (1.0 - f.position(layout.ticks[k])) * h;
-    fill_rect(cr, x + w, std::min(std::floor(ty), y + h - 1), kTickLength, 1, kMutedInk);
-    text.draw(f.tick_text[k], kTickSize, false, kInk, static_cast<double>(layout.colorbar_labels.x), ty, Anchor::start);
-  }
+  paint_colorbar_ticks(painter, f);
 }
 
 void draw_figure(cairo_t* cr, const Figure& f, bool vector_seams) {
   const HeatmapLayout& layout = f.layout;
   set_color(cr, {255, 255, 255});
   cairo_paint(cr);
-  TextPainter text(cr);
-  if (layout.title.height > 0) {
-    text.draw(f.title, kTitleSize, true, kInk,
-              static_cast<double>(layout.title.x) + static_cast<double>(layout.title.width) / 2,
-              static_cast<double>(layout.title.y) + static_cast<double>(layout.title.height) / 2, Anchor::centre);
-  }
-  for (size_t k = 0; k < f.panels.size(); ++k) draw_panel(cr, text, f, f.panels[k], layout.panels[k], vector_seams);
-  const PixelRect& rows = layout.row_axis_title;
-  text.draw_rotated("queries", kAxisTitleSize, kMutedInk,
-                    static_cast<double>(rows.x) + static_cast<double>(rows.width) / 2,
-                    static_cast<double>(rows.y) + static_cast<double>(rows.height) / 2, Anchor::centre);
-  const PixelRect& cols = layout.col_axis_title;
-  text.draw("keys", kAxisTitleSize, false, kMutedInk, static_cast<double>(cols.x) + static_cast<double>(cols.width) / 2,
-            static_cast<double>(cols.y) + static_cast<double>(cols.height) / 2, Anchor::centre);
-  draw_colorbar(cr, text, f);
+  CairoPainter painter(cr);
+  paint_title(painter, f);
+  for (size_t k = 0; k < f.panels.size(); ++k) draw_panel(cr, painter, f, f.panels[k], layout.panels[k], vector_seams);
+  paint_axis_titles(painter, f);
+  draw_colorbar(cr, painter, f);
 }
 
 }  // namespace

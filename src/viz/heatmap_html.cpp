@@ -53,23 +53,6 @@ std::string json_strings(const std::vector<std::string>& items) {
   return out + "]";
 }
 
-// Text for HTML content (the <title>).
-std::string html_escape(std::string_view text) {
-  std::string out;
-  for (const char c : text) {
-    if (c == '&') {
-      out += "&amp;";
-    } else if (c == '<') {
-      out += "&lt;";
-    } else if (c == '>') {
-      out += "&gt;";
-    } else {
-      out += c;
-    }
-  }
-  return out;
-}
-
 std::string figure_json(const Figure& f) {
   std::string out = "{";
   const std::string title = f.title.empty() ? "Attention weights α" : f.title;
@@ -494,7 +477,7 @@ constexpr std::string_view kScript = R"QKV(<script>
 std::string render_html(const Figure& f) {
   std::string out(kHead);
   fmt::format_to(std::back_inserter(out), "<title>{}</title>\n",
-                 html_escape(f.title.empty() ? "Attention weights α" : f.title));
+                 escape_markup(f.title.empty() ? "Attention weights α" : f.title, Markup::html_text));
   out += kStyle;
   out += kBody;
   out += "<script type=\"application/json\" id=\"qkv-data\">";

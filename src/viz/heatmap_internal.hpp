@@ -1,6 +1,7 @@
 #pragma once
-// What the heatmap renderers (src/heatmap*.cpp) share: the figure (the matrices to draw, their
-// labels and scale, already checked) and its layout, the text styles, and the pango metrics.
+// What the heatmap renderers (src/viz/heatmap*.cpp) share: the figure (the matrices to draw, their
+// labels and scale, already checked) and its layout, the text styles, the pango metrics, and the
+// Painter through which every image draws its text and ticks.
 // Not installed: the public API is include/qkv/viz/heatmap.hpp.
 
 #include <pango/pangocairo.h>
@@ -45,7 +46,7 @@ inline constexpr int64_t kMarkWidth = 2;
 struct Panel {
   int64_t head = 0;
   std::string caption;         // "head 3"; empty for rank 2
-  std::vector<double> values;  // [Tq, Tk], row-major, finite
+  std::vector<double> values;  // [Tq, Tk], row-major; finite but in a terminal figure
 };
 
 struct Figure {
@@ -60,16 +61,17 @@ struct Figure {
   std::string title;
   Colormap colormap = Colormap::viridis;
   bool annotate = false;
+  TerminalStyle terminal;
   std::vector<std::pair<int64_t, int64_t>> marked_cells;  // (row, column), checked
   bool float32 = false;       // alpha was float: values are written as the shortest float that reads back
   std::vector<Panel> panels;  // what an image draws (one head, or every head); the page carries all
-  HeatmapLayout layout;       // of the image; the page lays itself out
+  HeatmapLayout layout;       // of the image (the scale only for the page and the terminal)
   // Labels as the image draws them: cut with "…" to 160 px; only every k-th is set. Empty for the page.
   std::vector<std::string> row_text;
   std::vector<std::string> col_text;
   std::vector<std::string> tick_text;  // one per layout.ticks
 
-  double position(double value) const;    // on the scale, in [0, 1]
+  double position(double value) const;    // of a finite value on the scale, in [0, 1]
   std::string exact(double value) const;  // the value as given, digits enough to read it back
   Rgb color(double value) const { return colormap_at(colormap, position(value)); }
 };
@@ -108,6 +110,40 @@ inline bool mark_has_lining(int64_t cell_width, int64_t cell_height) {
   return cell_width > 2 * kMarkWidth + 2 && cell_height > 2 * kMarkWidth + 2;
 }
 
+// ---- what the images draw alike ------------------------------------------------------------------
+
+// Whether a cell is light: its value is written on it in black then, in white otherwise, in every
+// format (the terminal's too).
+inline bool is_light(Rgb cell) { return luma(cell) > 128.0; }
+
+// Where text sits on the point it is drawn at, horizontally.
+enum class Anchor { start, middle, end };
+
+// What the images draw the text and ticks around their cells with: cairo for PNG and PDF, elements
+// for SVG, so that one piece of code (heatmap_paint.cpp) puts them in the same place in each.
+class Painter {
+ public:
+  virtual ~Painter() = default;
+  // A filled rectangle that is not a cell: a tick.
+  virtual void box(double x, double y, double w, double h, Rgb color) = 0;
+  // Text anchored at (x, y): horizontally by `anchor`, vertically on its centre line.
+  virtual void text(std::string_view content, double size, bool bold, Rgb color, double x, double y, Anchor anchor) = 0;
+  // The same, turned a quarter left (reading upwards).
+  virtual void rotated_text(std::string_view content, double size, Rgb color, double x, double y, Anchor anchor) = 0;
+};
+
+void paint_title(Painter& painter, const Figure& figure);
+// "head 3" above a panel of a grid.
+void paint_caption(Painter& painter, const Panel& panel, const HeatmapPanelLayout& p);
+// Each cell's value, centred on it.
+void paint_annotations(Painter& painter, const Figure& figure, const Panel& panel, const HeatmapPanelLayout& p);
+// The ticks and labels of a panel's queries (left of it) and keys (below it), where it has them.
+void paint_axis_labels(Painter& painter, const Figure& figure, const HeatmapPanelLayout& p);
+// "queries" and "keys".
+void paint_axis_titles(Painter& painter, const Figure& figure);
+// The ticks of the colour bar and their values.
+void paint_colorbar_ticks(Painter& painter, const Figure& figure);
+
 // ---- renderers -----------------------------------------------------------------------------------
 
 // Matrices of more cells than this are drawn as one image (a pixel per cell) rather than a shape
@@ -118,6 +154,11 @@ std::string render_cairo(const Figure& figure, HeatmapFormat format);  // PNG an
 // A PNG of Tk × Tq pixels, one per cell of the panel, in the figure's colours.
 std::string matrix_png(const Figure& figure, const Panel& panel);
 std::string render_svg(const Figure& figure);
+// Text for markup: '&', '<' and '>' as entities; for XML (SVG text and attribute values) also '"', and
+// U+FFFE and U+FFFF, UTF-8 but not XML characters, as U+FFFD. Labels were sanitised (no controls).
+enum class Markup { xml, html_text };
+std::string escape_markup(std::string_view text, Markup markup = Markup::xml);
 std::string render_html(const Figure& figure);
+std::string render_terminal(const Figure& figure);
 
 }  // namespace qkv::heatmap_detail

@@ -16,32 +16,6 @@
 namespace qkv::heatmap_detail {
 namespace {
 
-// Text for XML content and attribute values. Labels were sanitised (no controls); U+FFFE and U+FFFF
-// are UTF-8 but not XML characters.
-std::string xml_escape(std::string_view text) {
-  std::string out;
-  out.reserve(text.size());
-  for (size_t i = 0; i < text.size(); ++i) {
-    const char c = text[i];
-    if (c == '&') {
-      out += "&amp;";
-    } else if (c == '<') {
-      out += "&lt;";
-    } else if (c == '>') {
-      out += "&gt;";
-    } else if (c == '"') {
-      out += "&quot;";
-    } else if (text.substr(i, 2) == "\xEF\xBF" && i + 2 < text.size() &&
-               (text[i + 2] == '\xBE' || text[i + 2] == '\xBF')) {
-      out += "\uFFFD";
-      i += 2;
-    } else {
-      out += c;
-    }
-  }
-  return out;
-}
-
 std::string hex(Rgb c) { return fmt::format("#{:02x}{:02x}{:02x}", c.r, c.g, c.b); }
 
 std::string base64(std::string_view bytes) {
@@ -66,29 +40,36 @@ void box(std::string& out, double x, double y, double w, double h, std::string_v
   out += '\n';
 }
 
-enum class Anchor { start, middle, end };
-
 std::string_view anchor_name(Anchor a) { return a == Anchor::start ? "start" : a == Anchor::middle ? "middle" : "end"; }
 
-// Text anchored at (x, y): horizontally by `anchor`, vertically on its centre line.
-void text(std::string& out, std::string_view content, double size, Rgb color, double x, double y, Anchor anchor,
-          std::string_view extra = "") {
-  fmt::format_to(
-      std::back_inserter(out),
-      R"svg(<text x="{}" y="{}" font-size="{}" fill="{}" text-anchor="{}" dominant-baseline="central"{}>{}</text>)svg",
-      x, y, size, hex(color), anchor_name(anchor), extra, xml_escape(content));
-  out += '\n';
-}
+// Ticks as <path>s, text as <text> elements: horizontally anchored at x, vertically centred on y.
+class SvgPainter final : public Painter {
+ public:
+  explicit SvgPainter(std::string& out) : out_(out) {}
 
-// The same, turned a quarter left (reading upwards), anchored at (x, y).
-void rotated_text(std::string& out, std::string_view content, double size, Rgb color, double x, double y,
-                  Anchor anchor) {
-  fmt::format_to(std::back_inserter(out),
-                 R"svg(<text transform="translate({} {}) rotate(-90)" font-size="{}" fill="{}" text-anchor="{}" )svg"
-                 R"svg(dominant-baseline="central">{}</text>)svg",
-                 x, y, size, hex(color), anchor_name(anchor), xml_escape(content));
-  out += '\n';
-}
+  void box(double x, double y, double w, double h, Rgb color) override {
+    qkv::heatmap_detail::box(out_, x, y, w, h, hex(color));
+  }
+
+  void text(std::string_view content, double size, bool bold, Rgb color, double x, double y, Anchor anchor) override {
+    fmt::format_to(
+        std::back_inserter(out_),
+        R"svg(<text x="{}" y="{}" font-size="{}" fill="{}" text-anchor="{}" dominant-baseline="central"{}>{}</text>)svg",
+        x, y, size, hex(color), anchor_name(anchor), bold ? " font-weight=\"bold\"" : "", escape_markup(content));
+    out_ += '\n';
+  }
+
+  void rotated_text(std::string_view content, double size, Rgb color, double x, double y, Anchor anchor) override {
+    fmt::format_to(std::back_inserter(out_),
+                   R"svg(<text transform="translate({} {}) rotate(-90)" font-size="{}" fill="{}" text-anchor="{}" )svg"
+                   R"svg(dominant-baseline="central">{}</text>)svg",
+                   x, y, size, hex(color), anchor_name(anchor), escape_markup(content));
+    out_ += '\n';
+  }
+
+ private:
+  std::string& out_;
+};
 
 // The outlines of the marked cells, as the PNG draws them: inside the cell, on whole pixels.
 void marks_svg(std::string& out, const Figure& f, const HeatmapPanelLayout& p) {
@@ -101,8 +82,8 @@ void marks_svg(std::string& out, const Figure& f, const HeatmapPanelLayout& p) {
     const double x = static_cast<double>(p.matrix.x) + static_cast<double>(j) * cw;
     const double y = static_cast<double>(p.matrix.y) + static_cast<double>(i) * ch;
     const std::string tooltip =
-        fmt::format("<title>marked: {} → {}</title>", xml_escape(f.row_labels[static_cast<size_t>(i)]),
-                    xml_escape(f.col_labels[static_cast<size_t>(j)]));
+        fmt::format("<title>marked: {} → {}</title>", escape_markup(f.row_labels[static_cast<size_t>(i)]),
+                    escape_markup(f.col_labels[static_cast<size_t>(j)]));
     if (!mark_has_outline(p.cell_width, p.cell_height)) {
       fmt::format_to(std::back_inserter(out), R"svg(<rect x="{}" y="{}" width="{}" height="{}" fill="{}">{}</rect>)svg",
                      x, y, cw, ch, hex(kMarkColor), tooltip);
@@ -125,15 +106,13 @@ void marks_svg(std::string& out, const Figure& f, const HeatmapPanelLayout& p) {
   out += "</g>\n";
 }
 
-void panel_svg(std::string& out, const Figure& f, const Panel& panel, const HeatmapPanelLayout& p) {
+void panel_svg(std::string& out, SvgPainter& painter, const Figure& f, const Panel& panel,
+               const HeatmapPanelLayout& p) {
   const auto mx = static_cast<double>(p.matrix.x);
   const auto my = static_cast<double>(p.matrix.y);
   const auto cw = static_cast<double>(p.cell_width);
   const auto ch = static_cast<double>(p.cell_height);
-  if (p.caption.height > 0) {
-    text(out, panel.caption, kCaptionSize, kInk, mx + static_cast<double>(p.matrix.width) / 2,
-         static_cast<double>(p.caption.y) + static_cast<double>(p.caption.height) / 2, Anchor::middle);
-  }
+  paint_caption(painter, panel, p);
   if (f.tq * f.tk <= kMaxVectorCells) {
     fmt::format_to(std::back_inserter(out), "<g class=\"cells\" data-head=\"{}\" shape-rendering=\"crispEdges\">\n",
                    panel.head);
@@ -144,7 +123,7 @@ void panel_svg(std::string& out, const Figure& f, const Panel& panel, const Heat
             std::back_inserter(out),
             R"svg(<rect x="{}" y="{}" width="{}" height="{}" fill="{}"><title>{} → {}: {}</title></rect>)svg",
             mx + static_cast<double>(j) * cw, my + static_cast<double>(i) * ch, cw, ch, hex(f.color(value)),
-            xml_escape(f.row_labels[static_cast<size_t>(i)]), xml_escape(f.col_labels[static_cast<size_t>(j)]),
+            escape_markup(f.row_labels[static_cast<size_t>(i)]), escape_markup(f.col_labels[static_cast<size_t>(j)]),
             f.exact(value));
         out += '\n';
       }
@@ -161,41 +140,38 @@ void panel_svg(std::string& out, const Figure& f, const Panel& panel, const Heat
   marks_svg(out, f, p);
   if (f.annotate) {
     out += "<g class=\"annotations\">\n";
-    for (int64_t i = 0; i < f.tq; ++i) {
-      for (int64_t j = 0; j < f.tk; ++j) {
-        const double value = panel.values[static_cast<size_t>(i * f.tk + j)];
-        const Rgb ink = luma(f.color(value)) > 128.0 ? Rgb{0, 0, 0} : Rgb{255, 255, 255};
-        text(out, annotation(value), kAnnotationSize, ink, mx + (static_cast<double>(j) + 0.5) * cw,
-             my + (static_cast<double>(i) + 0.5) * ch, Anchor::middle);
-      }
-    }
+    paint_annotations(painter, f, panel, p);
     out += "</g>\n";
   }
-  if (p.row_labels.width > 0) {
-    for (int64_t i = 0; i < f.tq; i += p.row_label_step) {
-      const double centre = my + (static_cast<double>(i) + 0.5) * ch;
-      box(out, mx - kTickLength, std::floor(centre), kTickLength, 1, hex(kMutedInk));
-      text(out, f.row_text[static_cast<size_t>(i)], kLabelSize, kInk,
-           static_cast<double>(p.row_labels.x + p.row_labels.width), centre, Anchor::end);
-    }
-  }
-  if (p.col_labels.height > 0) {
-    const double bottom = my + static_cast<double>(p.matrix.height);
-    for (int64_t j = 0; j < f.tk; j += p.col_label_step) {
-      const double centre = mx + (static_cast<double>(j) + 0.5) * cw;
-      box(out, std::floor(centre), bottom, 1, kTickLength, hex(kMutedInk));
-      const std::string& label = f.col_text[static_cast<size_t>(j)];
-      if (p.col_labels_rotated) {
-        rotated_text(out, label, kLabelSize, kInk, centre, static_cast<double>(p.col_labels.y), Anchor::end);
-      } else {
-        text(out, label, kLabelSize, kInk, centre,
-             static_cast<double>(p.col_labels.y) + static_cast<double>(p.col_labels.height) / 2, Anchor::middle);
-      }
-    }
-  }
+  paint_axis_labels(painter, f, p);
 }
 
 }  // namespace
+
+std::string escape_markup(std::string_view text, Markup markup) {
+  const bool xml = markup == Markup::xml;
+  std::string out;
+  out.reserve(text.size());
+  for (size_t i = 0; i < text.size(); ++i) {
+    const char c = text[i];
+    if (c == '&') {
+      out += "&amp;";
+    } else if (c == '<') {
+      out += "&lt;";
+    } else if (c == '>') {
+      out += "&gt;";
+    } else if (xml && c == '"') {
+      out += "&quot;";
+    } else if (xml && text.substr(i, 2) == "\xEF\xBF" && i + 2 < text.size() &&
+               (text[i + 2] == '\xBE' || text[i + 2] == '\xBF')) {
+      out += "\uFFFD";
+      i += 2;
+    } else {
+      out += c;
+    }
+  }
+  return out;
+}
 
 std::string render_svg(const Figure& f) {
   const HeatmapLayout& layout = f.layout;
@@ -204,10 +180,10 @@ std::string render_svg(const Figure& f) {
   fmt::format_to(std::back_inserter(out),
                  R"svg(<svg xmlns="http://www.w3.org/2000/svg" width="{0}" height="{1}" viewBox="0 0 {0} {1}" )svg"
                  R"svg(font-family="{2}">)svg",
-                 layout.width, layout.height, xml_escape(kFontFamily));
+                 layout.width, layout.height, escape_markup(kFontFamily));
   out += '\n';
   fmt::format_to(std::back_inserter(out), "<title>{}</title>\n",
-                 xml_escape(f.title.empty() ? "attention weights (rows = queries, columns = keys)" : f.title));
+                 escape_markup(f.title.empty() ? "attention weights (rows = queries, columns = keys)" : f.title));
   out += "<defs><linearGradient id=\"qkv-colormap\" x1=\"0\" y1=\"1\" x2=\"0\" y2=\"0\">\n";
   const auto samples = colormap_samples(f.colormap);
   for (size_t k = 0; k < samples.size(); ++k) {
@@ -217,20 +193,10 @@ std::string render_svg(const Figure& f) {
   out += "</linearGradient></defs>\n";
   box(out, 0, 0, static_cast<double>(layout.width), static_cast<double>(layout.height), "#ffffff");
 
-  if (layout.title.height > 0) {
-    text(out, f.title, kTitleSize, kInk,
-         static_cast<double>(layout.title.x) + static_cast<double>(layout.title.width) / 2,
-         static_cast<double>(layout.title.y) + static_cast<double>(layout.title.height) / 2, Anchor::middle,
-         " font-weight=\"bold\"");
-  }
-  for (size_t k = 0; k < f.panels.size(); ++k) panel_svg(out, f, f.panels[k], layout.panels[k]);
-  const PixelRect& rows = layout.row_axis_title;
-  rotated_text(out, "queries", kAxisTitleSize, kMutedInk,
-               static_cast<double>(rows.x) + static_cast<double>(rows.width) / 2,
-               static_cast<double>(rows.y) + static_cast<double>(rows.height) / 2, Anchor::middle);
-  const PixelRect& cols = layout.col_axis_title;
-  text(out, "keys", kAxisTitleSize, kMutedInk, static_cast<double>(cols.x) + static_cast<double>(cols.width) / 2,
-       static_cast<double>(cols.y) + static_cast<double>(cols.height) / 2, Anchor::middle);
+  SvgPainter painter(out);
+  paint_title(painter, f);
+  for (size_t k = 0; k < f.panels.size(); ++k) panel_svg(out, painter, f, f.panels[k], layout.panels[k]);
+  paint_axis_titles(painter, f);
 
   const auto bx = static_cast<double>(layout.colorbar.x);
   const auto by = static_cast<double>(layout.colorbar.y);
@@ -238,11 +204,7 @@ std::string render_svg(const Figure& f) {
   const auto bh = static_cast<double>(layout.colorbar.height);
   box(out, bx - 1, by - 1, bw + 2, bh + 2, hex(kMutedInk));
   box(out, bx, by, bw, bh, "url(#qkv-colormap)");
-  for (size_t k = 0; k < layout.ticks.size(); ++k) {
-    const double ty = by + (1.0 - f.position(layout.ticks[k])) * bh;
-    box(out, bx + bw, std::min(std::floor(ty), by + bh - 1), kTickLength, 1, hex(kMutedInk));
-    text(out, f.tick_text[k], kTickSize, kInk, static_cast<double>(layout.colorbar_labels.x), ty, Anchor::start);
-  }
+  paint_colorbar_ticks(painter, f);
   out += "</svg>\n";
   return out;
 }

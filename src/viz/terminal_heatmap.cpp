@@ -1,319 +1,44 @@
 #include "qkv/viz/terminal_heatmap.hpp"
 
 #include <fmt/format.h>
-#include <unistd.h>
 
-#include <algorithm>
-#include <array>
-#include <cmath>
-#include <cstdlib>
-#include <cstring>
-#include <iterator>
-#include <limits>
+#include <cstdint>
+#include <string_view>
 
 #include "qkv/core/error.hpp"
+#include "qkv/viz/heatmap.hpp"
 
 namespace qkv {
 namespace {
 
-// ---- UTF-8 ----------------------------------------------------------------------------------
-
-constexpr char32_t kInvalid = 0xFFFFFFFF;
-
-// The code point starting at text[pos] and its length in bytes; kInvalid (length 1) for a byte that
-// does not start a well-formed sequence (stray continuation, overlong form, surrogate, > U+10FFFF).
-std::pair<char32_t, size_t> decode_utf8(std::string_view text, size_t pos) {
-  const auto byte = [&](size_t i) { return static_cast<unsigned char>(text[i]); };
-  const unsigned char lead = byte(pos);
-  if (lead < 0x80) return {lead, 1};
-  size_t length = 0;
-  char32_t cp = 0;
-  char32_t min = 0;
-  if ((lead & 0xE0) == 0xC0) {
-    length = 2, cp = lead & 0x1F, min = 0x80;
-  } else if ((lead & 0xF0) == 0xE0) {
-    length = 3, cp = lead & 0x0F, min = 0x800;
-  } else if ((lead & 0xF8) == 0xF0) {
-    length = 4, cp = lead & 0x07, min = 0x10000;
-  } else {
-    return {kInvalid, 1};
-  }
-  if (pos + length > text.size()) return {kInvalid, 1};
-  for (size_t i = 1; i < length; ++i) {
-    if ((byte(pos + i) & 0xC0) != 0x80) return {kInvalid, 1};
-    cp = (cp << 6) | (byte(pos + i) & 0x3F);
-  }
-  if (cp < min || cp > 0x10FFFF || (cp >= 0xD800 && cp <= 0xDFFF)) return {kInvalid, 1};
-  return {cp, length};
-}
-
-struct Range {
-  char32_t first, last;
-};
-
-// East Asian Width W and F (Unicode UAX #11), merged into blocks: the few unassigned or ambiguous
-// code points a block spans count wide too, which is how most terminals draw them.
-constexpr std::array kWide = {
-    Range{0x1100, 0x115F},   Range{0x231A, 0x231B},   Range{0x2329, 0x232A},   Range{0x23E9, 0x23EC},
-    Range{0x23F0, 0x23F0},   Range{0x23F3, 0x23F3},   Range{0x25FD, 0x25FE},   Range{0x2614, 0x2615},
-    Range{0x2648, 0x2653},   Range{0x267F, 0x267F},   Range{0x2693, 0x2693},   Range{0x26A1, 0x26A1},
-    Range{0x26AA, 0x26AB},   Range{0x26BD, 0x26BE},   Range{0x26C4, 0x26C5},   Range{0x26CE, 0x26CE},
-    Range{0x26D4, 0x26D4},   Range{0x26EA, 0x26EA},   Range{0x26F2, 0x26F3},   Range{0x26F5, 0x26F5},
-    Range{0x26FA, 0x26FA},   Range{0x26FD, 0x26FD},   Range{0x2705, 0x2705},   Range{0x270A, 0x270B},
-    Range{0x2728, 0x2728},   Range{0x274C, 0x274C},   Range{0x274E, 0x274E},   Range{0x2753, 0x2755},
-    Range{0x2757, 0x2757},   Range{0x2795, 0x2797},   Range{0x27B0, 0x27B0},   Range{0x27BF, 0x27BF},
-    Range{0x2B1B, 0x2B1C},   Range{0x2B50, 0x2B50},   Range{0x2B55, 0x2B55},   Range{0x2E80, 0x303E},
-    Range{0x3041, 0x33FF},   Range{0x3400, 0x4DBF},   Range{0x4E00, 0x9FFF},   Range{0xA000, 0xA4CF},
-    Range{0xA960, 0xA97F},   Range{0xAC00, 0xD7A3},   Range{0xF900, 0xFAFF},   Range{0xFE10, 0xFE19},
-    Range{0xFE30, 0xFE6F},   Range{0xFF00, 0xFF60},   Range{0xFFE0, 0xFFE6},   Range{0x16FE0, 0x16FE4},
-    Range{0x17000, 0x18CFF}, Range{0x1B000, 0x1B2FF}, Range{0x1F004, 0x1F004}, Range{0x1F0CF, 0x1F0CF},
-    Range{0x1F18E, 0x1F18E}, Range{0x1F191, 0x1F19A}, Range{0x1F200, 0x1F265}, Range{0x1F300, 0x1F320},
-    Range{0x1F32D, 0x1F335}, Range{0x1F337, 0x1F37C}, Range{0x1F37E, 0x1F393}, Range{0x1F3A0, 0x1F3CA},
-    Range{0x1F3CF, 0x1F3D3}, Range{0x1F3E0, 0x1F3F0}, Range{0x1F3F4, 0x1F3F4}, Range{0x1F3F8, 0x1F43E},
-    Range{0x1F440, 0x1F440}, Range{0x1F442, 0x1F4FC}, Range{0x1F4FF, 0x1F53D}, Range{0x1F54B, 0x1F54E},
-    Range{0x1F550, 0x1F567}, Range{0x1F57A, 0x1F57A}, Range{0x1F595, 0x1F596}, Range{0x1F5A4, 0x1F5A4},
-    Range{0x1F5FB, 0x1F64F}, Range{0x1F680, 0x1F6C5}, Range{0x1F6CC, 0x1F6CC}, Range{0x1F6D0, 0x1F6D2},
-    Range{0x1F6D5, 0x1F6D7}, Range{0x1F6DC, 0x1F6DF}, Range{0x1F6EB, 0x1F6EC}, Range{0x1F6F4, 0x1F6FC},
-    Range{0x1F7E0, 0x1F7EB}, Range{0x1F7F0, 0x1F7F0}, Range{0x1F90C, 0x1F93A}, Range{0x1F93C, 0x1F945},
-    Range{0x1F947, 0x1F9FF}, Range{0x1FA70, 0x1FAFF}, Range{0x20000, 0x2FFFD}, Range{0x30000, 0x3FFFD},
-};
-
-// Combining marks and zero-width characters: drawn on top of (or between) their neighbours.
-constexpr std::array kZeroWidth = {
-    Range{0x0300, 0x036F}, Range{0x0483, 0x0489}, Range{0x0591, 0x05BD}, Range{0x0610, 0x061A}, Range{0x064B, 0x065F},
-    Range{0x1AB0, 0x1AFF}, Range{0x1DC0, 0x1DFF}, Range{0x200B, 0x200F}, Range{0x2028, 0x202E}, Range{0x2060, 0x2064},
-    Range{0x20D0, 0x20FF}, Range{0xFE00, 0xFE0F}, Range{0xFE20, 0xFE2F}, Range{0xFEFF, 0xFEFF}, Range{0xE0100, 0xE01EF},
-};
-
-template <size_t N>
-bool in_ranges(const std::array<Range, N>& ranges, char32_t cp) {
-  const auto it =
-      std::upper_bound(ranges.begin(), ranges.end(), cp, [](char32_t c, const Range& r) { return c < r.first; });
-  return it != ranges.begin() && cp <= std::prev(it)->last;
-}
-
-bool is_control(char32_t cp) { return cp < 0x20 || (cp >= 0x7F && cp < 0xA0); }
-
-int codepoint_width(char32_t cp) {
-  if (cp == kInvalid) return 1;
-  if (is_control(cp) || in_ranges(kZeroWidth, cp)) return 0;
-  return in_ranges(kWide, cp) ? 2 : 1;
-}
-
-void pad_to(std::string& out, int64_t current, int64_t width, std::string_view fill = " ") {
-  for (int64_t i = current; i < width; ++i) out.append(fill);
-}
-
-// ---- Colour ---------------------------------------------------------------------------------
-
-// The xterm 256-colour cube: index 16 + 36 r + 6 g + b over these channel levels.
-constexpr std::array<int, 6> kCubeLevels = {0, 95, 135, 175, 215, 255};
-
-int nearest_cube_level(uint8_t channel) {
-  int best = 0;
-  for (int i = 1; i < 6; ++i) {
-    if (std::abs(kCubeLevels[i] - channel) < std::abs(kCubeLevels[best] - channel)) best = i;
-  }
-  return best;
-}
-
-std::string background_escape(Rgb c, bool truecolor) {
-  if (truecolor) return fmt::format("\x1b[48;2;{};{};{}m", c.r, c.g, c.b);
-  return fmt::format("\x1b[48;5;{}m",
-                     16 + 36 * nearest_cube_level(c.r) + 6 * nearest_cube_level(c.g) + nearest_cube_level(c.b));
-}
-
-// Black text on light backgrounds, bright white on dark ones.
-std::string_view foreground_escape(Rgb c) { return luma(c) > 128.0 ? "\x1b[30m" : "\x1b[97m"; }
-
-constexpr std::string_view kReset = "\x1b[0m";
-constexpr std::array<std::string_view, 5> kShades = {" ", "░", "▒", "▓", "█"};
-
-std::string_view shade(double t) {
-  const auto bin = static_cast<size_t>(std::clamp(std::floor(t * 5.0), 0.0, 4.0));
-  return kShades[bin];
-}
-
-// ---- Layout ---------------------------------------------------------------------------------
-
-std::vector<std::string> axis_labels(const std::vector<std::string>& given, int64_t count, std::string_view name,
-                                     std::string_view axis, const Shape& shape) {
-  std::vector<std::string> labels;
-  if (given.empty()) {
-    for (int64_t i = 0; i < count; ++i) labels.push_back(std::to_string(i));
-    return labels;
-  }
-  if (static_cast<int64_t>(given.size()) != count) {
+void check_label_count(const std::vector<std::string>& labels, int64_t count, std::string_view name,
+                       std::string_view axis, const Shape& shape) {
+  if (!labels.empty() && static_cast<int64_t>(labels.size()) != count) {
     throw ShapeError(fmt::format("{}: expected {} labels (one per {} of alpha {}), got {}", name, count, axis,
-                                 shape.str(), given.size()));
+                                 shape.str(), labels.size()));
   }
-  for (const std::string& label : given) labels.push_back(sanitize_label(label));
-  return labels;
-}
-
-struct Scale {
-  double vmin = 0.0;
-  double vmax = 0.0;
-
-  // Position of a finite value on the scale, in [0, 1]; a flat scale puts everything at its bottom.
-  double position(double value) const {
-    if (!(vmax > vmin)) return 0.0;
-    return std::clamp((value - vmin) / (vmax - vmin), 0.0, 1.0);
-  }
-};
-
-template <class T>
-Scale make_scale(TensorView<const T> alpha, const TerminalHeatmapOptions& options) {
-  for (const auto& [bound, name] : {std::pair{options.vmin, "vmin"}, std::pair{options.vmax, "vmax"}}) {
-    if (bound && !std::isfinite(*bound))
-      throw ValueError(fmt::format("{}: expected a finite value, got {}", name, *bound));
-  }
-  double lo = 0.0;
-  double hi = -std::numeric_limits<double>::infinity();
-  for (int64_t i = 0; i < alpha.shape[0]; ++i) {
-    for (int64_t j = 0; j < alpha.shape[1]; ++j) {
-      const auto value = static_cast<double>(alpha(i, j));
-      if (!std::isfinite(value)) continue;
-      lo = std::min(lo, value);
-      hi = std::max(hi, value);
-    }
-  }
-  Scale scale{.vmin = options.vmin.value_or(lo), .vmax = options.vmax.value_or(std::isfinite(hi) ? hi : lo)};
-  if ((options.vmin || options.vmax) && !(scale.vmin < scale.vmax)) {
-    throw ValueError(
-        fmt::format("vmin, vmax: expected vmin < vmax, got vmin = {} and vmax = {}", scale.vmin, scale.vmax));
-  }
-  return scale;
 }
 
 }  // namespace
-
-int64_t display_width(std::string_view utf8) {
-  int64_t width = 0;
-  for (size_t pos = 0; pos < utf8.size();) {
-    const auto [cp, length] = decode_utf8(utf8, pos);
-    width += codepoint_width(cp);
-    pos += length;
-  }
-  return width;
-}
-
-std::string sanitize_label(std::string_view label) {
-  std::string out;
-  for (size_t pos = 0; pos < label.size();) {
-    const auto [cp, length] = decode_utf8(label, pos);
-    if (cp == kInvalid) {
-      out += "\uFFFD";
-    } else if (is_control(cp)) {
-      out += '?';
-    } else {
-      out.append(label.substr(pos, length));
-    }
-    pos += length;
-  }
-  return out;
-}
-
-bool terminal_supports_truecolor() {
-  const char* colorterm = std::getenv("COLORTERM");
-  return colorterm != nullptr && (std::strcmp(colorterm, "truecolor") == 0 || std::strcmp(colorterm, "24bit") == 0);
-}
-
-bool terminal_supports_color(std::FILE* stream) {
-  const char* no_color = std::getenv("NO_COLOR");
-  if (no_color != nullptr && *no_color != '\0') return false;
-  // A terminal without TERM is usually a bare one (a service, a container exec) that may not
-  // understand escapes at all.
-  const char* term = std::getenv("TERM");
-  if (term == nullptr || *term == '\0' || std::strcmp(term, "dumb") == 0) return false;
-  return stream != nullptr && isatty(fileno(stream)) == 1;
-}
 
 template <class T>
 std::string render_terminal_heatmap(TensorView<const T> alpha, const TerminalHeatmapOptions& options) {
   if (alpha.rank() != 2) {
     throw ShapeError(fmt::format("alpha: expected a matrix [Tq, Tk], got shape {}", alpha.shape.str()));
   }
-  if (options.decimals < 0 || options.decimals > 9) {
-    throw ValueError(fmt::format("decimals: expected 0 to 9, got {}", options.decimals));
-  }
-  const int64_t rows = alpha.shape[0];
-  const int64_t cols = alpha.shape[1];
-  const std::vector<std::string> row_labels = axis_labels(options.row_labels, rows, "row_labels", "row", alpha.shape);
-  const std::vector<std::string> col_labels =
-      axis_labels(options.col_labels, cols, "col_labels", "column", alpha.shape);
-  const Scale scale = make_scale(alpha, options);
-  const auto format_value = [&](double value) { return fmt::format("{:.{}f}", value, options.decimals); };
-
-  // A cell is `fill` up to its column's width, then (with show_values) the value right-aligned; the
-  // fill is the shade, or a space on the colour background. Two columns make a cell about square.
-  int64_t value_width = 0;
-  if (options.show_values) {
-    for (int64_t i = 0; i < rows; ++i) {
-      for (int64_t j = 0; j < cols; ++j) {
-        value_width = std::max(value_width, display_width(format_value(static_cast<double>(alpha(i, j)))));
-      }
-    }
-  }
-  const int64_t cell_width = options.show_values ? value_width + 1 : 2;
-  int64_t label_width = 0;
-  for (const std::string& label : row_labels) label_width = std::max(label_width, display_width(label));
-  std::vector<int64_t> col_widths;
-  for (const std::string& label : col_labels) col_widths.push_back(std::max(cell_width, display_width(label)));
-
-  std::string out;
-  const auto end_line = [&] {
-    if (!options.color) out.erase(out.find_last_not_of(' ') + 1);
-    out += '\n';
-  };
-
-  pad_to(out, 0, label_width);
-  for (int64_t j = 0; j < cols; ++j) {
-    out += ' ';
-    pad_to(out, display_width(col_labels[j]), col_widths[j]);
-    out += col_labels[j];
-  }
-  end_line();
-
-  for (int64_t i = 0; i < rows; ++i) {
-    out += row_labels[i];
-    pad_to(out, display_width(row_labels[i]), label_width);
-    for (int64_t j = 0; j < cols; ++j) {
-      out += ' ';
-      const auto value = static_cast<double>(alpha(i, j));
-      const bool finite = std::isfinite(value);
-      const std::string text = options.show_values ? format_value(value) : std::string();
-      const Rgb rgb = colormap_at(options.colormap, finite ? scale.position(value) : 0.0);
-      if (options.color && finite) {
-        out += background_escape(rgb, options.truecolor);
-        if (!text.empty()) out += foreground_escape(rgb);
-      }
-      const std::string_view fill = options.color || !finite ? " " : shade(scale.position(value));
-      pad_to(out, display_width(text), col_widths[j], fill);
-      out += text;
-      if (options.color && finite) out += kReset;
-    }
-    end_line();
-  }
-
-  if (options.legend) {
-    out += fmt::format("scale: {} ", format_value(scale.vmin));
-    if (options.color) {
-      constexpr int kSteps = 16;
-      for (int k = 0; k < kSteps; ++k) {
-        out +=
-            background_escape(colormap_at(options.colormap, static_cast<double>(k) / (kSteps - 1)), options.truecolor);
-        out += ' ';
-      }
-      out += kReset;
-    } else {
-      out += '[';
-      for (std::string_view s : kShades) out += s;
-      out += ']';
-    }
-    out += fmt::format(" {}\n", format_value(scale.vmax));
-  }
-  return out;
+  check_label_count(options.row_labels, alpha.shape[0], "row_labels", "row", alpha.shape);
+  check_label_count(options.col_labels, alpha.shape[1], "col_labels", "column", alpha.shape);
+  HeatmapOptions heatmap;
+  heatmap.row_labels = options.row_labels;
+  heatmap.col_labels = options.col_labels;
+  heatmap.colormap = options.colormap;
+  heatmap.vmin = options.vmin;
+  heatmap.vmax = options.vmax;
+  heatmap.annotate = options.show_values;
+  if (options.color) heatmap.terminal.color = options.truecolor ? TerminalColor::truecolor : TerminalColor::palette256;
+  heatmap.terminal.decimals = options.decimals;
+  heatmap.terminal.legend = options.legend;
+  return render_heatmap(alpha, HeatmapFormat::terminal, heatmap);
 }
 
 template std::string render_terminal_heatmap(TensorView<const float>, const TerminalHeatmapOptions&);

@@ -16,9 +16,9 @@
 
 #include "qkv/core/error.hpp"
 #include "qkv/core/rng.hpp"
+#include "qkv/core/text.hpp"
 #include "qkv/viz/colormap.hpp"
 #include "qkv/viz/heatmap.hpp"
-#include "qkv/viz/terminal_heatmap.hpp"
 #include "testing.hpp"
 
 namespace qkv {
@@ -211,11 +211,10 @@ TEST(Colormap, NamesRoundTripAndUnknownNamesAreRefused) {
 
 TEST(Colormap, TerminalGridUsesTheChosenMap) {
   const Tensor<float> alpha({1, 2}, {0.0F, 1.0F});
-  TerminalHeatmapOptions options;
-  options.color = true;
-  options.truecolor = true;
+  HeatmapOptions options;
+  options.terminal.color = TerminalColor::truecolor;
   options.colormap = Colormap::magma;
-  const std::string grid = render_terminal_heatmap(alpha.cview(), options);
+  const std::string grid = render_heatmap(alpha.cview(), HeatmapFormat::terminal, options);
   EXPECT_NE(grid.find("\x1b[48;2;0;0;4m"), std::string::npos);
   EXPECT_NE(grid.find("\x1b[48;2;252;253;191m"), std::string::npos);
   EXPECT_EQ(grid.find("\x1b[48;2;253;231;37m"), std::string::npos);  // no viridis
@@ -236,13 +235,6 @@ TEST(HeatmapFormat, FromTheExtension) {
   EXPECT_TRUE(throws_naming<ValueError>([] { heatmap_format_for_path("attention", "--heatmap"); },
                                         {"--heatmap:", "got attention"}));
   EXPECT_EQ(heatmap_format_name(HeatmapFormat::svg), "SVG");
-}
-
-TEST(SplitLabels, WhitespaceSeparatesAnythingElseBelongs) {
-  EXPECT_EQ(split_labels("  the student\tis\n"), (std::vector<std::string>{"the", "student", "is"}));
-  EXPECT_EQ(split_labels("我 阅读 书。"), (std::vector<std::string>{"我", "阅读", "书。"}));
-  EXPECT_TRUE(split_labels("   ").empty());
-  EXPECT_EQ(split_labels("a\u3000b").size(), 1U);  // an ideographic space is not ASCII whitespace
 }
 
 // ---- checking α ---------------------------------------------------------------------------------------

@@ -1,5 +1,6 @@
-// Tests of the terminal heatmap (src/viz/terminal_heatmap.cpp): exact plain layouts, alignment of CJK
-// labels by display width, colour escapes, the scale, label and option errors, terminal detection.
+// Tests of the terminal heatmap (HeatmapFormat::terminal, src/viz/heatmap_terminal.cpp, and the
+// rank-2 render_terminal_heatmap of src/viz/terminal_heatmap.cpp): exact plain layouts, alignment of
+// CJK labels by display width, colour escapes, the scale, label and option errors, terminal detection.
 
 #include <gtest/gtest.h>
 
@@ -13,6 +14,8 @@
 #include <vector>
 
 #include "qkv/core/error.hpp"
+#include "qkv/core/text.hpp"
+#include "qkv/viz/heatmap.hpp"
 #include "qkv/viz/terminal_heatmap.hpp"
 #include "testing.hpp"
 
@@ -29,11 +32,16 @@ Tensor<float> three_by_three() {
                                 0.15F, 0.55F, 0.3F});
 }
 
-TerminalHeatmapOptions labelled(std::vector<std::string> labels) {
-  TerminalHeatmapOptions options;
+HeatmapOptions labelled(std::vector<std::string> labels) {
+  HeatmapOptions options;
   options.row_labels = labels;
   options.col_labels = labels;
   return options;
+}
+
+template <class T>
+std::string terminal(TensorView<const T> alpha, const HeatmapOptions& options) {
+  return render_heatmap(alpha, HeatmapFormat::terminal, options);
 }
 
 std::vector<std::string> lines_of(const std::string& text) {
@@ -76,33 +84,33 @@ TEST(TerminalHeatmap, PlainShadesMatchExactly) {
       "cat     ███\n"
       "sat     ▒▒▒ ░░░\n"
       "scale: 0.000 [ ░▒▓█] 1.000\n";
-  EXPECT_EQ(render_terminal_heatmap(three_by_three().cview(), labelled({"the", "cat", "sat"})), expected);
+  EXPECT_EQ(terminal(three_by_three().cview(), labelled({"the", "cat", "sat"})), expected);
 }
 
 TEST(TerminalHeatmap, PlainValuesMatchExactly) {
-  TerminalHeatmapOptions options = labelled({"the", "cat", "sat"});
-  options.show_values = true;
-  options.decimals = 2;
-  options.legend = false;
+  HeatmapOptions options = labelled({"the", "cat", "sat"});
+  options.annotate = true;
+  options.terminal.decimals = 2;
+  options.terminal.legend = false;
   const std::string expected =
       "      the   cat   sat\n"
       "the ▓0.70 ░0.25  0.05\n"
       "cat  0.00 █1.00  0.00\n"
       "sat  0.15 ▒0.55 ░0.30\n";
-  EXPECT_EQ(render_terminal_heatmap(three_by_three().cview(), options), expected);
+  EXPECT_EQ(terminal(three_by_three().cview(), options), expected);
 }
 
 TEST(TerminalHeatmap, DoubleMatchesFloat) {
   const Tensor<float> alpha = three_by_three();
   const Tensor<double> alpha64 = testing::cast<double>(alpha);
-  const TerminalHeatmapOptions options = labelled({"the", "cat", "sat"});
-  EXPECT_EQ(render_terminal_heatmap(alpha64.cview(), options), render_terminal_heatmap(alpha.cview(), options));
+  const HeatmapOptions options = labelled({"the", "cat", "sat"});
+  EXPECT_EQ(terminal(alpha64.cview(), options), terminal(alpha.cview(), options));
 }
 
 TEST(TerminalHeatmap, CjkLabelsAlignByDisplayWidth) {
   // Every cell is full (█), so no line loses trailing blanks: each must span the header's width.
   const Tensor<float> ones({3, 3}, 1.0F);
-  const std::string rendered = render_terminal_heatmap(ones.cview(), labelled({"我", "阅读", "书"}));
+  const std::string rendered = terminal(ones.cview(), labelled({"我", "阅读", "书"}));
   const std::string expected =
       "     我 阅读 书\n"
       "我   ██ ████ ██\n"
@@ -116,10 +124,10 @@ TEST(TerminalHeatmap, CjkLabelsAlignByDisplayWidth) {
 
 TEST(TerminalHeatmap, MixedScriptLabelsAlign) {
   const Tensor<float> ones({2, 3}, 1.0F);
-  TerminalHeatmapOptions options;
+  HeatmapOptions options;
   options.row_labels = {"I", "書を"};
   options.col_labels = {"read", "本", "ｂｏｏｋ"};
-  const std::vector<std::string> lines = lines_of(render_terminal_heatmap(ones.cview(), options));
+  const std::vector<std::string> lines = lines_of(terminal(ones.cview(), options));
   ASSERT_EQ(lines.size(), 4U);
   EXPECT_EQ(lines[0], "     read 本 ｂｏｏｋ");
   EXPECT_EQ(display_width(lines[1]), display_width(lines[0]));
@@ -127,42 +135,40 @@ TEST(TerminalHeatmap, MixedScriptLabelsAlign) {
 }
 
 TEST(TerminalHeatmap, ColorUsesViridisBackgrounds) {
-  TerminalHeatmapOptions options = labelled({"the", "cat", "sat"});
-  options.color = true;
-  options.truecolor = true;
-  const std::string rendered = render_terminal_heatmap(three_by_three().cview(), options);
+  HeatmapOptions options = labelled({"the", "cat", "sat"});
+  options.terminal.color = TerminalColor::truecolor;
+  const std::string rendered = terminal(three_by_three().cview(), options);
   // α = 1 takes the top of the map and α = 0 its bottom.
   EXPECT_NE(rendered.find("\x1b[48;2;253;231;37m"), std::string::npos);
   EXPECT_NE(rendered.find("\x1b[48;2;68;1;84m"), std::string::npos);
   EXPECT_NE(rendered.find("\x1b[0m"), std::string::npos);
   EXPECT_EQ(rendered.find("█"), std::string::npos);
 
-  options.truecolor = false;
-  const std::string cube = render_terminal_heatmap(three_by_three().cview(), options);
+  options.terminal.color = TerminalColor::palette256;
+  const std::string cube = terminal(three_by_three().cview(), options);
   EXPECT_NE(cube.find("\x1b[48;5;"), std::string::npos);
   EXPECT_EQ(cube.find("\x1b[48;2;"), std::string::npos);
 
-  options.color = false;
-  EXPECT_EQ(render_terminal_heatmap(three_by_three().cview(), options).find('\x1b'), std::string::npos);
+  options.terminal.color = TerminalColor::none;
+  EXPECT_EQ(terminal(three_by_three().cview(), options).find('\x1b'), std::string::npos);
 }
 
 TEST(TerminalHeatmap, ColorValuesContrastWithTheirBackground) {
-  TerminalHeatmapOptions options = labelled({"a", "b", "c"});
-  options.color = true;
-  options.truecolor = true;
-  options.show_values = true;
-  const std::string rendered = render_terminal_heatmap(three_by_three().cview(), options);
+  HeatmapOptions options = labelled({"a", "b", "c"});
+  options.terminal.color = TerminalColor::truecolor;
+  options.annotate = true;
+  const std::string rendered = terminal(three_by_three().cview(), options);
   // Black on viridis' yellow end, bright white on its purple end.
   EXPECT_NE(rendered.find("\x1b[48;2;253;231;37m\x1b[30m 1.000\x1b[0m"), std::string::npos) << rendered;
   EXPECT_NE(rendered.find("\x1b[48;2;68;1;84m\x1b[97m 0.000\x1b[0m"), std::string::npos) << rendered;
 }
 
 TEST(TerminalHeatmap, LabelsCannotInjectEscapes) {
-  TerminalHeatmapOptions options;
+  HeatmapOptions options;
   options.row_labels = {"a\x1b[31m", "b\xff"};
   options.col_labels = {"x", "y"};
   const Tensor<float> alpha({2, 2}, 0.5F);
-  const std::string rendered = render_terminal_heatmap(alpha.cview(), options);
+  const std::string rendered = terminal(alpha.cview(), options);
   EXPECT_EQ(rendered.find('\x1b'), std::string::npos);
   EXPECT_NE(rendered.find("a?[31m"), std::string::npos);
   EXPECT_NE(rendered.find("b\uFFFD"), std::string::npos);
@@ -170,14 +176,16 @@ TEST(TerminalHeatmap, LabelsCannotInjectEscapes) {
 
 TEST(TerminalHeatmap, MissingLabelsAreNumbered) {
   const Tensor<float> alpha({2, 3}, 1.0F);
-  TerminalHeatmapOptions options;
-  options.legend = false;
-  EXPECT_EQ(render_terminal_heatmap(alpha.cview(), options),
+  HeatmapOptions options;
+  options.terminal.legend = false;
+  EXPECT_EQ(terminal(alpha.cview(), options),
             "   0  1  2\n"
             "0 ██ ██ ██\n"
             "1 ██ ██ ██\n");
 }
 
+// render_terminal_heatmap's own refusals, in its own words: render_heatmap words a label count as it
+// does for every format (tests/viz/test_heatmap.cpp) and draws every head of a rank-3 alpha.
 TEST(TerminalHeatmap, LabelCountsMustMatchTheAxes) {
   const Tensor<float> alpha({3, 4});
   TerminalHeatmapOptions options;
@@ -211,26 +219,26 @@ TEST(TerminalHeatmap, AlphaMustBeAMatrix) {
 
 TEST(TerminalHeatmap, RefusesBadOptions) {
   const Tensor<float> alpha = three_by_three();
-  TerminalHeatmapOptions options;
-  options.decimals = 10;
-  EXPECT_THROW(render_terminal_heatmap(alpha.cview(), options), ValueError);
-  options.decimals = -1;
-  EXPECT_THROW(render_terminal_heatmap(alpha.cview(), options), ValueError);
+  HeatmapOptions options;
+  options.terminal.decimals = 10;
+  EXPECT_THROW(terminal(alpha.cview(), options), ValueError);
+  options.terminal.decimals = -1;
+  EXPECT_THROW(terminal(alpha.cview(), options), ValueError);
   options = {};
   options.vmax = 0.0;  // not above the default vmin of 0
-  EXPECT_THROW(render_terminal_heatmap(alpha.cview(), options), ValueError);
+  EXPECT_THROW(terminal(alpha.cview(), options), ValueError);
   options.vmax = std::nan("");
-  EXPECT_THROW(render_terminal_heatmap(alpha.cview(), options), ValueError);
+  EXPECT_THROW(terminal(alpha.cview(), options), ValueError);
   options = {};
   options.vmin = -kInf;
-  EXPECT_THROW(render_terminal_heatmap(alpha.cview(), options), ValueError);
+  EXPECT_THROW(terminal(alpha.cview(), options), ValueError);
 }
 
 TEST(TerminalHeatmap, GivenScaleMovesTheShades) {
   // With vmax = 2, α = 1 sits at the middle of the scale (▒) and nothing reaches █.
-  TerminalHeatmapOptions options = labelled({"the", "cat", "sat"});
+  HeatmapOptions options = labelled({"the", "cat", "sat"});
   options.vmax = 2.0;
-  const std::string rendered = render_terminal_heatmap(three_by_three().cview(), options);
+  const std::string rendered = terminal(three_by_three().cview(), options);
   EXPECT_EQ(lines_of(rendered)[2], "cat     ▒▒▒");
   EXPECT_EQ(lines_of(rendered)[4], "scale: 0.000 [ ░▒▓█] 2.000");
 }
@@ -238,46 +246,27 @@ TEST(TerminalHeatmap, GivenScaleMovesTheShades) {
 TEST(TerminalHeatmap, NonFiniteCellsStayBlank) {
   // Scores of a causal mask: −inf above the diagonal. The scale comes from the finite values.
   const Tensor<float> scores({2, 2}, {-1.0F, -kInf, 0.5F, 1.0F});
-  TerminalHeatmapOptions options = labelled({"a", "b"});
-  options.show_values = true;
-  options.decimals = 1;
+  HeatmapOptions options = labelled({"a", "b"});
+  options.annotate = true;
+  options.terminal.decimals = 1;
   const std::string expected =
       "      a     b\n"
       "a  -1.0  -inf\n"
       "b ▓▓0.5 ██1.0\n"
       "scale: -1.0 [ ░▒▓█] 1.0\n";
-  EXPECT_EQ(render_terminal_heatmap(scores.cview(), options), expected);
-  options.color = true;
-  const std::string colored = render_terminal_heatmap(scores.cview(), options);
+  EXPECT_EQ(terminal(scores.cview(), options), expected);
+  options.terminal.color = TerminalColor::palette256;
+  const std::string colored = terminal(scores.cview(), options);
   EXPECT_NE(colored.find(" -inf"), std::string::npos);
 }
 
 TEST(TerminalHeatmap, SingleTokenAndEmptyMatrix) {
   const Tensor<float> one({1, 1}, 1.0F);
-  EXPECT_EQ(render_terminal_heatmap(one.cview(), labelled({"书"})), "   书\n书 ██\nscale: 0.000 [ ░▒▓█] 1.000\n");
+  EXPECT_EQ(terminal(one.cview(), labelled({"书"})), "   书\n书 ██\nscale: 0.000 [ ░▒▓█] 1.000\n");
   const Tensor<float> empty({0, 2});
-  TerminalHeatmapOptions options;
-  options.legend = false;
-  EXPECT_EQ(render_terminal_heatmap(empty.cview(), options), "  0  1\n");
-}
-
-TEST(DisplayWidth, CountsTerminalColumns) {
-  EXPECT_EQ(display_width(""), 0);
-  EXPECT_EQ(display_width("book"), 4);
-  EXPECT_EQ(display_width("我阅读这本书。"), 14);  // ideographs and the ideographic full stop are wide
-  EXPECT_EQ(display_width("한국어"), 6);
-  EXPECT_EQ(display_width("カタカナ"), 8);
-  EXPECT_EQ(display_width("ｂｏｏｋ"), 8);  // fullwidth forms
-  EXPECT_EQ(display_width("\U0001F600"), 2);
-  EXPECT_EQ(display_width("\U00020000"), 2);  // CJK extension B, beyond the BMP
-  EXPECT_EQ(display_width("e\u0301"), 1);     // a combining accent takes no column
-  EXPECT_EQ(display_width("a\u200Bb"), 2);    // zero-width space
-  EXPECT_EQ(display_width("ｱ"), 1);           // halfwidth katakana
-  EXPECT_EQ(display_width("é→·"), 3);
-  EXPECT_EQ(display_width("\xff"), 1);          // invalid byte
-  EXPECT_EQ(display_width("\xe4\xb8"), 2);      // truncated sequence: two invalid bytes
-  EXPECT_EQ(display_width("\xc0\xaf"), 2);      // overlong '/'
-  EXPECT_EQ(display_width("\xed\xa0\x80"), 3);  // a UTF-16 surrogate is not UTF-8
+  HeatmapOptions options;
+  options.terminal.legend = false;
+  EXPECT_EQ(terminal(empty.cview(), options), "  0  1\n");
 }
 
 TEST(Viridis, EndsAndMiddle) {

@@ -9,8 +9,8 @@
 #include <utility>
 
 #include "qkv/core/error.hpp"
+#include "qkv/core/text.hpp"
 #include "qkv/io/staged_files.hpp"
-#include "qkv/viz/terminal_heatmap.hpp"
 
 namespace qkv {
 namespace {
@@ -41,11 +41,6 @@ std::string csv_field(const Cell& cell) {
   return quoted + "\"";
 }
 
-std::string pad(const std::string& text, int64_t width, bool right) {
-  const std::string fill(static_cast<size_t>(std::max<int64_t>(0, width - display_width(text))), ' ');
-  return right ? fill + text : text + fill;
-}
-
 // Markdown rows as lines, columns padded to a common width so that the table reads in a terminal too.
 // Numbers are right-aligned.
 std::string markdown_rows(const std::vector<std::string>& header, const std::vector<std::vector<std::string>>& rows,
@@ -59,7 +54,8 @@ std::string markdown_rows(const std::vector<std::string>& header, const std::vec
   const auto line = [&](const std::vector<std::string>& cells) {
     out += '|';
     for (size_t c = 0; c < cells.size(); ++c)
-      fmt::format_to(std::back_inserter(out), " {} |", pad(cells[c], widths[c], numeric[c]));
+      fmt::format_to(std::back_inserter(out), " {} |",
+                     numeric[c] ? pad_left(cells[c], widths[c]) : pad_right(cells[c], widths[c]));
     out += '\n';
   };
   line(header);

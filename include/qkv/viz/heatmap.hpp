@@ -1,26 +1,39 @@
 #pragma once
-// The alignment matrix α drawn as a file: "who looks at whom", rows = queries, columns = keys.
+// The alignment matrix α drawn as a file or in the terminal: "who looks at whom", rows = queries,
+// columns = keys. One figure (the matrices, their labels, title and scale) has five outputs:
 //
 //   PNG, PDF  cairo, with pango text (CJK labels through fontconfig's fallback to Noto Sans CJK);
 //   SVG       hand-written: one <rect> per cell with a <title> tooltip and real <text> labels, so
 //             the file stays small, selectable and editable; laid out with the same pango metrics;
 //   HTML      one self-contained page (no network): a matrix view and a token view in which
 //             hovering a query highlights the keys by α_ij (and hovering a key, the queries that
-//             look at it), a head selector, the exact value on hover. The data is JSON inside it.
+//             look at it), a head selector, the exact value on hover. The data is JSON inside it;
+//   terminal  text: a grid of cells per matrix, columns aligned by display width (CJK takes two
+//             columns a character), each cell an ANSI background colour or, without colour, one of
+//             the shades " ░▒▓█" (five equal bins of the scale), so that piped output is stable text.
 //
 // Shapes: alpha is [Tq, Tk], [H, Tq, Tk] or [B, H, Tq, Tk] (what attention_forward writes as its
-// weights). One batch entry is drawn (HeatmapOptions::batch). Images draw one head
-// (HeatmapOptions::head) or, when no head is named, every head of the batch as a grid of small
-// multiples sharing one colour scale; the page carries every head of the batch and opens at
-// `head` (0 when none is named).
+// weights). One batch entry is drawn (HeatmapOptions::batch). Images and the terminal draw one head
+// (HeatmapOptions::head) or, when no head is named, every head of the batch (images as a grid of
+// small multiples, the terminal one grid after another) sharing one colour scale; the page carries
+// every head of the batch and opens at `head` (0 when none is named).
 //
 // Geometry, in pixels (PNG pixels, SVG px; a PDF has 0.75 pt per pixel, i.e. 96 dpi): cells are
 // whole pixels, at most 48 and at least 1 on a side, so T up to 1024 (and beyond) fits one image;
 // labels are thinned to every 2nd, 5th, 10th, ... when cells are shorter than a line of text. With
 // `annotate` the cells grow to hold their value. A cell's colour is the colour map at
 // t = (value − vmin) / (vmax − vmin), clamped to [0, 1].
+//
+// The terminal, plain, for α = [[0.9, 0.05, 0.05], [0.3, 0.45, 0.25]] with labels {"I", "read"} ×
+// {"I", "read", "書"}: the title and a head's caption (when there are any) on lines of their own, then
+// the grid, each column as wide as its label (at least 2), and the line of its scale.
+//         I read 書
+//   I    ██
+//   read ░░ ▒▒▒▒ ░░
+//   scale: 0.000 [ ░▒▓█] 0.900
 
 #include <cstdint>
+#include <cstdio>
 #include <filesystem>
 #include <optional>
 #include <string>
@@ -29,43 +42,59 @@
 #include <vector>
 
 #include "qkv/core/tensor.hpp"
+#include "qkv/core/text.hpp"  // what labels go through: split_labels, sanitize_label
 #include "qkv/viz/colormap.hpp"
 
 namespace qkv {
 
-enum class HeatmapFormat { png, svg, pdf, html };
+enum class HeatmapFormat { png, svg, pdf, html, terminal };
 
-// The format named by a path's extension: .png, .svg, .pdf, .html or .htm, in any case. Throws
+// The file format named by a path's extension: .png, .svg, .pdf, .html or .htm, in any case. Throws
 // ValueError naming `arg` otherwise ("-o: expected a file ending in .png, .svg, .pdf or .html, got
 // attention.jpg").
 HeatmapFormat heatmap_format_for_path(const std::filesystem::path& path, std::string_view arg);
 
-// "PNG", "SVG", "PDF", "HTML"
+// "PNG", "SVG", "PDF", "HTML", "terminal"
 std::string_view heatmap_format_name(HeatmapFormat format);
+
+// How the terminal colours a cell: one of the shades " ░▒▓█" (none), the ANSI background of the
+// nearest colour of the xterm 256-colour cube (palette256), or a 24-bit ANSI background (truecolor).
+enum class TerminalColor { none, palette256, truecolor };
+
+// What only the terminal reads.
+struct TerminalStyle {
+  TerminalColor color = TerminalColor::none;
+  // Digits after the point of the cell values (with `annotate`) and of the scale line; 0 to 9.
+  int decimals = 3;
+  // A line after each grid that maps shades or colours to values: "scale: 0.000 [ ░▒▓█] 0.700".
+  bool legend = true;
+};
 
 struct HeatmapOptions {
   // One UTF-8 label per query (Tq) and per key (Tk); an empty list numbers them from 0. Controls
   // are drawn as '?' and invalid UTF-8 as U+FFFD; a label wider than 160 px is cut with "…".
   std::vector<std::string> row_labels;
   std::vector<std::string> col_labels;
-  // Drawn above the matrix (and as the page's title); none when empty.
+  // Drawn above the matrix (as the page's title, as the terminal's first line); none when empty.
   std::string title;
   Colormap colormap = Colormap::viridis;
-  // The ends of the scale: vmin defaults to min(0, smallest value) and vmax to the largest value
-  // (vmin + 1 when every value is vmin). Given, they must be finite with vmin < vmax.
+  // The ends of the scale: vmin defaults to min(0, smallest finite value) and vmax to the largest
+  // finite value (vmin + 1 when every value is vmin). Given, they must be finite with vmin < vmax.
   std::optional<double> vmin;
   std::optional<double> vmax;
-  // Each cell of an image shows its value with 2 decimals, black or white by the cell's lightness.
+  // Each cell shows its value, black or white by the cell's lightness: with 2 decimals in an image,
+  // right-aligned with TerminalStyle::decimals in the terminal.
   bool annotate = false;
   // Which entry of the batch dim of a rank-4 alpha is drawn; must be 0 for ranks 2 and 3.
   int64_t batch = 0;
-  // Which head of a rank-3 or rank-4 alpha: images draw it alone, and the page opens at it. None:
-  // images draw every head as a grid. Must be empty or 0 for rank 2.
+  // Which head of a rank-3 or rank-4 alpha: images and the terminal draw it alone, and the page opens
+  // at it. None: images and the terminal draw every head. Must be empty or 0 for rank 2.
   std::optional<int64_t> head;
   // Cells (query row, key column) outlined in every drawn panel, e.g. a gold alignment: a 2 px red
   // frame with a 1 px white lining inside, visible on any colour map. Each must lie in [0, Tq) ×
-  // [0, Tk); the page ignores them.
+  // [0, Tk); the page and the terminal ignore them.
   std::vector<std::pair<int64_t, int64_t>> marked_cells;
+  TerminalStyle terminal;
 };
 
 // A rectangle of whole pixels; width or height 0 when there is nothing there.
@@ -109,10 +138,21 @@ struct HeatmapLayout {
 template <class T>
 HeatmapLayout heatmap_layout(TensorView<const T> alpha, const HeatmapOptions& options);
 
-// alpha [Tq, Tk], [H, Tq, Tk] or [B, H, Tq, Tk] → the bytes of the file, with the errors of
-// heatmap_layout. Nothing is written: callers hand the bytes to write_file_atomically.
+// alpha [Tq, Tk], [H, Tq, Tk] or [B, H, Tq, Tk] → the bytes of the file, or the terminal's text as
+// lines ending in '\n' (a plain grid's lines carry no trailing spaces), with the errors of
+// heatmap_layout but two: the terminal draws a Tq or Tk of 0 (as its header alone) and non-finite
+// values (e.g. −inf scores of masked keys, whose cells it leaves blank), and throws ValueError for
+// TerminalStyle's decimals outside 0..9. Nothing is written: callers hand the bytes on to
+// write_file_atomically or to the terminal.
 template <class T>
 std::string render_heatmap(TensorView<const T> alpha, HeatmapFormat format, const HeatmapOptions& options);
+
+// Whether to colour what is written to `stream`: it is a terminal, NO_COLOR is unset or empty
+// (https://no-color.org) and TERM is set and not "dumb".
+bool terminal_supports_color(std::FILE* stream);
+
+// Whether the terminal announces 24-bit colour: COLORTERM is "truecolor" or "24bit".
+bool terminal_supports_truecolor();
 
 // The labels (sanitised as drawn) that have a character no installed font can draw, which the
 // images would show as a box: CJK labels need fonts-noto-cjk (or another CJK font).
@@ -132,9 +172,5 @@ struct AttentionWeightsReport {
 // rounding of Tk terms, each normalised once, and of their sum), and the all-zero rows.
 template <class T>
 AttentionWeightsReport check_attention_weights(TensorView<const T> alpha, std::string_view name);
-
-// "the student  is" → {"the", "student", "is"}: labels separated by ASCII whitespace; anything
-// else (CJK text included) belongs to a label.
-std::vector<std::string> split_labels(std::string_view text);
 
 }  // namespace qkv
