@@ -284,7 +284,7 @@ void run_attend(const AttendOptions& o) {
   std::optional<HeatmapFormat> heatmap;
   if (!o.heatmap.empty()) {
     heatmap = heatmap_format_for_path(o.heatmap, "--heatmap");
-    OutputFiles().plan("--heatmap", o.heatmap);  // its checks only: the picture is written apart
+    files.plan("--heatmap", o.heatmap);
   }
   const Operands x = load_operands(o.in);
 
@@ -302,20 +302,12 @@ void run_attend(const AttendOptions& o) {
     additive_attention_forward(x.additive_params(), outputs);
   }
 
-  // Every head of the first batch entry; rendered before anything is written, and removed again if
-  // the .npy outputs then fail, so that a run writes all its files or none.
-  const std::string picture = heatmap ? render_heatmap(weights->cview(), *heatmap, {}) : std::string();
+  // Every head of the first batch entry, written with the arrays: all the files or none.
+  if (heatmap) files.set("--heatmap", render_heatmap(weights->cview(), *heatmap, {}));
   files.set("-o", std::move(out));
   if (weights) files.set("--weights", std::move(*weights));
   if (lse) files.set("--lse", std::move(*lse));
-  if (heatmap) write_file_atomically(o.heatmap, picture);
-  try {
-    files.commit();
-  } catch (...) {
-    std::error_code ignored;
-    if (heatmap) std::filesystem::remove(o.heatmap, ignored);
-    throw;
-  }
+  files.commit();
 }
 
 void run_attend_backward(const BackwardOptions& o) {

@@ -143,7 +143,7 @@ void OutputFiles::plan(std::string_view arg, const std::filesystem::path& path) 
       refuse(fmt::format("{} writes the same file; each output needs its own path", other.arg));
     }
   }
-  files_.push_back({.arg = std::string(arg), .path = path, .values = std::nullopt});
+  files_.push_back({.arg = std::string(arg), .path = path, .contents = {}});
 }
 
 bool OutputFiles::planned(std::string_view arg) const {
@@ -152,17 +152,25 @@ bool OutputFiles::planned(std::string_view arg) const {
 
 void OutputFiles::set(std::string_view arg, Tensor<float> values) {
   const auto file = std::ranges::find(files_, arg, &File::arg);
-  if (file != files_.end()) file->values = std::move(values);
+  if (file != files_.end()) file->contents = std::move(values);
+}
+
+void OutputFiles::set(std::string_view arg, std::string bytes) {
+  const auto file = std::ranges::find(files_, arg, &File::arg);
+  if (file != files_.end()) file->contents = std::move(bytes);
 }
 
 void OutputFiles::commit() {
   for (const File& file : files_) {
-    if (!file.values) throw std::logic_error(fmt::format("output {} was planned but never computed", file.arg));
+    if (std::holds_alternative<std::monostate>(file.contents)) {
+      throw std::logic_error(fmt::format("output {} was planned but never computed", file.arg));
+    }
   }
   StagedFiles staged;
   for (const File& file : files_) {
     try {
-      staged.stage(file.path, encode_npy(file.values->cview()));
+      const auto* values = std::get_if<Tensor<float>>(&file.contents);
+      staged.stage(file.path, values ? encode_npy(values->cview()) : std::get<std::string>(file.contents));
     } catch (const IoError& e) {
       throw IoError(fmt::format("{}: cannot write {}: staging it beside the target failed: {}", file.arg,
                                 file.path.string(), e.what()));

@@ -11,6 +11,7 @@
 #include <optional>
 #include <string>
 #include <string_view>
+#include <variant>
 #include <vector>
 
 #include "qkv/core/tensor.hpp"
@@ -69,19 +70,21 @@ class OutputFiles {
   bool empty() const { return files_.empty(); }
   bool planned(std::string_view arg) const;
 
-  // The contents of planned output `arg`; a value for an output not planned is dropped, so that
-  // callers can hand over everything they computed.
+  // The contents of planned output `arg`: an array, written as a float32 .npy, or the bytes of a
+  // file (a picture). Contents for an output not planned are dropped, so that callers can hand
+  // over everything they computed.
   void set(std::string_view arg, Tensor<float> values);
+  void set(std::string_view arg, std::string bytes);
 
-  // Writes every planned output as a float32 .npy, all or nothing (qkv::StagedFiles). IoError names
-  // the output whose temporary could not be written.
+  // Writes every planned output, all or nothing (qkv::StagedFiles). IoError names the output whose
+  // temporary could not be written.
   void commit();
 
  private:
   struct File {
     std::string arg;
     std::filesystem::path path;
-    std::optional<Tensor<float>> values;
+    std::variant<std::monostate, Tensor<float>, std::string> contents;
   };
   std::vector<File> files_;
 };
