@@ -37,6 +37,7 @@
 #include <ctime>
 #include <filesystem>
 #include <memory>
+#include <span>
 #include <string>
 #include <utility>
 #include <vector>
@@ -45,6 +46,7 @@
 #include "qkv/core/error.hpp"
 #include "qkv/core/parallel.hpp"
 #include "qkv/io/model_file.hpp"
+#include "qkv/ops/softmax.hpp"
 #include "qkv/viz/heatmap.hpp"
 #include "qkv/viz/terminal_heatmap.hpp"
 #include "seq2seq.hpp"
@@ -154,11 +156,8 @@ ValidationPoint validate(Seq2Seq<float>& model, const std::vector<SentencePair>&
       const int64_t target = batch.decoder_target[r];
       if (target == kIgnoreTarget) continue;
       const float* row = logits.data() + r * vt;
-      double max = row[0];
-      for (int64_t c = 1; c < vt; ++c) max = std::max(max, static_cast<double>(row[c]));
-      double sum = 0.0;
-      for (int64_t c = 0; c < vt; ++c) sum += std::exp(static_cast<double>(row[c]) - max);
-      loss_sum += max + std::log(sum) - static_cast<double>(row[target]);
+      loss_sum +=
+          logsumexp<float>(std::span<const float>(row, static_cast<size_t>(vt))) - static_cast<double>(row[target]);
       correct += (std::max_element(row, row + vt) - row) == target ? 1 : 0;
       ++tokens;
     }

@@ -38,6 +38,7 @@
 #include "qkv/core/rng.hpp"
 #include "qkv/nn/adam.hpp"
 #include "qkv/ops/cross_entropy.hpp"
+#include "qkv/ops/softmax.hpp"
 #include "qkv/viz/heatmap.hpp"
 #include "support/progress.hpp"
 
@@ -192,13 +193,14 @@ std::vector<double> answer_probabilities(const Tensor<float>& logits, const std:
                                          size_t begin, std::vector<int64_t>* predictions = nullptr) {
   const int64_t batch = logits.shape()[0], length = logits.shape()[1], classes = logits.shape()[2];
   std::vector<double> out;
+  // The logits in float64, so that the probabilities are not rounded to float32.
+  std::vector<double> scores(static_cast<size_t>(classes)), p(static_cast<size_t>(classes));
   for (int64_t b = 0; b < batch; ++b) {
     const Example& e = examples[begin + static_cast<size_t>(b)];
     const float* row = logits.data() + (b * length + e.pronoun) * classes;
-    const double top = *std::max_element(row, row + classes);
-    double sum = 0.0;
-    for (int64_t c = 0; c < classes; ++c) sum += std::exp(row[c] - top);
-    out.push_back(std::exp(row[e.referent_root] - top) / sum);
+    std::copy_n(row, classes, scores.begin());
+    softmax<double>(scores, p);
+    out.push_back(p[static_cast<size_t>(e.referent_root)]);
     if (predictions) predictions->push_back(std::max_element(row, row + classes) - row);
   }
   return out;

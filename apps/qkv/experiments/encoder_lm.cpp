@@ -41,7 +41,7 @@
 #include "qkv/nn/embedding.hpp"
 #include "qkv/nn/gru.hpp"
 #include "qkv/ops/cross_entropy.hpp"
-#include "qkv/ops/linear.hpp"
+#include "qkv/ops/softmax.hpp"
 #include "support/progress.hpp"
 
 namespace qkv::cli {
@@ -168,7 +168,10 @@ double validation_bits(LanguageModel<float>& model, const std::vector<int64_t>& 
   return total / static_cast<double>(std::max<int64_t>(n, 1)) / std::numbers::ln2;
 }
 
-// `characters` drawn at temperature 0.8 after `prompt`, each from the last `length` characters.
+// Samples are drawn from softmax(logits / kTemperature): below 1, the likelier characters gain.
+constexpr double kTemperature = 0.8;
+
+// `characters` drawn at temperature kTemperature after `prompt`, each from the last `length` characters.
 std::string sample(LanguageModel<float>& model, const Corpus& corpus, const std::string& prompt, int64_t characters,
                    int64_t length, Rng& rng) {
   std::vector<int64_t> ids;
@@ -185,11 +188,11 @@ std::string sample(LanguageModel<float>& model, const Corpus& corpus, const std:
     for (int64_t k = 0; k < t; ++k) window[k] = ids[ids.size() - static_cast<size_t>(t - k)];
     const Tensor<float> logits = model.forward(window);
     const float* row = logits.data() + (t - 1) * vocabulary;
-    const double top = *std::max_element(row, row + vocabulary);
-    std::vector<double> p(static_cast<size_t>(vocabulary));
-    double sum = 0.0;
-    for (int64_t c = 0; c < vocabulary; ++c) sum += p[static_cast<size_t>(c)] = std::exp((row[c] - top) / 0.8);
-    double u = rng.uniform() * sum;
+    std::vector<double> scaled(static_cast<size_t>(vocabulary)), p(static_cast<size_t>(vocabulary));
+    for (int64_t c = 0; c < vocabulary; ++c)
+      scaled[static_cast<size_t>(c)] = static_cast<double>(row[c]) / kTemperature;
+    softmax<double>(scaled, p);
+    double u = rng.uniform();
     int64_t next = vocabulary - 1;
     for (int64_t c = 0; c < vocabulary; ++c) {
       u -= p[static_cast<size_t>(c)];
@@ -308,7 +311,7 @@ Report run_encoder_lm(const ExperimentOptions& options) {
   Figure figure;
   figure.panels = {curves};
   report.add_figure("Training loss against step (dashed: validation after training)", figure, "training.png");
-  std::string text = fmt::format("Samples, temperature 0.8, after the prompt \"{}\":\n\n", prompt);
+  std::string text = fmt::format("Samples, temperature {}, after the prompt \"{}\":\n\n", kTemperature, prompt);
   for (const Result& r : results) text += fmt::format("**{}**\n\n```\n{}{}\n```\n\n", r.name, prompt, r.sample);
   report.add_paragraph(text);
   return report;

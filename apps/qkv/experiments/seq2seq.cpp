@@ -4,13 +4,14 @@
 
 #include <algorithm>
 #include <cmath>
-#include <limits>
+#include <span>
 #include <utility>
 
 #include "qkv/core/error.hpp"
 #include "qkv/ops/attention.hpp"
 #include "qkv/ops/cross_entropy.hpp"
 #include "qkv/ops/linear.hpp"
+#include "qkv/ops/softmax.hpp"
 #include "qkv/viz/heatmap.hpp"
 
 namespace qkv::cli {
@@ -241,10 +242,10 @@ void DecoderAttention<Scalar>::forward(const EncoderMemory<Scalar>& memory, Tens
   cache.query = Tensor<Scalar>(Shape{batch, hidden_});
   query_.forward(s, cache.query.view());
   cache.hidden = Tensor<Scalar>(Shape{batch, ts, hidden_});
-  std::vector<double> scores(static_cast<size_t>(ts)), row(static_cast<size_t>(width));
+  std::vector<double> scores(static_cast<size_t>(ts)), weights(static_cast<size_t>(ts)),
+      row(static_cast<size_t>(width));
   for (int64_t b = 0; b < batch; ++b) {
     const int64_t len = memory.lengths[static_cast<size_t>(b)];
-    double max = -std::numeric_limits<double>::infinity();
     for (int64_t j = 0; j < len; ++j) {
       const Scalar* key = memory.keys.data() + (b * ts + j) * hidden_;
       Scalar* t = cache.hidden.data() + (b * ts + j) * hidden_;
@@ -255,13 +256,12 @@ void DecoderAttention<Scalar>::forward(const EncoderMemory<Scalar>& memory, Tens
         e += static_cast<double>(w_.value[a]) * value;
       }
       scores[static_cast<size_t>(j)] = e;
-      max = std::max(max, e);
     }
-    double sum = 0.0;
-    for (int64_t j = 0; j < len; ++j) sum += std::exp(scores[static_cast<size_t>(j)] - max);
+    const auto scored = static_cast<size_t>(len);
+    softmax<double>(std::span<const double>(scores).first(scored), std::span<double>(weights).first(scored));
     std::fill(row.begin(), row.end(), 0.0);
     for (int64_t j = 0; j < len; ++j) {
-      const double alpha = std::exp(scores[static_cast<size_t>(j)] - max) / sum;
+      const double alpha = weights[static_cast<size_t>(j)];
       cache.alpha[b * ts + j] = static_cast<Scalar>(alpha);
       const Scalar* h = memory.annotations.data() + (b * ts + j) * width;
       for (int64_t d = 0; d < width; ++d) row[static_cast<size_t>(d)] += alpha * static_cast<double>(h[d]);
