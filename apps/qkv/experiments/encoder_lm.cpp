@@ -31,6 +31,7 @@
 #include <memory>
 #include <numbers>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "experiments.hpp"
@@ -215,15 +216,28 @@ struct Result {
   std::string sample;
 };
 
-Report run_encoder_lm(const ExperimentOptions& options) {
-  const Corpus corpus = load_corpus(options);
-  const int64_t vocabulary = static_cast<int64_t>(corpus.alphabet.size());
-  const int64_t length = 64, batch = 16, dim = 64;
-  const int64_t steps = options.steps.value_or(options.quick ? 40 : 1000);
-  const int64_t max_windows = options.quick ? 16 : 200;
-  const std::string prompt = "The ";
+// Both models train on kBatch windows of kLength characters a step, at width kDim.
+constexpr int64_t kLength = 64, kBatch = 16, kDim = 64;
+constexpr std::string_view kPrompt = "The ";
 
-  std::array<Result, 2> results;
+// What the experiment measures: the corpus it read, and both models' results and samples.
+struct EncoderLmMeasurement {
+  Corpus corpus;
+  int64_t steps = 0;
+  int64_t max_windows = 0;        // validation windows at most
+  std::array<Result, 2> results;  // the GRU, then causal attention
+};
+
+EncoderLmMeasurement measure_encoder_lm(const ExperimentOptions& options) {
+  EncoderLmMeasurement measurement;
+  const Corpus& corpus = measurement.corpus = load_corpus(options);
+  const int64_t vocabulary = static_cast<int64_t>(corpus.alphabet.size());
+  const int64_t length = kLength, batch = kBatch, dim = kDim;
+  const int64_t steps = measurement.steps = options.steps.value_or(options.quick ? 40 : 1000);
+  const int64_t max_windows = measurement.max_windows = options.quick ? 16 : 200;
+  const std::string prompt(kPrompt);
+
+  std::array<Result, 2>& results = measurement.results;
   for (size_t m = 0; m < results.size(); ++m) {
     Rng init(derive_seed(options.seed, kInitStream, m));
     std::unique_ptr<LanguageModel<float>> model;
@@ -268,6 +282,15 @@ Report run_encoder_lm(const ExperimentOptions& options) {
     Rng sampler(derive_seed(options.seed, kSampleStream));
     results[m].sample = sample(*model, corpus, prompt, options.quick ? 80 : 300, length, sampler);
   }
+  return measurement;
+}
+
+Report report_encoder_lm(const ExperimentOptions& options, const EncoderLmMeasurement& measurement) {
+  const Corpus& corpus = measurement.corpus;
+  const int64_t vocabulary = static_cast<int64_t>(corpus.alphabet.size());
+  const int64_t length = kLength, batch = kBatch, steps = measurement.steps, max_windows = measurement.max_windows;
+  const std::string prompt(kPrompt);
+  const std::array<Result, 2>& results = measurement.results;
 
   Report report("Character-level language model: GRU against causal self-attention");
   report.add_setting("corpus", fmt::format("{}: {} training and {} validation characters, alphabet of {}",
@@ -315,6 +338,10 @@ Report run_encoder_lm(const ExperimentOptions& options) {
   for (const Result& r : results) text += fmt::format("**{}**\n\n```\n{}{}\n```\n\n", r.name, prompt, r.sample);
   report.add_paragraph(text);
   return report;
+}
+
+Report run_encoder_lm(const ExperimentOptions& options) {
+  return report_encoder_lm(options, measure_encoder_lm(options));
 }
 
 }  // namespace
