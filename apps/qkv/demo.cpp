@@ -34,8 +34,8 @@
 #include "qkv/core/text.hpp"
 #include "qkv/io/npy.hpp"
 #include "qkv/io/staged_files.hpp"
+#include "qkv/nn/linear.hpp"
 #include "qkv/ops/attention.hpp"
-#include "qkv/ops/linear.hpp"
 #include "qkv/viz/heatmap.hpp"
 
 namespace qkv::cli {
@@ -130,13 +130,10 @@ void run_demo(const DemoOptions& options) {
   Rng rng(options.seed);
   Tensor<float> x({t, kDim});
   rng.fill_normal(x.view());
-  Tensor<float> w_q({kDim, kDim}), w_k({kDim, kDim}), w_v({kDim, kDim});
-  for (Tensor<float>* w : {&w_q, &w_k, &w_v}) linear_init<float>(w->view(), std::nullopt, rng);
+  const LinearConfig projection{.in_features = kDim, .out_features = kDim, .bias = false};
+  const Linear<float> w_q(projection, rng), w_k(projection, rng), w_v(projection, rng);
 
-  Tensor<float> q({t, kDim}), k({t, kDim}), v({t, kDim});
-  linear_forward<float>({.x = x.cview(), .w = w_q.cview(), .b = std::nullopt}, q.view());
-  linear_forward<float>({.x = x.cview(), .w = w_k.cview(), .b = std::nullopt}, k.view());
-  linear_forward<float>({.x = x.cview(), .w = w_v.cview(), .b = std::nullopt}, v.view());
+  const Tensor<float> q = w_q.forward(x.cview()), k = w_k.forward(x.cview()), v = w_v.forward(x.cview());
 
   Tensor<float> out({t, kDim});
   Tensor<float> alpha({t, t});

@@ -5,7 +5,6 @@
 #include <algorithm>
 
 #include "qkv/core/error.hpp"
-#include "qkv/ops/linear.hpp"
 
 namespace qkv {
 namespace {
@@ -73,20 +72,18 @@ AttentionParams<T> attention_params(const SelfAttentionCache<T>& cache) {
 template <class T>
 SelfAttention<T>::SelfAttention(const SelfAttentionConfig& config, Rng& rng) : config_(config) {
   check_config(config);
-  const int64_t d = config.d_model;
-  const auto init = [&](Projection& p) {
-    p.w = Tensor<T>(Shape{d, d});
-    p.dw = Tensor<T>(Shape{d, d});
-    if (config.bias) {
-      p.b = Tensor<T>(Shape{d});
-      p.db = Tensor<T>(Shape{d});
-    }
-    linear_init(p.w.view(), config.bias ? std::optional(p.b.view()) : std::nullopt, rng);
+  const auto projection = [&](const char* suffix) {
+    return Linear<T>({.in_features = config.d_model,
+                      .out_features = config.d_model,
+                      .bias = config.bias,
+                      .weight_name = fmt::format("w_{}", suffix),
+                      .bias_name = fmt::format("b_{}", suffix)},
+                     rng);
   };
-  init(query_);
-  init(key_);
-  init(value_);
-  if (config.output_projection) init(output_);
+  query_ = projection("q");
+  key_ = projection("k");
+  value_ = projection("v");
+  if (config.output_projection) output_ = projection("o");
 }
 
 template <class T>
@@ -111,9 +108,8 @@ Tensor<T> SelfAttention<T>::forward(TensorView<const T> x, SelfAttentionCache<T>
 
   // Each projection is computed token-major, then laid out head-major, as the attention reads it.
   Tensor<T> projected(x3.shape);
-  const auto project = [&](const Projection& p, Tensor<T>& dst) {
-    linear_forward<T>({.x = x3, .w = p.w.view(), .b = config_.bias ? std::optional(p.b.view()) : std::nullopt},
-                      projected.view());
+  const auto project = [&](const Linear<T>& p, Tensor<T>& dst) {
+    p.forward(x3, projected.view());
     ensure_shape(dst, per_head);
     copy_view(split_heads(projected.cview(), heads), dst.view());
   };
@@ -139,10 +135,7 @@ Tensor<T> SelfAttention<T>::forward(TensorView<const T> x, SelfAttentionCache<T>
 
   Tensor<T> y(x.shape);
   if (config_.output_projection) {
-    const TensorView<const T> b = output_.b.view();
-    linear_forward<T>(
-        {.x = cache.context.cview(), .w = output_.w.view(), .b = config_.bias ? std::optional(b) : std::nullopt},
-        as_btd(y.view()));
+    output_.forward(cache.context.cview(), as_btd(y.view()));
   } else {
     copy_view(cache.context.cview(), as_btd(y.view()));
   }
@@ -162,17 +155,12 @@ void SelfAttention<T>::backward(const SelfAttentionCache<T>& cache, TensorView<c
   const TensorView<const T> x3 = as_btd(cache.x.cview());
   const TensorView<const T> dy3 = as_btd(dy);
   const TensorView<T> dx3 = as_btd(dx);
-  const auto bias_of = [&](const Tensor<T>& b) {
-    return config_.bias ? std::optional<TensorView<const T>>(b.view()) : std::nullopt;
-  };
-  const auto dbias_of = [&](Tensor<T>& db) { return config_.bias ? std::optional(db.view()) : std::nullopt; };
 
   Tensor<T> dcontext_owned;
   TensorView<const T> dcontext = dy3;
   if (config_.output_projection) {
     dcontext_owned = Tensor<T>(x3.shape);
-    linear_backward<T>({.x = cache.context.cview(), .w = output_.w.view(), .b = bias_of(output_.b)}, dy3,
-                       {.dx = dcontext_owned.view(), .dw = output_.dw.view(), .db = dbias_of(output_.db)});
+    output_.backward(cache.context.cview(), dy3, dcontext_owned.view());
     dcontext = dcontext_owned.cview();
   }
 
@@ -187,10 +175,9 @@ void SelfAttention<T>::backward(const SelfAttentionCache<T>& cache, TensorView<c
   }
 
   Tensor<T> dprojected(x3.shape);
-  const auto project_back = [&](Projection& p, const Tensor<T>& dheads) {
+  const auto project_back = [&](Linear<T>& p, const Tensor<T>& dheads) {
     copy_view(dheads.cview(), split_heads(dprojected.view(), heads));
-    linear_backward<T>({.x = x3, .w = p.w.view(), .b = bias_of(p.b)}, dprojected.cview(),
-                       {.dx = dx3, .dw = p.dw.view(), .db = dbias_of(p.db)});
+    p.backward(x3, dprojected.cview(), dx3);
   };
   project_back(query_, dq);
   project_back(key_, dk);
@@ -199,38 +186,25 @@ void SelfAttention<T>::backward(const SelfAttentionCache<T>& cache, TensorView<c
 
 template <class T>
 void SelfAttention<T>::zero_grad() {
-  for (Projection* p : {&query_, &key_, &value_, &output_}) {
-    std::fill(p->dw.values().begin(), p->dw.values().end(), T{0});
-    std::fill(p->db.values().begin(), p->db.values().end(), T{0});
-  }
+  for (Linear<T>* p : {&query_, &key_, &value_, &output_}) p->zero_grad();
 }
 
 // The two overloads differ only in constness; each is small enough to spell out.
 template <class T>
 std::vector<ParameterRef<T>> SelfAttention<T>::parameters() {
   std::vector<ParameterRef<T>> result;
-  const auto add = [&](Projection& p, const char* suffix) {
-    result.push_back({fmt::format("w_{}", suffix), p.w.view(), p.dw.view()});
-    if (config_.bias) result.push_back({fmt::format("b_{}", suffix), p.b.view(), p.db.view()});
-  };
-  add(query_, "q");
-  add(key_, "k");
-  add(value_, "v");
-  if (config_.output_projection) add(output_, "o");
+  for (Linear<T>* p : {&query_, &key_, &value_, &output_}) {
+    for (ParameterRef<T>& r : p->parameters()) result.push_back(r);
+  }
   return result;
 }
 
 template <class T>
 std::vector<ParameterRef<const T>> SelfAttention<T>::parameters() const {
   std::vector<ParameterRef<const T>> result;
-  const auto add = [&](const Projection& p, const char* suffix) {
-    result.push_back({fmt::format("w_{}", suffix), p.w.view(), p.dw.view()});
-    if (config_.bias) result.push_back({fmt::format("b_{}", suffix), p.b.view(), p.db.view()});
-  };
-  add(query_, "q");
-  add(key_, "k");
-  add(value_, "v");
-  if (config_.output_projection) add(output_, "o");
+  for (const Linear<T>* p : {&query_, &key_, &value_, &output_}) {
+    for (ParameterRef<const T>& r : p->parameters()) result.push_back(r);
+  }
   return result;
 }
 

@@ -37,6 +37,7 @@
 #include <ctime>
 #include <filesystem>
 #include <memory>
+#include <span>
 #include <string>
 #include <utility>
 #include <vector>
@@ -45,6 +46,7 @@
 #include "qkv/core/error.hpp"
 #include "qkv/core/parallel.hpp"
 #include "qkv/io/model_file.hpp"
+#include "qkv/ops/softmax.hpp"
 #include "qkv/viz/heatmap.hpp"
 #include "qkv/viz/terminal_heatmap.hpp"
 #include "seq2seq.hpp"
@@ -154,11 +156,8 @@ ValidationPoint validate(Seq2Seq<float>& model, const std::vector<SentencePair>&
       const int64_t target = batch.decoder_target[r];
       if (target == kIgnoreTarget) continue;
       const float* row = logits.data() + r * vt;
-      double max = row[0];
-      for (int64_t c = 1; c < vt; ++c) max = std::max(max, static_cast<double>(row[c]));
-      double sum = 0.0;
-      for (int64_t c = 0; c < vt; ++c) sum += std::exp(static_cast<double>(row[c]) - max);
-      loss_sum += max + std::log(sum) - static_cast<double>(row[target]);
+      loss_sum +=
+          logsumexp<float>(std::span<const float>(row, static_cast<size_t>(vt))) - static_cast<double>(row[target]);
       correct += (std::max_element(row, row + vt) - row) == target ? 1 : 0;
       ++tokens;
     }
@@ -352,24 +351,52 @@ class OneWorker {
   int previous_;
 };
 
-Report run_alignment(const ExperimentOptions& options) {
-  const Settings s = settings_for(options);
+// What the experiment measures: everything its report shows, and the trained models it saves.
+struct AlignmentMeasurement {
+  Settings settings;
+  TranslationSplits data;
+  std::vector<TrainedModel> models;       // additive, scaled_dot, none
+  std::vector<Evaluation> evaluations;    // one per model, on data.test
+  std::vector<size_t> heatmap_sentences;  // indices into data.test
+  // Per model, α under teacher forcing of each heatmap sentence; none for the model without attention.
+  std::vector<std::vector<Tensor<float>>> heatmap_alpha;
+};
+
+AlignmentMeasurement measure_alignment(const ExperimentOptions& options) {
   const OneWorker one_worker;
-  const ToyLanguage& language = toy_language();
-  const TranslationSplits data =
-      make_translation_splits(derive_seed(options.seed, kDataStream), s.train, s.validation, s.test);
+  AlignmentMeasurement measurement;
+  const Settings& s = measurement.settings = settings_for(options);
+  measurement.data = make_translation_splits(derive_seed(options.seed, kDataStream), s.train, s.validation, s.test);
   const std::vector<Score> scores = {Score::additive, Score::scaled_dot, Score::none};
 
-  std::vector<TrainedModel> models;
-  models.reserve(scores.size());
-  for (const Score score : scores) models.push_back(train(s, score, data, options.seed));
+  measurement.models.reserve(scores.size());
+  for (const Score score : scores) measurement.models.push_back(train(s, score, measurement.data, options.seed));
 
-  Progress eval_progress("[alignment] test split", static_cast<int64_t>(scores.size() * data.test.size()), "sentences");
+  Progress eval_progress("[alignment] test split", static_cast<int64_t>(scores.size() * measurement.data.test.size()),
+                         "sentences");
   int64_t evaluated = 0;
-  std::vector<Evaluation> evaluations;
-  evaluations.reserve(models.size());
-  for (TrainedModel& m : models) evaluations.push_back(evaluate(*m.model, data.test, eval_progress, evaluated));
+  measurement.evaluations.reserve(measurement.models.size());
+  for (TrainedModel& model : measurement.models) {
+    measurement.evaluations.push_back(evaluate(*model.model, measurement.data.test, eval_progress, evaluated));
+  }
   eval_progress.done();
+
+  measurement.heatmap_sentences = heatmap_sentences(measurement.data.test);
+  for (TrainedModel& model : measurement.models) {
+    std::vector<Tensor<float>>& alphas = measurement.heatmap_alpha.emplace_back();
+    if (model.score == Score::none) continue;
+    for (const size_t i : measurement.heatmap_sentences)
+      alphas.push_back(forced_alignment(*model.model, measurement.data.test[i]));
+  }
+  return measurement;
+}
+
+Report report_alignment(const ExperimentOptions& options, const AlignmentMeasurement& measurement) {
+  const Settings& s = measurement.settings;
+  const TranslationSplits& data = measurement.data;
+  const std::vector<TrainedModel>& models = measurement.models;
+  const std::vector<Evaluation>& evaluations = measurement.evaluations;
+  const ToyLanguage& language = toy_language();
 
   Report report("Experiment: alignment (Bahdanau attention on a synthetic translation task)");
   report.add_setting("command", command_line("alignment", options));
@@ -527,12 +554,12 @@ Report run_alignment(const ExperimentOptions& options) {
       "The heatmaps below show α under teacher forcing for three test sentences (rows: target "
       "words, each labelled with its gold source word after ←; columns: source words); the gold cells "
       "are outlined in red. The `.svg` twins show each cell's exact value on hover.\n\n";
-  const std::vector<size_t> chosen = heatmap_sentences(data.test);
+  const std::vector<size_t>& chosen = measurement.heatmap_sentences;
   for (size_t k = 0; k < models.size(); ++k) {
     if (models[k].score == Score::none) continue;
     for (size_t c = 0; c < chosen.size(); ++c) {
       const SentencePair& pair = data.test[chosen[c]];
-      const Tensor<float> alpha = forced_alignment(*models[k].model, pair);
+      const Tensor<float>& alpha = measurement.heatmap_alpha[k][c];
       HeatmapOptions heatmap;
       heatmap.row_labels = row_labels(pair);
       heatmap.col_labels = language.source.decode(pair.source);
@@ -556,11 +583,11 @@ Report run_alignment(const ExperimentOptions& options) {
       }
     }
   }
-  for (const TrainedModel& m : models) {
+  for (const TrainedModel& model : models) {
     const std::string description =
-        fmt::format("qkv experiment alignment, {}, seed {}, {} steps", model_label(m.score), options.seed, s.steps);
-    files.stage(options.directory, model_file_name(m.score),
-                encode_model_file(to_model_file(*m.model, language.source, language.target, description)));
+        fmt::format("qkv experiment alignment, {}, seed {}, {} steps", model_label(model.score), options.seed, s.steps);
+    files.stage(options.directory, model_file_name(model.score),
+                encode_model_file(to_model_file(*model.model, language.source, language.target, description)));
   }
   report.add_paragraph("## Heatmaps\n\n" + heatmap_text);
   report.add_paragraph(fmt::format(
@@ -570,6 +597,8 @@ Report run_alignment(const ExperimentOptions& options) {
       model_file_name(Score::additive)));
   return report;
 }
+
+Report run_alignment(const ExperimentOptions& options) { return report_alignment(options, measure_alignment(options)); }
 
 }  // namespace
 

@@ -38,6 +38,7 @@
 #include "qkv/core/rng.hpp"
 #include "qkv/nn/adam.hpp"
 #include "qkv/ops/cross_entropy.hpp"
+#include "qkv/ops/softmax.hpp"
 #include "qkv/viz/heatmap.hpp"
 #include "support/progress.hpp"
 
@@ -192,13 +193,14 @@ std::vector<double> answer_probabilities(const Tensor<float>& logits, const std:
                                          size_t begin, std::vector<int64_t>* predictions = nullptr) {
   const int64_t batch = logits.shape()[0], length = logits.shape()[1], classes = logits.shape()[2];
   std::vector<double> out;
+  // The logits in float64, so that the probabilities are not rounded to float32.
+  std::vector<double> scores(static_cast<size_t>(classes)), p(static_cast<size_t>(classes));
   for (int64_t b = 0; b < batch; ++b) {
     const Example& e = examples[begin + static_cast<size_t>(b)];
     const float* row = logits.data() + (b * length + e.pronoun) * classes;
-    const double top = *std::max_element(row, row + classes);
-    double sum = 0.0;
-    for (int64_t c = 0; c < classes; ++c) sum += std::exp(row[c] - top);
-    out.push_back(std::exp(row[e.referent_root] - top) / sum);
+    std::copy_n(row, classes, scores.begin());
+    softmax<double>(scores, p);
+    out.push_back(p[static_cast<size_t>(e.referent_root)]);
     if (predictions) predictions->push_back(std::max_element(row, row + classes) - row);
   }
   return out;
@@ -211,8 +213,23 @@ struct AblationStats {
   double referent_drop = 0.0, other_drop = 0.0, agree = 0.0, referent_more_attended = 0.0;
 };
 
-Report run_coref(const ExperimentOptions& options) {
-  Settings s;
+// What the experiment measures: everything its report shows.
+struct CorefMeasurement {
+  Settings settings;
+  int64_t parameters = 0;      // of the trained model
+  std::vector<double> losses;  // the training loss of every step
+  std::vector<Example> test;
+  std::array<int64_t, 2> cue_total{}, cue_right{};        // by cue: gender, number
+  std::array<int64_t, 3> bucket_total{}, bucket_right{};  // distance pronoun − referent: ≤ 4, 5–8, ≥ 9
+  std::vector<LayerHeadStats> heads;                      // [layer · heads + head], sums over the test split
+  std::vector<AblationStats> ablation;                    // per layer, sums over the test split
+  // α of the last layer, [1, H, T, T], of the first three test sentences, each run alone.
+  std::vector<Tensor<float>> heatmap_alpha;
+};
+
+CorefMeasurement measure_coref(const ExperimentOptions& options) {
+  CorefMeasurement measurement;
+  Settings& s = measurement.settings;
   s.steps = options.steps.value_or(options.quick ? 80 : 1500);
   s.test = options.quick ? 256 : 2000;
   const Lexicon lex;
@@ -225,10 +242,11 @@ Report run_coref(const ExperimentOptions& options) {
                              .layers = s.layers,
                              .block = {.dim = s.dim, .heads = s.heads, .ffn = s.ffn}},
                             init);
+  measurement.parameters = model.parameter_count();
   Adam<float> adam(model.parameters(), {.lr = s.lr, .max_grad_norm = s.max_grad_norm});
 
   Rng train_rng(derive_seed(options.seed, kTrainStream));
-  std::vector<double> losses;
+  std::vector<double>& losses = measurement.losses;
   Progress progress("[coref] training", s.steps);
   for (int64_t step = 0; step < s.steps; ++step) {
     std::vector<Example> examples;
@@ -251,13 +269,17 @@ Report run_coref(const ExperimentOptions& options) {
 
   // Evaluation on a fresh test split.
   Rng test_rng(derive_seed(options.seed, kTestStream));
-  std::vector<Example> test;
+  std::vector<Example>& test = measurement.test;
   for (int64_t n = 0; n < s.test; ++n) test.push_back(make_example(lex, test_rng));
   const size_t chunk = 100;
-  std::array<int64_t, 2> cue_total{}, cue_right{};
-  std::array<int64_t, 3> bucket_total{}, bucket_right{};  // distance pronoun − referent: ≤ 4, 5–8, ≥ 9
-  std::vector<LayerHeadStats> heads(static_cast<size_t>(s.layers * s.heads));
-  std::vector<AblationStats> ablation(static_cast<size_t>(s.layers));
+  std::array<int64_t, 2>& cue_total = measurement.cue_total;
+  std::array<int64_t, 2>& cue_right = measurement.cue_right;
+  std::array<int64_t, 3>& bucket_total = measurement.bucket_total;
+  std::array<int64_t, 3>& bucket_right = measurement.bucket_right;
+  std::vector<LayerHeadStats>& heads = measurement.heads;
+  heads.resize(static_cast<size_t>(s.layers * s.heads));
+  std::vector<AblationStats>& ablation = measurement.ablation;
+  ablation.resize(static_cast<size_t>(s.layers));
   for (size_t begin = 0; begin < test.size(); begin += chunk) {
     const size_t end = std::min(test.size(), begin + chunk);
     const Batch batch = make_batch(test, begin, end);
@@ -325,12 +347,37 @@ Report run_coref(const ExperimentOptions& options) {
       }
     }
   }
+  // The heatmaps' sentences run alone, without padding.
+  for (size_t k = 0; k < 3 && k < test.size(); ++k) {
+    const Batch batch = make_batch(test, k, k + 1);
+    const int64_t length = batch.ids.shape()[1];
+    std::vector<Tensor<float>> alpha;
+    std::vector<TensorView<float>> views;
+    for (int64_t l = 0; l < s.layers; ++l) alpha.emplace_back(Shape{1, s.heads, length, length});
+    for (Tensor<float>& a : alpha) views.push_back(a.view());
+    model.forward(batch.ids.cview(), {}, views);
+    measurement.heatmap_alpha.push_back(std::move(alpha.back()));
+  }
+  return measurement;
+}
+
+Report report_coref(const ExperimentOptions& options, const CorefMeasurement& measurement) {
+  const Settings& s = measurement.settings;
+  const std::vector<Example>& test = measurement.test;
+  const Lexicon lex;
+  const int64_t classes = static_cast<int64_t>(kRoots.size());
+  const std::array<int64_t, 2>& cue_total = measurement.cue_total;
+  const std::array<int64_t, 2>& cue_right = measurement.cue_right;
+  const std::array<int64_t, 3>& bucket_total = measurement.bucket_total;
+  const std::array<int64_t, 3>& bucket_right = measurement.bucket_right;
+  const std::vector<LayerHeadStats>& heads = measurement.heads;
+  const std::vector<AblationStats>& ablation = measurement.ablation;
   const double n = static_cast<double>(test.size());
 
   Report report("Coreference: does the pronoun's attention row point at its referent?");
   report.add_setting("model", fmt::format("{} pre-LN encoder blocks, D = {}, {} heads, FFN {}, learned positions; {} "
                                           "parameters",
-                                          s.layers, s.dim, s.heads, s.ffn, model.parameter_count()));
+                                          s.layers, s.dim, s.heads, s.ffn, measurement.parameters));
   report.add_setting("training", fmt::format("{} steps of {} fresh sentences, Adam lr {}, clip {}", s.steps, s.batch,
                                              s.lr, s.max_grad_norm));
   report.add_setting("task", fmt::format("name the referent among {} noun roots; cue: gender or number; 4 templates, "
@@ -387,21 +434,16 @@ Report run_coref(const ExperimentOptions& options) {
       std::move(ablation_table), "ablation.csv");
 
   Table training({{"step", "{}"}, {"loss", "{:.4f}"}});
-  for (size_t i = 0; i < losses.size(); ++i) training.add_row({static_cast<int64_t>(i + 1), losses[i]});
+  for (size_t i = 0; i < measurement.losses.size(); ++i) {
+    training.add_row({static_cast<int64_t>(i + 1), measurement.losses[i]});
+  }
   report.add_data("Training loss per step", std::move(training), "training.csv");
 
   ExtraFiles& files = *options.extra_files;
   std::string text =
       "Heatmaps of three test sentences: every head of the last layer (rows: queries, columns: keys); "
       "the pronoun's row is the one to read.\n\n";
-  for (size_t k = 0; k < 3 && k < test.size(); ++k) {
-    const Batch batch = make_batch(test, k, k + 1);
-    const int64_t length = batch.ids.shape()[1];
-    std::vector<Tensor<float>> alpha;
-    std::vector<TensorView<float>> views;
-    for (int64_t l = 0; l < s.layers; ++l) alpha.emplace_back(Shape{1, s.heads, length, length});
-    for (Tensor<float>& a : alpha) views.push_back(a.view());
-    model.forward(batch.ids.cview(), {}, views);
+  for (size_t k = 0; k < measurement.heatmap_alpha.size(); ++k) {
     HeatmapOptions heatmap;
     for (int64_t id : test[k].ids) heatmap.row_labels.push_back(lex.word(id));
     heatmap.col_labels = heatmap.row_labels;
@@ -411,12 +453,15 @@ Report run_coref(const ExperimentOptions& options) {
     heatmap.vmin = 0.0;
     heatmap.vmax = 1.0;
     const std::string name = fmt::format("heatmap_{}.png", k + 1);
-    files.stage(options.directory, name, render_heatmap<float>(alpha.back().cview(), HeatmapFormat::png, heatmap));
+    files.stage(options.directory, name,
+                render_heatmap<float>(measurement.heatmap_alpha[k].cview(), HeatmapFormat::png, heatmap));
     text += fmt::format("![sentence {}]({})\n\n", k + 1, name);
   }
   report.add_paragraph(text);
   return report;
 }
+
+Report run_coref(const ExperimentOptions& options) { return report_coref(options, measure_coref(options)); }
 
 }  // namespace
 

@@ -8,7 +8,6 @@
 #include <string>
 
 #include "qkv/core/error.hpp"
-#include "qkv/ops/linear.hpp"
 #include "qkv/ops/residual.hpp"
 
 namespace qkv::cli {
@@ -45,13 +44,10 @@ EncoderBlock<T>::EncoderBlock(const EncoderBlockConfig& config, Rng& rng)
       ln1_(LayerNormConfig{.dim = config.dim}),
       ln2_(LayerNormConfig{.dim = config.dim}),
       attention_(SelfAttentionConfig{.d_model = config.dim, .n_heads = config.heads, .causal = config.causal}, rng),
-      w1_(Shape{config.ffn, config.dim}),
-      b1_(Shape{config.ffn}),
-      w2_(Shape{config.dim, config.ffn}),
-      b2_(Shape{config.dim}) {
-  linear_init<T>(w1_.value.view(), b1_.value.view(), rng);
-  linear_init<T>(w2_.value.view(), b2_.value.view(), rng);
-}
+      ffn1_({.in_features = config.dim, .out_features = config.ffn, .weight_name = "ffn.w1", .bias_name = "ffn.b1"},
+            rng),
+      ffn2_({.in_features = config.ffn, .out_features = config.dim, .weight_name = "ffn.w2", .bias_name = "ffn.b2"},
+            rng) {}
 
 template <class T>
 Tensor<T> EncoderBlock<T>::forward(TensorView<const T> x, const AttentionMask<T>& mask,
@@ -100,11 +96,9 @@ Tensor<T> EncoderBlock<T>::forward(TensorView<const T> x, const AttentionMask<T>
   }
   add_into<T>(x, a);
   normed2_ = ln2_.forward(a.cview(), ln2_cache_);
-  hidden_ = Tensor<T>(Shape{batch, length, config_.ffn});
-  linear_forward<T>({.x = normed2_.cview(), .w = w1_.value.cview(), .b = b1_.value.cview()}, hidden_.view());
+  hidden_ = ffn1_.forward(normed2_.cview());
   for (T& h : hidden_.values()) h = std::max(h, T{0});
-  Tensor<T> y(Shape{batch, length, dim});
-  linear_forward<T>({.x = hidden_.cview(), .w = w2_.value.cview(), .b = b2_.value.cview()}, y.view());
+  Tensor<T> y = ffn2_.forward(hidden_.cview());
   add_into<T>(a.cview(), y);
   return y;
 }
@@ -115,14 +109,12 @@ template <class T>
 void EncoderBlock<T>::backward(TensorView<const T> dy, TensorView<T> dx) {
   const Shape& shape = normed2_.shape();
   Tensor<T> dhidden(hidden_.shape());
-  linear_backward<T>({.x = hidden_.cview(), .w = w2_.value.cview(), .b = b2_.value.cview()}, dy,
-                     {.dx = dhidden.view(), .dw = w2_.grad.view(), .db = b2_.grad.view()});
+  ffn2_.backward(hidden_.cview(), dy, dhidden.view());
   for (int64_t n = 0; n < dhidden.numel(); ++n) {
     if (!(hidden_[n] > T{0})) dhidden[n] = T{0};
   }
   Tensor<T> dnormed2(shape);
-  linear_backward<T>({.x = normed2_.cview(), .w = w1_.value.cview(), .b = b1_.value.cview()}, dhidden.cview(),
-                     {.dx = dnormed2.view(), .dw = w1_.grad.view(), .db = b1_.grad.view()});
+  ffn1_.backward(normed2_.cview(), dhidden.cview(), dnormed2.view());
   Tensor<T> da(shape);
   residual_forward<T>(dy, da.cview(), da.view());
   ln2_.backward(ln2_cache_, dnormed2.cview(), da.view());
@@ -137,10 +129,8 @@ void EncoderBlock<T>::zero_grad() {
   ln1_.zero_grad();
   ln2_.zero_grad();
   attention_.zero_grad();
-  w1_.zero_grad();
-  b1_.zero_grad();
-  w2_.zero_grad();
-  b2_.zero_grad();
+  ffn1_.zero_grad();
+  ffn2_.zero_grad();
 }
 
 template <class T>
@@ -152,10 +142,9 @@ std::vector<ParameterRef<T>> EncoderBlock<T>::parameters() {
   add(ln1_.parameters(), "ln1.");
   add(attention_.parameters(), "attn.");
   add(ln2_.parameters(), "ln2.");
-  out.push_back(w1_.ref("ffn.w1"));
-  out.push_back(b1_.ref("ffn.b1"));
-  out.push_back(w2_.ref("ffn.w2"));
-  out.push_back(b2_.ref("ffn.b2"));
+  for (Linear<T>* ffn : {&ffn1_, &ffn2_}) {
+    for (ParameterRef<T>& r : ffn->parameters()) out.push_back(r);
+  }
   return out;
 }
 
@@ -164,9 +153,7 @@ EncoderModel<T>::EncoderModel(const EncoderModelConfig& config, Rng& rng)
     : config_(config),
       tokens_(EmbeddingConfig{.num_embeddings = config.vocabulary, .dim = config.block.dim}, rng),
       positions_(Shape{std::max<int64_t>(config.max_length, 1), config.block.dim}),
-      final_norm_(LayerNormConfig{.dim = config.block.dim}),
-      head_w_(Shape{std::max<int64_t>(config.classes, 1), config.block.dim}),
-      head_b_(Shape{std::max<int64_t>(config.classes, 1)}) {
+      final_norm_(LayerNormConfig{.dim = config.block.dim}) {
   if (config.max_length < 1 || config.classes < 1 || config.layers < 1) {
     throw ValueError(fmt::format("encoder model: expected max_length, classes and layers >= 1, got {}, {} and {}",
                                  config.max_length, config.classes, config.layers));
@@ -174,7 +161,11 @@ EncoderModel<T>::EncoderModel(const EncoderModelConfig& config, Rng& rng)
   rng.fill_normal(positions_.value.view(), 0.0, 0.02);
   blocks_.reserve(static_cast<size_t>(config.layers));
   for (int64_t l = 0; l < config.layers; ++l) blocks_.emplace_back(config.block, rng);
-  linear_init<T>(head_w_.value.view(), head_b_.value.view(), rng);
+  head_ = Linear<T>({.in_features = config.block.dim,
+                     .out_features = config.classes,
+                     .weight_name = "head.weight",
+                     .bias_name = "head.bias"},
+                    rng);
 }
 
 template <class T>
@@ -199,17 +190,14 @@ Tensor<T> EncoderModel<T>::forward(TensorView<const int64_t> ids, const Attentio
     x = blocks_[static_cast<size_t>(l)].forward(x.cview(), mask, w, l == drop_layer ? drop_value : std::nullopt);
   }
   normed_ = final_norm_.forward(x.cview(), final_cache_);
-  Tensor<T> logits(Shape{batch, length, config_.classes});
-  linear_forward<T>({.x = normed_.cview(), .w = head_w_.value.cview(), .b = head_b_.value.cview()}, logits.view());
-  return logits;
+  return head_.forward(normed_.cview());
 }
 
 template <class T>
 void EncoderModel<T>::backward(TensorView<const T> dlogits) {
   const Shape& shape = normed_.shape();
   Tensor<T> dnormed(shape);
-  linear_backward<T>({.x = normed_.cview(), .w = head_w_.value.cview(), .b = head_b_.value.cview()}, dlogits,
-                     {.dx = dnormed.view(), .dw = head_w_.grad.view(), .db = head_b_.grad.view()});
+  head_.backward(normed_.cview(), dlogits, dnormed.view());
   Tensor<T> dx(shape);
   final_norm_.backward(final_cache_, dnormed.cview(), dx.view());
   for (int64_t l = config_.layers - 1; l >= 0; --l) {
@@ -239,8 +227,7 @@ std::vector<ParameterRef<T>> EncoderModel<T>::parameters() {
       out.push_back({fmt::format("block{}.{}", l, r.name), r.value, r.grad});
   }
   for (ParameterRef<T>& r : final_norm_.parameters()) out.push_back({"ln_f." + r.name, r.value, r.grad});
-  out.push_back(head_w_.ref("head.weight"));
-  out.push_back(head_b_.ref("head.bias"));
+  for (ParameterRef<T>& r : head_.parameters()) out.push_back(r);
   return out;
 }
 

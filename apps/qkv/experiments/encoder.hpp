@@ -20,6 +20,7 @@
 #include "qkv/core/rng.hpp"
 #include "qkv/core/tensor.hpp"
 #include "qkv/nn/embedding.hpp"
+#include "qkv/nn/linear.hpp"
 #include "qkv/nn/self_attention.hpp"
 #include "qkv/ops/attention.hpp"
 #include "qkv/ops/layer_norm.hpp"
@@ -64,7 +65,7 @@ class EncoderBlock {
   EncoderBlockConfig config_;
   LayerNorm<T> ln1_, ln2_;
   SelfAttention<T> attention_;
-  Parameter<T> w1_, b1_, w2_, b2_;
+  Linear<T> ffn1_, ffn2_;  // W₁, b₁ and W₂, b₂
   // The forward's intermediates, [B, T, D] unless noted.
   LayerNormCache<T> ln1_cache_, ln2_cache_;
   SelfAttentionCache<T> attention_cache_;
@@ -108,7 +109,7 @@ class EncoderModel {
   Parameter<T> positions_;  // [max_length, D]
   std::vector<EncoderBlock<T>> blocks_;
   LayerNorm<T> final_norm_;
-  Parameter<T> head_w_, head_b_;  // [C, D], [C]
+  Linear<T> head_;  // W_C [C, D], b_C [C]; built last, after the blocks have drawn
   EmbeddingCache<T> token_cache_;
   LayerNormCache<T> final_cache_;
   Tensor<T> normed_;  // LN(x_N) [B, T, D]

@@ -31,6 +31,7 @@
 #include <memory>
 #include <numbers>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "experiments.hpp"
@@ -41,7 +42,7 @@
 #include "qkv/nn/embedding.hpp"
 #include "qkv/nn/gru.hpp"
 #include "qkv/ops/cross_entropy.hpp"
-#include "qkv/ops/linear.hpp"
+#include "qkv/ops/softmax.hpp"
 #include "support/progress.hpp"
 
 namespace qkv::cli {
@@ -168,7 +169,10 @@ double validation_bits(LanguageModel<float>& model, const std::vector<int64_t>& 
   return total / static_cast<double>(std::max<int64_t>(n, 1)) / std::numbers::ln2;
 }
 
-// `characters` drawn at temperature 0.8 after `prompt`, each from the last `length` characters.
+// Samples are drawn from softmax(logits / kTemperature): below 1, the likelier characters gain.
+constexpr double kTemperature = 0.8;
+
+// `characters` drawn at temperature kTemperature after `prompt`, each from the last `length` characters.
 std::string sample(LanguageModel<float>& model, const Corpus& corpus, const std::string& prompt, int64_t characters,
                    int64_t length, Rng& rng) {
   std::vector<int64_t> ids;
@@ -185,11 +189,11 @@ std::string sample(LanguageModel<float>& model, const Corpus& corpus, const std:
     for (int64_t k = 0; k < t; ++k) window[k] = ids[ids.size() - static_cast<size_t>(t - k)];
     const Tensor<float> logits = model.forward(window);
     const float* row = logits.data() + (t - 1) * vocabulary;
-    const double top = *std::max_element(row, row + vocabulary);
-    std::vector<double> p(static_cast<size_t>(vocabulary));
-    double sum = 0.0;
-    for (int64_t c = 0; c < vocabulary; ++c) sum += p[static_cast<size_t>(c)] = std::exp((row[c] - top) / 0.8);
-    double u = rng.uniform() * sum;
+    std::vector<double> scaled(static_cast<size_t>(vocabulary)), p(static_cast<size_t>(vocabulary));
+    for (int64_t c = 0; c < vocabulary; ++c)
+      scaled[static_cast<size_t>(c)] = static_cast<double>(row[c]) / kTemperature;
+    softmax<double>(scaled, p);
+    double u = rng.uniform();
     int64_t next = vocabulary - 1;
     for (int64_t c = 0; c < vocabulary; ++c) {
       u -= p[static_cast<size_t>(c)];
@@ -212,15 +216,28 @@ struct Result {
   std::string sample;
 };
 
-Report run_encoder_lm(const ExperimentOptions& options) {
-  const Corpus corpus = load_corpus(options);
-  const int64_t vocabulary = static_cast<int64_t>(corpus.alphabet.size());
-  const int64_t length = 64, batch = 16, dim = 64;
-  const int64_t steps = options.steps.value_or(options.quick ? 40 : 1000);
-  const int64_t max_windows = options.quick ? 16 : 200;
-  const std::string prompt = "The ";
+// Both models train on kBatch windows of kLength characters a step, at width kDim.
+constexpr int64_t kLength = 64, kBatch = 16, kDim = 64;
+constexpr std::string_view kPrompt = "The ";
 
-  std::array<Result, 2> results;
+// What the experiment measures: the corpus it read, and both models' results and samples.
+struct EncoderLmMeasurement {
+  Corpus corpus;
+  int64_t steps = 0;
+  int64_t max_windows = 0;        // validation windows at most
+  std::array<Result, 2> results;  // the GRU, then causal attention
+};
+
+EncoderLmMeasurement measure_encoder_lm(const ExperimentOptions& options) {
+  EncoderLmMeasurement measurement;
+  const Corpus& corpus = measurement.corpus = load_corpus(options);
+  const int64_t vocabulary = static_cast<int64_t>(corpus.alphabet.size());
+  const int64_t length = kLength, batch = kBatch, dim = kDim;
+  const int64_t steps = measurement.steps = options.steps.value_or(options.quick ? 40 : 1000);
+  const int64_t max_windows = measurement.max_windows = options.quick ? 16 : 200;
+  const std::string prompt(kPrompt);
+
+  std::array<Result, 2>& results = measurement.results;
   for (size_t m = 0; m < results.size(); ++m) {
     Rng init(derive_seed(options.seed, kInitStream, m));
     std::unique_ptr<LanguageModel<float>> model;
@@ -265,6 +282,15 @@ Report run_encoder_lm(const ExperimentOptions& options) {
     Rng sampler(derive_seed(options.seed, kSampleStream));
     results[m].sample = sample(*model, corpus, prompt, options.quick ? 80 : 300, length, sampler);
   }
+  return measurement;
+}
+
+Report report_encoder_lm(const ExperimentOptions& options, const EncoderLmMeasurement& measurement) {
+  const Corpus& corpus = measurement.corpus;
+  const int64_t vocabulary = static_cast<int64_t>(corpus.alphabet.size());
+  const int64_t length = kLength, batch = kBatch, steps = measurement.steps, max_windows = measurement.max_windows;
+  const std::string prompt(kPrompt);
+  const std::array<Result, 2>& results = measurement.results;
 
   Report report("Character-level language model: GRU against causal self-attention");
   report.add_setting("corpus", fmt::format("{}: {} training and {} validation characters, alphabet of {}",
@@ -308,10 +334,14 @@ Report run_encoder_lm(const ExperimentOptions& options) {
   Figure figure;
   figure.panels = {curves};
   report.add_figure("Training loss against step (dashed: validation after training)", figure, "training.png");
-  std::string text = fmt::format("Samples, temperature 0.8, after the prompt \"{}\":\n\n", prompt);
+  std::string text = fmt::format("Samples, temperature {}, after the prompt \"{}\":\n\n", kTemperature, prompt);
   for (const Result& r : results) text += fmt::format("**{}**\n\n```\n{}{}\n```\n\n", r.name, prompt, r.sample);
   report.add_paragraph(text);
   return report;
+}
+
+Report run_encoder_lm(const ExperimentOptions& options) {
+  return report_encoder_lm(options, measure_encoder_lm(options));
 }
 
 }  // namespace

@@ -11,7 +11,7 @@
 #include "qkv/core/tensor.hpp"
 #include "qkv/nn/embedding.hpp"
 #include "qkv/nn/gru.hpp"
-#include "qkv/ops/linear.hpp"
+#include "qkv/nn/linear.hpp"
 
 namespace qkv::cli {
 
@@ -46,21 +46,17 @@ class GruLm : public LanguageModel<T> {
   GruLm(int64_t vocabulary, int64_t embed, int64_t hidden, Rng& rng)
       : embedding_({.num_embeddings = vocabulary, .dim = embed}, rng),
         gru_({.input_size = embed, .hidden_size = hidden}, rng),
-        head_w_(Shape{vocabulary, hidden}),
-        head_b_(Shape{vocabulary}) {
-    linear_init<T>(head_w_.value.view(), head_b_.value.view(), rng);
-  }
+        head_(
+            {.in_features = hidden, .out_features = vocabulary, .weight_name = "head.weight", .bias_name = "head.bias"},
+            rng) {}
   Tensor<T> forward(const Tensor<int64_t>& ids) override {
     x_ = embedding_.forward(ids.cview(), embedding_cache_);
     h_ = gru_.forward({.x = x_.cview()}, gru_cache_).y;
-    Tensor<T> logits(Shape{ids.shape()[0], ids.shape()[1], head_w_.value.shape()[0]});
-    linear_forward<T>({.x = h_.cview(), .w = head_w_.value.cview(), .b = head_b_.value.cview()}, logits.view());
-    return logits;
+    return head_.forward(h_.cview());
   }
   void backward(const Tensor<T>& dlogits) override {
     Tensor<T> dh(h_.shape());
-    linear_backward<T>({.x = h_.cview(), .w = head_w_.value.cview(), .b = head_b_.value.cview()}, dlogits.cview(),
-                       {.dx = dh.view(), .dw = head_w_.grad.view(), .db = head_b_.grad.view()});
+    head_.backward(h_.cview(), dlogits.cview(), dh.view());
     Tensor<T> dx(x_.shape());
     gru_.backward(gru_cache_, {.dy = dh.cview()}, {.dx = dx.view()});
     embedding_.backward(embedding_cache_, dx.cview());
@@ -68,8 +64,7 @@ class GruLm : public LanguageModel<T> {
   std::vector<ParameterRef<T>> parameters() override {
     std::vector<ParameterRef<T>> out = embedding_.parameters();
     for (ParameterRef<T>& p : gru_.parameters()) out.push_back(p);
-    out.push_back(head_w_.ref("head.weight"));
-    out.push_back(head_b_.ref("head.bias"));
+    for (ParameterRef<T>& p : head_.parameters()) out.push_back(p);
     return out;
   }
 
@@ -78,7 +73,7 @@ class GruLm : public LanguageModel<T> {
   EmbeddingCache<T> embedding_cache_;
   Gru<T> gru_;
   GruCache<T> gru_cache_;
-  Parameter<T> head_w_, head_b_;
+  Linear<T> head_;
   Tensor<T> x_, h_;  // the forward's embeddings [B, T, E] and GRU states [B, T, H], for backward
 };
 

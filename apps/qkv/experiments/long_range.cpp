@@ -52,6 +52,10 @@ const char* placement_name(Placement p) { return p == Placement::start ? "start"
 enum class Model { gru, attention };
 const char* model_name(Model m) { return m == Model::gru ? "GRU" : "attention"; }
 
+// The order of the runs and of the rows: by T, then placement, then model.
+constexpr Placement kPlacements[] = {Placement::start, Placement::uniform};
+constexpr Model kModels[] = {Model::gru, Model::attention};
+
 struct Settings {
   std::vector<int64_t> lengths;
   int64_t vocabulary = 0;  // tokens, = classes
@@ -198,42 +202,63 @@ int64_t reader_parameters(const Settings& s, Model model) {
   return make_model<float>(s, model, 0)->reader_parameter_count();
 }
 
-Report run_long_range(const ExperimentOptions& options) {
-  const Settings s = settings_for(options);
-  const std::vector<Placement> placements = {Placement::start, Placement::uniform};
-  const std::vector<Model> models = {Model::gru, Model::attention};
+// What the experiment measures: the gradients at initialisation, the trained models' results and
+// the parameter counts.
+struct LongRangeMeasurement {
+  Settings settings;
+  int64_t gradient_length = 0;                     // T of the gradient against distance: the largest
+  std::vector<int64_t> distances;                  // of the gradient against distance
+  std::vector<double> gru_norms, attention_norms;  // per distance
+  std::vector<double> gru_first, attention_first;  // per T, at distance T − 1
+  std::vector<TrainingResult> results;             // per T and placement: the GRU's, then the attention's
+  int64_t gru_params = 0, attention_params = 0, embedding_params = 0;
+  int threads = 0;
+};
+
+LongRangeMeasurement measure_long_range(const ExperimentOptions& options) {
+  LongRangeMeasurement m;
+  const Settings& s = m.settings = settings_for(options);
+  m.threads = max_workers();
 
   // Gradients at initialisation first: they take seconds, the training takes minutes.
-  const int64_t gradient_length = s.lengths.back();
-  const std::vector<int64_t> distances = gradient_distances(gradient_length);
+  m.gradient_length = s.lengths.back();
+  m.distances = gradient_distances(m.gradient_length);
   Progress gradient_progress("[long-range] gradients at initialisation",
-                             static_cast<int64_t>(2 * (distances.size() + s.lengths.size())), "measurements");
+                             static_cast<int64_t>(2 * (m.distances.size() + s.lengths.size())), "measurements");
   int64_t gradients_done = 0;
-  const std::vector<double> gru_norms =
-      gradient_norms(s, Model::gru, gradient_length, distances, options.seed, gradient_progress, gradients_done);
-  const std::vector<double> attention_norms =
-      gradient_norms(s, Model::attention, gradient_length, distances, options.seed, gradient_progress, gradients_done);
+  m.gru_norms =
+      gradient_norms(s, Model::gru, m.gradient_length, m.distances, options.seed, gradient_progress, gradients_done);
+  m.attention_norms = gradient_norms(s, Model::attention, m.gradient_length, m.distances, options.seed,
+                                     gradient_progress, gradients_done);
   // And at every T, for the mark at the start (distance T − 1): how the farthest gradient scales with T.
-  std::vector<double> gru_first, attention_first;
   for (const int64_t length : s.lengths) {
     const std::vector<int64_t> farthest = {length - 1};
-    gru_first.push_back(
+    m.gru_first.push_back(
         gradient_norms(s, Model::gru, length, farthest, options.seed, gradient_progress, gradients_done).front());
-    attention_first.push_back(
+    m.attention_first.push_back(
         gradient_norms(s, Model::attention, length, farthest, options.seed, gradient_progress, gradients_done).front());
   }
   gradient_progress.done();
 
-  std::vector<TrainingResult> results;
   for (const int64_t length : s.lengths) {
-    for (const Placement placement : placements) {
-      for (const Model model : models) results.push_back(train(s, model, length, placement, options.seed));
+    for (const Placement placement : kPlacements) {
+      for (const Model model : kModels) m.results.push_back(train(s, model, length, placement, options.seed));
     }
   }
 
-  const int64_t gru_params = reader_parameters(s, Model::gru);
-  const int64_t attention_params = reader_parameters(s, Model::attention);
-  const int64_t embedding_params = (s.vocabulary + 2) * s.dim;
+  m.gru_params = reader_parameters(s, Model::gru);
+  m.attention_params = reader_parameters(s, Model::attention);
+  m.embedding_params = (s.vocabulary + 2) * s.dim;
+  return m;
+}
+
+Report report_long_range(const ExperimentOptions& options, const LongRangeMeasurement& m) {
+  const Settings& s = m.settings;
+  const int64_t gradient_length = m.gradient_length;
+  const std::vector<int64_t>& distances = m.distances;
+  const std::vector<TrainingResult>& results = m.results;
+  const int64_t gru_params = m.gru_params, attention_params = m.attention_params;
+  const int64_t embedding_params = m.embedding_params;
 
   Report report("Experiment: long-range (marked-token retrieval, GRU against one attention layer)");
   report.add_setting("command", command_line("long-range", options));
@@ -260,7 +285,7 @@ Report run_long_range(const ExperimentOptions& options) {
   report.add_setting(
       "gradient measurement",
       fmt::format("T = {}, {} sequences per distance, float64, at initialisation", gradient_length, s.gradient_batch));
-  report.add_setting("threads", fmt::format("{}", max_workers()));
+  report.add_setting("threads", fmt::format("{}", m.threads));
 
   Table table({{"T", "{}"},
                {"mark", "{}"},
@@ -288,8 +313,8 @@ Report run_long_range(const ExperimentOptions& options) {
   accuracy.y_range = AxisRange{0.0, 1.05};
   accuracy.legend = LegendPosition::bottom_left;
   std::vector<double> lengths(s.lengths.begin(), s.lengths.end());
-  for (const Model model : models) {
-    for (const Placement placement : placements) {
+  for (const Model model : kModels) {
+    for (const Placement placement : kPlacements) {
       std::vector<double> acc;
       for (const TrainingResult& r : results) {
         if (r.model == model && r.placement == placement) acc.push_back(r.accuracy);
@@ -305,7 +330,9 @@ Report run_long_range(const ExperimentOptions& options) {
   report.add_figure("Accuracy against sequence length", accuracy_figure, "accuracy.png");
 
   Table gradients({{"distance", "{}"}, {"gru_grad_norm", "{:.3e}"}, {"attention_grad_norm", "{:.3e}"}});
-  for (size_t i = 0; i < distances.size(); ++i) gradients.add_row({distances[i], gru_norms[i], attention_norms[i]});
+  for (size_t i = 0; i < distances.size(); ++i) {
+    gradients.add_row({distances[i], m.gru_norms[i], m.attention_norms[i]});
+  }
   report.add_paragraph(fmt::format(
       "At initialisation, with T = {}: the mean over {} sequences of ‖∂loss/∂x_p‖ for the marked input x_p at "
       "distance T − 1 − p from the answering position. The figure's log axes leave out distance 0 (in the table).",
@@ -313,7 +340,7 @@ Report run_long_range(const ExperimentOptions& options) {
   report.add_table("Gradient reaching the marked input at initialisation", std::move(gradients), "gradients.csv");
 
   Table by_length({{"T", "{}"}, {"gru_grad_norm", "{:.3e}"}, {"attention_grad_norm", "{:.3e}"}});
-  for (size_t i = 0; i < s.lengths.size(); ++i) by_length.add_row({s.lengths[i], gru_first[i], attention_first[i]});
+  for (size_t i = 0; i < s.lengths.size(); ++i) by_length.add_row({s.lengths[i], m.gru_first[i], m.attention_first[i]});
   report.add_paragraph(
       "The same measure with the mark on the first token (distance T − 1), at every T: how the gradient "
       "that reaches the farthest input scales with the length of the sequence.");
@@ -325,15 +352,20 @@ Report run_long_range(const ExperimentOptions& options) {
                  "mean ‖∂loss/∂x#dp#u‖ at initialisation", AxisScale::log10, AxisScale::log10);
   gradient.legend = LegendPosition::bottom_left;
   const std::vector<double> distance_axis(distances.begin(), distances.end());
-  gradient.series = {measured("GRU", distance_axis, gru_norms), measured("attention", distance_axis, attention_norms)};
+  gradient.series = {measured("GRU", distance_axis, m.gru_norms),
+                     measured("attention", distance_axis, m.attention_norms)};
   PlotPanel first = make_panel("At the first token, against T", "sequence length T",
                                "mean ‖∂loss/∂x#d0#u‖ at initialisation", AxisScale::log10, AxisScale::log10);
   first.legend = LegendPosition::bottom_left;
-  first.series = {measured("GRU", lengths, gru_first), measured("attention", lengths, attention_first)};
+  first.series = {measured("GRU", lengths, m.gru_first), measured("attention", lengths, m.attention_first)};
   Figure gradient_figure;
   gradient_figure.panels = {gradient, first};
   report.add_figure("Gradient reaching the marked input", gradient_figure, "gradients.png");
   return report;
+}
+
+Report run_long_range(const ExperimentOptions& options) {
+  return report_long_range(options, measure_long_range(options));
 }
 
 }  // namespace

@@ -1,41 +1,21 @@
 #include "models.hpp"
 
+#include <fmt/format.h>
+
 #include <algorithm>
 #include <utility>
-
-#include "qkv/ops/linear.hpp"
 
 namespace qkv::cli {
 namespace {
 
+// torch.nn.Linear(in, out), its parameters named w_SUFFIX and b_SUFFIX.
 template <class Scalar>
-Parameter<Scalar> linear_weight(int64_t out, int64_t in) {
-  return Parameter<Scalar>(Shape{out, in});
-}
-
-// W [out, in] and b [out], drawn as torch.nn.Linear(in, out) draws them.
-template <class Scalar>
-void init_linear(Parameter<Scalar>& w, Parameter<Scalar>& b, Rng& rng) {
-  b = Parameter<Scalar>(Shape{w.value.shape()[0]});
-  linear_init<Scalar>(w.value.view(), b.value.view(), rng);
-}
-
-// y = x Wᵀ + b: x [..., In] → [..., Out].
-template <class Scalar>
-Tensor<Scalar> project(TensorView<const Scalar> x, const Parameter<Scalar>& w, const Parameter<Scalar>& b) {
-  Shape shape = x.shape;
-  shape[x.rank() - 1] = w.value.shape()[0];
-  Tensor<Scalar> y(shape);
-  linear_forward<Scalar>({.x = x, .w = w.value.cview(), .b = b.value.cview()}, y.view());
-  return y;
-}
-
-// dW += dyᵀ x, db += Σ dy, and dx += dy W when dx is given.
-template <class Scalar>
-void project_backward(TensorView<const Scalar> x, Parameter<Scalar>& w, Parameter<Scalar>& b,
-                      TensorView<const Scalar> dy, std::optional<TensorView<Scalar>> dx) {
-  linear_backward<Scalar>({.x = x, .w = w.value.cview(), .b = b.value.cview()}, dy,
-                          {.dx = dx, .dw = w.grad.view(), .db = b.grad.view()});
+Linear<Scalar> linear(int64_t in, int64_t out, const char* suffix, Rng& rng) {
+  return Linear<Scalar>({.in_features = in,
+                         .out_features = out,
+                         .weight_name = fmt::format("w_{}", suffix),
+                         .bias_name = fmt::format("b_{}", suffix)},
+                        rng);
 }
 
 // Position T − 1 of x [B, T, D], as [B, 1, D].
@@ -95,57 +75,51 @@ void PairEmbedding<Scalar>::backward(TensorView<const Scalar> dx) {
 template <class Scalar>
 AttentionReader<Scalar>::AttentionReader(const AttentionReaderConfig& config, Rng& rng)
     : config_(config),
-      w_q_(linear_weight<Scalar>(config.dim, config.dim)),
-      w_k_(linear_weight<Scalar>(config.dim, config.dim)),
-      w_v_(linear_weight<Scalar>(config.dim, config.dim)),
-      w_o_(linear_weight<Scalar>(config.dim, config.dim)),
-      w_c_(linear_weight<Scalar>(config.classes, config.dim)),
-      norm_({.dim = config.dim}) {
-  init_linear(w_q_, b_q_, rng);
-  init_linear(w_k_, b_k_, rng);
-  init_linear(w_v_, b_v_, rng);
-  init_linear(w_o_, b_o_, rng);
-  init_linear(w_c_, b_c_, rng);
-}
+      query_(linear<Scalar>(config.dim, config.dim, "q", rng)),
+      key_(linear<Scalar>(config.dim, config.dim, "k", rng)),
+      value_(linear<Scalar>(config.dim, config.dim, "v", rng)),
+      output_(linear<Scalar>(config.dim, config.dim, "o", rng)),
+      norm_({.dim = config.dim}),
+      classifier_(linear<Scalar>(config.dim, config.classes, "c", rng)) {}
 
 template <class Scalar>
 Tensor<Scalar> AttentionReader<Scalar>::forward(TensorView<const Scalar> x) {
   const int64_t b = x.shape[0], d = config_.dim;
   x_ = to_tensor<Scalar, Scalar>(x);
   const TensorView<const Scalar> last = last_position(x_.cview());
-  q_ = project(last, w_q_, b_q_);
-  k_ = project(x_.cview(), w_k_, b_k_);
-  v_ = project(x_.cview(), w_v_, b_v_);
+  q_ = query_.forward(last);
+  k_ = key_.forward(x_.cview());
+  v_ = value_.forward(x_.cview());
   // Rank 3 reads as [H, T, D]: the batch takes the place of the heads, each with one query.
   a_ = Tensor<Scalar>(Shape{b, 1, d});
   lse_ = Tensor<Scalar>(Shape{b, 1});
   attention_forward<Scalar>({.q = q_.cview(), .k = k_.cview(), .v = v_.cview(), .scale = config_.scale, .mask = {}},
                             {.out = a_.view(), .weights = std::nullopt, .lse = lse_.view()});
-  h_ = project(a_.cview(), w_o_, b_o_);
+  h_ = output_.forward(a_.cview());
   for (int64_t i = 0; i < b; ++i) {
     for (int64_t j = 0; j < d; ++j) h_[i * d + j] += last(i, 0, j);
   }
   normed_ = norm_.forward(h_.cview(), norm_cache_);
-  return drop_middle(project(normed_.cview(), w_c_, b_c_));
+  return drop_middle(classifier_.forward(normed_.cview()));
 }
 
 template <class Scalar>
 void AttentionReader<Scalar>::backward(TensorView<const Scalar> dlogits, TensorView<Scalar> dx) {
   const int64_t b = x_.shape()[0], t = x_.shape()[1], d = config_.dim;
   Tensor<Scalar> dnormed(Shape{b, 1, d});
-  project_backward<Scalar>(normed_.cview(), w_c_, b_c_, with_middle(dlogits), dnormed.view());
+  classifier_.backward(normed_.cview(), with_middle(dlogits), dnormed.view());
   Tensor<Scalar> dh(Shape{b, 1, d});
   norm_.backward(norm_cache_, dnormed.cview(), dh.view());
   Tensor<Scalar> da(Shape{b, 1, d});
-  project_backward<Scalar>(a_.cview(), w_o_, b_o_, dh.cview(), da.view());
+  output_.backward(a_.cview(), dh.cview(), da.view());
   Tensor<Scalar> dq(Shape{b, 1, d}), dk(Shape{b, t, d}), dv(Shape{b, t, d});
   attention_backward<Scalar>({.q = q_.cview(), .k = k_.cview(), .v = v_.cview(), .scale = config_.scale, .mask = {}},
                              da.cview(), {.dq = dq.view(), .dk = dk.view(), .dv = dv.view(), .dbias = std::nullopt},
                              AttentionSaved<Scalar>{.out = a_.cview(), .lse = lse_.cview()});
-  project_backward<Scalar>(x_.cview(), w_k_, b_k_, dk.cview(), dx);
-  project_backward<Scalar>(x_.cview(), w_v_, b_v_, dv.cview(), dx);
+  key_.backward(x_.cview(), dk.cview(), dx);
+  value_.backward(x_.cview(), dv.cview(), dx);
   const TensorView<Scalar> dlast = last_position(dx);
-  project_backward<Scalar>(last_position(x_.cview()), w_q_, b_q_, dq.cview(), dlast);
+  query_.backward(last_position(x_.cview()), dq.cview(), dlast);
   // The residual x_{T−1} + W_O a hands dh to x_{T−1} unchanged.
   for (int64_t i = 0; i < b; ++i) {
     for (int64_t j = 0; j < d; ++j) dlast(i, 0, j) += dh[i * d + j];
@@ -154,11 +128,12 @@ void AttentionReader<Scalar>::backward(TensorView<const Scalar> dlogits, TensorV
 
 template <class Scalar>
 std::vector<ParameterRef<Scalar>> AttentionReader<Scalar>::parameters() {
-  std::vector<ParameterRef<Scalar>> params = {w_q_.ref("w_q"), b_q_.ref("b_q"), w_k_.ref("w_k"), b_k_.ref("b_k"),
-                                              w_v_.ref("w_v"), b_v_.ref("b_v"), w_o_.ref("w_o"), b_o_.ref("b_o")};
+  std::vector<ParameterRef<Scalar>> params;
+  for (Linear<Scalar>* p : {&query_, &key_, &value_, &output_}) {
+    for (ParameterRef<Scalar>& r : p->parameters()) params.push_back(r);
+  }
   for (ParameterRef<Scalar>& p : norm_.parameters()) params.push_back(p);
-  params.push_back(w_c_.ref("w_c"));
-  params.push_back(b_c_.ref("b_c"));
+  for (ParameterRef<Scalar>& p : classifier_.parameters()) params.push_back(p);
   return params;
 }
 
@@ -167,23 +142,21 @@ GruReader<Scalar>::GruReader(const GruReaderConfig& config, Rng& rng)
     : config_(config),
       gru_({.input_size = config.dim, .hidden_size = config.hidden}, rng),
       norm_({.dim = config.hidden}),
-      w_c_(linear_weight<Scalar>(config.classes, config.hidden)) {
-  init_linear(w_c_, b_c_, rng);
-}
+      classifier_(linear<Scalar>(config.hidden, config.classes, "c", rng)) {}
 
 template <class Scalar>
 Tensor<Scalar> GruReader<Scalar>::forward(TensorView<const Scalar> x) {
   RecurrentOutputs<Scalar> outputs = gru_.forward({.x = x}, gru_cache_);
   h_n_ = std::move(outputs.h_n);
   normed_ = norm_.forward(h_n_.cview(), norm_cache_);
-  return project(normed_.cview(), w_c_, b_c_);
+  return classifier_.forward(normed_.cview());
 }
 
 template <class Scalar>
 void GruReader<Scalar>::backward(TensorView<const Scalar> dlogits, TensorView<Scalar> dx) {
   const int64_t b = h_n_.shape()[0], t = gru_cache_.x.shape()[1], h = config_.hidden;
   Tensor<Scalar> dnormed(Shape{b, h});
-  project_backward<Scalar>(normed_.cview(), w_c_, b_c_, dlogits, dnormed.view());
+  classifier_.backward(normed_.cview(), dlogits, dnormed.view());
   Tensor<Scalar> dh_n(Shape{b, h});
   norm_.backward(norm_cache_, dnormed.cview(), dh_n.view());
   // Only the final state answers, so no gradient arrives at the per-step outputs y.
@@ -195,8 +168,7 @@ template <class Scalar>
 std::vector<ParameterRef<Scalar>> GruReader<Scalar>::parameters() {
   std::vector<ParameterRef<Scalar>> params = gru_.parameters();
   for (ParameterRef<Scalar>& p : norm_.parameters()) params.push_back(p);
-  params.push_back(w_c_.ref("w_c"));
-  params.push_back(b_c_.ref("b_c"));
+  for (ParameterRef<Scalar>& p : classifier_.parameters()) params.push_back(p);
   return params;
 }
 

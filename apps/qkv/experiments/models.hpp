@@ -25,6 +25,7 @@
 #include "qkv/nn/adam.hpp"
 #include "qkv/nn/embedding.hpp"
 #include "qkv/nn/gru.hpp"
+#include "qkv/nn/linear.hpp"
 #include "qkv/ops/attention.hpp"
 #include "qkv/ops/cross_entropy.hpp"
 #include "qkv/ops/layer_norm.hpp"
@@ -78,8 +79,10 @@ class AttentionReader : public SequenceReader<Scalar> {
 
  private:
   AttentionReaderConfig config_;
-  Parameter<Scalar> w_q_, b_q_, w_k_, b_k_, w_v_, b_v_, w_o_, b_o_, w_c_, b_c_;
+  // Declared in the order they draw from the Rng.
+  Linear<Scalar> query_, key_, value_, output_;
   LayerNorm<Scalar> norm_;
+  Linear<Scalar> classifier_;
   // The forward's intermediates, kept for the backward.
   Tensor<Scalar> x_;       // [B, T, D]
   Tensor<Scalar> q_;       // [B, 1, D]
@@ -110,7 +113,7 @@ class GruReader : public SequenceReader<Scalar> {
   GruReaderConfig config_;
   Gru<Scalar> gru_;
   LayerNorm<Scalar> norm_;
-  Parameter<Scalar> w_c_, b_c_;
+  Linear<Scalar> classifier_;
   GruCache<Scalar> gru_cache_;
   LayerNormCache<Scalar> norm_cache_;
   Tensor<Scalar> h_n_;     // [B, H]

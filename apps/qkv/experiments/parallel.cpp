@@ -117,9 +117,36 @@ double load_average() {
   return getloadavg(load, 1) == 1 ? load[0] : std::nan("");
 }
 
-Report run_parallel(const ExperimentOptions& options) {
-  const Settings s = settings_for(options);
-  const double load_before = load_average();
+// One timed run of a configuration.
+struct TimedRun {
+  std::string layer;
+  int64_t length = 0;
+  int64_t threads = 0;
+  int64_t run = 0;  // 1, 2, ... in the order the runs went
+  double ms = 0.0;
+};
+
+// The widest slowest/fastest ratio among the runs of one configuration: a run that something else
+// on the machine slowed down shows here.
+struct Spread {
+  double ratio = 0.0;
+  std::string where;
+};
+
+// What the experiment measures: the timings and the state of the machine around them.
+struct ParallelMeasurement {
+  Settings settings;
+  std::vector<Timing> timings;  // per T
+  std::vector<TimedRun> runs;   // every timed run, in order
+  Spread spread;
+  double load_before = 0.0, load_after = 0.0;  // 1-minute load averages
+  unsigned cores = 0;                          // hardware threads
+};
+
+ParallelMeasurement measure_parallel(const ExperimentOptions& options) {
+  ParallelMeasurement measurement;
+  const Settings& s = measurement.settings = settings_for(options);
+  measurement.load_before = load_average();
   const int previous_workers = max_workers();
 
   Rng init(derive_seed(options.seed, kInitStream));
@@ -127,14 +154,8 @@ Report run_parallel(const ExperimentOptions& options) {
   SelfAttention<float> attention(
       {.d_model = s.dim, .n_heads = 1, .bias = true, .output_projection = true, .causal = true}, init);
 
-  std::vector<Timing> timings;
-  // The widest slowest/fastest ratio among the runs of one configuration: a run that something
-  // else on the machine slowed down shows here.
-  struct Spread {
-    double ratio = 0.0;
-    std::string where;
-  } spread;
-  Table raw({{"layer", "{}"}, {"T", "{}"}, {"threads", "{}"}, {"run", "{}"}, {"ms", "{:.4f}"}});
+  std::vector<Timing>& timings = measurement.timings;
+  Spread& spread = measurement.spread;
   Progress progress("[parallel] timing forward + backward", static_cast<int64_t>(s.lengths.size()) * s.repeats,
                     "rounds");
   int64_t rounds = 0;
@@ -159,7 +180,7 @@ Report run_parallel(const ExperimentOptions& options) {
         for (Config& config : configs) {
           set_max_workers(config.threads);
           config.ms.push_back(milliseconds_of(config.pass));
-          raw.add_row({std::string(config.layer), length, int64_t{config.threads}, r + 1, config.ms.back()});
+          measurement.runs.push_back({config.layer, length, int64_t{config.threads}, r + 1, config.ms.back()});
         }
         progress.update(++rounds, fmt::format("T = {}", length));
       }
@@ -181,6 +202,16 @@ Report run_parallel(const ExperimentOptions& options) {
   }
   set_max_workers(previous_workers);
   progress.done();
+  measurement.load_after = load_average();
+  measurement.cores = std::thread::hardware_concurrency();
+  return measurement;
+}
+
+Report report_parallel(const ExperimentOptions& options, const ParallelMeasurement& measurement) {
+  const Settings& s = measurement.settings;
+  const double load_before = measurement.load_before;
+  const unsigned cores = measurement.cores;
+  const Spread& spread = measurement.spread;
 
   Report report("Experiment: parallel (RNN against self-attention, forward + backward time)");
   report.add_setting("command", command_line("parallel", options));
@@ -197,11 +228,9 @@ Report run_parallel(const ExperimentOptions& options) {
                                            "each; the runs go round the four configurations in turn",
                                            s.repeats));
   report.add_setting("threads", "1 and 2 (qkv::set_max_workers)");
-  const double load_after = load_average();
-  const unsigned cores = std::thread::hardware_concurrency();
   report.add_setting("machine", fmt::format("{} hardware threads; 1-minute load average {:.2f} before the run, {:.2f} "
                                             "after",
-                                            cores, load_before, load_after));
+                                            cores, load_before, measurement.load_after));
   // Before the run the load is the other processes' alone; more than cores − 1 of it leaves this
   // run's second thread no free core.
   if (load_before > static_cast<double>(cores) - 1.0) {
@@ -228,7 +257,7 @@ Report run_parallel(const ExperimentOptions& options) {
                {"attention_ms_1t", "{:.3f}"},
                {"attention_ms_2t", "{:.3f}"},
                {"attention_speedup", "{:.2f}"}});
-  for (const Timing& t : timings) {
+  for (const Timing& t : measurement.timings) {
     table.add_row({t.length, t.length, int64_t{1}, t.rnn_ms[0], t.rnn_ms[1], t.rnn_ms[0] / t.rnn_ms[1],
                    t.attention_ms[0], t.attention_ms[1], t.attention_ms[0] / t.attention_ms[1]});
   }
@@ -237,11 +266,13 @@ Report run_parallel(const ExperimentOptions& options) {
       "while every matrix product of the attention layer covers all positions at once. Times are "
       "wall-clock medians in milliseconds; speed-up is the 1-thread time over the 2-thread time.");
   report.add_table("Forward + backward time, 1 and 2 threads", std::move(table), "results.csv");
+  Table raw({{"layer", "{}"}, {"T", "{}"}, {"threads", "{}"}, {"run", "{}"}, {"ms", "{:.4f}"}});
+  for (const TimedRun& run : measurement.runs) raw.add_row({run.layer, run.length, run.threads, run.run, run.ms});
   report.add_data("Every timed run", std::move(raw), "timings.csv");
 
   std::vector<double> lengths(s.lengths.begin(), s.lengths.end());
   std::vector<double> rnn1, rnn2, att1, att2, rnn_speedup, att_speedup;
-  for (const Timing& t : timings) {
+  for (const Timing& t : measurement.timings) {
     rnn1.push_back(t.rnn_ms[0]);
     rnn2.push_back(t.rnn_ms[1]);
     att1.push_back(t.attention_ms[0]);
@@ -267,6 +298,8 @@ Report run_parallel(const ExperimentOptions& options) {
   report.add_figure("Time and speed-up against sequence length", figure, "timing.png");
   return report;
 }
+
+Report run_parallel(const ExperimentOptions& options) { return report_parallel(options, measure_parallel(options)); }
 
 }  // namespace
 

@@ -281,6 +281,40 @@ TrainingRun train(const Settings& s, const std::string& variant, double scale, u
   return run;
 }
 
+// ---- The measurement: both parts ---------------------------------------------------------------
+
+// What the experiment measures: both parts' results, and the threads they ran on.
+struct ScalingMeasurement {
+  Settings settings;
+  std::vector<DimStats> stats;    // part 1, one per d
+  std::vector<TrainingRun> runs;  // part 2: scaled by 1/√d, then unscaled
+  int threads = 0;
+};
+
+ScalingMeasurement measure_scaling(const ExperimentOptions& options) {
+  ScalingMeasurement measurement;
+  const Settings& s = measurement.settings = settings_for(options);
+  measurement.threads = max_workers();
+
+  std::vector<DimStats>& stats = measurement.stats;
+  Progress progress("[scaling] statistics at initialisation", static_cast<int64_t>(s.dims.size()), "sizes of d");
+  for (const int64_t d : s.dims) {
+    DimStats dim;
+    dim.d = d;
+    dim.var_qk = qk_variance(d, s.variance_samples, options.seed);
+    softmax_stats(d, s.softmax_rows, options.seed, dim);
+    stats.push_back(dim);
+    progress.update(static_cast<int64_t>(stats.size()), fmt::format("d = {}", d));
+  }
+  progress.done();
+
+  const double unscaled = 1.0;
+  const double scaled = 1.0 / std::sqrt(static_cast<double>(s.train_dim));
+  measurement.runs.push_back(train(s, "scaled by 1/√d", scaled, options.seed));
+  measurement.runs.push_back(train(s, "unscaled", unscaled, options.seed));
+  return measurement;
+}
+
 // ---- The report --------------------------------------------------------------------------------
 
 Figure variance_figure(const std::vector<DimStats>& stats) {
@@ -358,26 +392,10 @@ Figure training_figure(const std::vector<TrainingRun>& runs, const Settings& s) 
   return figure;
 }
 
-Report run_scaling(const ExperimentOptions& options) {
-  const Settings s = settings_for(options);
-
-  std::vector<DimStats> stats;
-  Progress progress("[scaling] statistics at initialisation", static_cast<int64_t>(s.dims.size()), "sizes of d");
-  for (const int64_t d : s.dims) {
-    DimStats dim;
-    dim.d = d;
-    dim.var_qk = qk_variance(d, s.variance_samples, options.seed);
-    softmax_stats(d, s.softmax_rows, options.seed, dim);
-    stats.push_back(dim);
-    progress.update(static_cast<int64_t>(stats.size()), fmt::format("d = {}", d));
-  }
-  progress.done();
-
-  const double unscaled = 1.0;
-  const double scaled = 1.0 / std::sqrt(static_cast<double>(s.train_dim));
-  std::vector<TrainingRun> runs;
-  runs.push_back(train(s, "scaled by 1/√d", scaled, options.seed));
-  runs.push_back(train(s, "unscaled", unscaled, options.seed));
+Report report_scaling(const ExperimentOptions& options, const ScalingMeasurement& measurement) {
+  const Settings& s = measurement.settings;
+  const std::vector<DimStats>& stats = measurement.stats;
+  const std::vector<TrainingRun>& runs = measurement.runs;
 
   Report report("Experiment: scaling (why divide the scores by √d)");
   report.add_setting("command", command_line("scaling", options));
@@ -397,7 +415,7 @@ Report run_scaling(const ExperimentOptions& options) {
                      fmt::format("{} nats (running mean over {} steps); chance is log {} = {:.2f}", s.target_loss,
                                  s.smoothing, s.value_count, std::log(static_cast<double>(s.value_count))));
   report.add_setting("held-out batch", fmt::format("{} sequences", s.held_out));
-  report.add_setting("threads", fmt::format("{}", max_workers()));
+  report.add_setting("threads", fmt::format("{}", measurement.threads));
 
   Table table({{"d", "{}"},
                {"samples", "{}"},
@@ -451,6 +469,8 @@ Report run_scaling(const ExperimentOptions& options) {
   report.add_data("The training loss of every step of both runs", std::move(curves), "loss_curves.csv");
   return report;
 }
+
+Report run_scaling(const ExperimentOptions& options) { return report_scaling(options, measure_scaling(options)); }
 
 }  // namespace
 

@@ -4,13 +4,14 @@
 
 #include <algorithm>
 #include <cmath>
-#include <limits>
+#include <span>
 #include <utility>
 
 #include "qkv/core/error.hpp"
 #include "qkv/ops/attention.hpp"
 #include "qkv/ops/cross_entropy.hpp"
 #include "qkv/ops/linear.hpp"
+#include "qkv/ops/softmax.hpp"
 #include "qkv/viz/heatmap.hpp"
 
 namespace qkv::cli {
@@ -181,17 +182,15 @@ template <class Scalar>
 DecoderAttention<Scalar>::DecoderAttention(Score score, int64_t query_size, int64_t key_size, int64_t hidden, Rng& rng)
     : score_(score), query_size_(query_size), key_size_(key_size), hidden_(hidden) {
   if (score == Score::additive) {
-    w_q_ = Parameter<Scalar>(Shape{hidden, query_size});
-    w_k_ = Parameter<Scalar>(Shape{hidden, key_size});
+    query_ =
+        Linear<Scalar>({.in_features = query_size, .out_features = hidden, .bias = false, .weight_name = "w_q"}, rng);
+    key_ = Linear<Scalar>({.in_features = key_size, .out_features = hidden, .bias = false, .weight_name = "w_k"}, rng);
     w_ = Parameter<Scalar>(Shape{hidden});
-    linear_init<Scalar>(w_q_.value.view(), std::nullopt, rng);
-    linear_init<Scalar>(w_k_.value.view(), std::nullopt, rng);
     const double bound = linear_init_bound(hidden);
     rng.fill_uniform(w_.value.view(), -bound, bound);
   } else if (score == Score::scaled_dot) {
-    w_q_ = Parameter<Scalar>(Shape{key_size, query_size});
-    b_q_ = Parameter<Scalar>(Shape{key_size});
-    linear_init<Scalar>(w_q_.value.view(), b_q_.value.view(), rng);
+    query_ = Linear<Scalar>(
+        {.in_features = query_size, .out_features = key_size, .weight_name = "w_q", .bias_name = "b_q"}, rng);
   }
 }
 
@@ -200,17 +199,14 @@ void DecoderAttention<Scalar>::prepare(EncoderMemory<Scalar>& memory) const {
   if (score_ != Score::additive) return;
   const Shape& shape = memory.annotations.shape();
   memory.keys = Tensor<Scalar>(Shape{shape[0], shape[1], hidden_});
-  linear_forward<Scalar>({.x = memory.annotations.cview(), .w = w_k_.value.cview(), .b = std::nullopt},
-                         memory.keys.view());
+  key_.forward(memory.annotations.cview(), memory.keys.view());
 }
 
 template <class Scalar>
 void DecoderAttention<Scalar>::prepare_backward(const EncoderMemory<Scalar>& memory,
                                                 EncoderMemoryGradients<Scalar>& dmemory) {
   if (score_ != Score::additive) return;
-  linear_backward<Scalar>({.x = memory.annotations.cview(), .w = w_k_.value.cview(), .b = std::nullopt},
-                          dmemory.keys.cview(),
-                          {.dx = dmemory.annotations.view(), .dw = w_k_.grad.view(), .db = std::nullopt});
+  key_.backward(memory.annotations.cview(), dmemory.keys.cview(), dmemory.annotations.view());
 }
 
 // Additive scoring with the keys W_k h_j precomputed, one batch entry at a time:
@@ -234,8 +230,7 @@ void DecoderAttention<Scalar>::forward(const EncoderMemory<Scalar>& memory, Tens
   cache.query_state = to_tensor<Scalar, Scalar>(s);
   if (score_ == Score::scaled_dot) {
     cache.query = Tensor<Scalar>(Shape{batch, 1, 1, width});
-    linear_forward<Scalar>({.x = s, .w = w_q_.value.cview(), .b = b_q_.value.cview()},
-                           make_view(cache.query.data(), Shape{batch, width}));
+    query_.forward(s, make_view(cache.query.data(), Shape{batch, width}));
     const TensorView<const Scalar> keys = as_b1td(memory.annotations.cview());
     AttentionParams<Scalar> params{.q = cache.query.cview(), .k = keys, .v = keys, .scale = std::nullopt, .mask = {}};
     params.mask.allowed = memory.allowed.cview();
@@ -245,12 +240,12 @@ void DecoderAttention<Scalar>::forward(const EncoderMemory<Scalar>& memory, Tens
     return;
   }
   cache.query = Tensor<Scalar>(Shape{batch, hidden_});
-  linear_forward<Scalar>({.x = s, .w = w_q_.value.cview(), .b = std::nullopt}, cache.query.view());
+  query_.forward(s, cache.query.view());
   cache.hidden = Tensor<Scalar>(Shape{batch, ts, hidden_});
-  std::vector<double> scores(static_cast<size_t>(ts)), row(static_cast<size_t>(width));
+  std::vector<double> scores(static_cast<size_t>(ts)), weights(static_cast<size_t>(ts)),
+      row(static_cast<size_t>(width));
   for (int64_t b = 0; b < batch; ++b) {
     const int64_t len = memory.lengths[static_cast<size_t>(b)];
-    double max = -std::numeric_limits<double>::infinity();
     for (int64_t j = 0; j < len; ++j) {
       const Scalar* key = memory.keys.data() + (b * ts + j) * hidden_;
       Scalar* t = cache.hidden.data() + (b * ts + j) * hidden_;
@@ -261,13 +256,12 @@ void DecoderAttention<Scalar>::forward(const EncoderMemory<Scalar>& memory, Tens
         e += static_cast<double>(w_.value[a]) * value;
       }
       scores[static_cast<size_t>(j)] = e;
-      max = std::max(max, e);
     }
-    double sum = 0.0;
-    for (int64_t j = 0; j < len; ++j) sum += std::exp(scores[static_cast<size_t>(j)] - max);
+    const auto scored = static_cast<size_t>(len);
+    softmax<double>(std::span<const double>(scores).first(scored), std::span<double>(weights).first(scored));
     std::fill(row.begin(), row.end(), 0.0);
     for (int64_t j = 0; j < len; ++j) {
-      const double alpha = std::exp(scores[static_cast<size_t>(j)] - max) / sum;
+      const double alpha = weights[static_cast<size_t>(j)];
       cache.alpha[b * ts + j] = static_cast<Scalar>(alpha);
       const Scalar* h = memory.annotations.data() + (b * ts + j) * width;
       for (int64_t d = 0; d < width; ++d) row[static_cast<size_t>(d)] += alpha * static_cast<double>(h[d]);
@@ -305,9 +299,7 @@ void DecoderAttention<Scalar>::backward(const EncoderMemory<Scalar>& memory, con
         params, as_b11d(dcontext),
         {.dq = dq.view(), .dk = as_b1td(dmemory.annotations.view()), .dv = dv.view(), .dbias = std::nullopt});
     add_into(as_b1td(dmemory.annotations.view()), dv);
-    linear_backward<Scalar>({.x = cache.query_state.cview(), .w = w_q_.value.cview(), .b = b_q_.value.cview()},
-                            make_view<const Scalar>(dq.data(), Shape{batch, width}),
-                            {.dx = ds, .dw = w_q_.grad.view(), .db = b_q_.grad.view()});
+    query_.backward(cache.query_state.cview(), make_view<const Scalar>(dq.data(), Shape{batch, width}), ds);
     return;
   }
   Tensor<Scalar> dquery(Shape{batch, hidden_});
@@ -341,27 +333,31 @@ void DecoderAttention<Scalar>::backward(const EncoderMemory<Scalar>& memory, con
     }
   }
   for (int64_t a = 0; a < hidden_; ++a) w_.grad[a] += static_cast<Scalar>(dw[static_cast<size_t>(a)]);
-  linear_backward<Scalar>({.x = cache.query_state.cview(), .w = w_q_.value.cview(), .b = std::nullopt}, dquery.cview(),
-                          {.dx = ds, .dw = w_q_.grad.view(), .db = std::nullopt});
+  query_.backward(cache.query_state.cview(), dquery.cview(), ds);
 }
 
 template <class Scalar>
 void DecoderAttention<Scalar>::zero_grad() {
-  for (Parameter<Scalar>* p : {&w_q_, &w_k_, &w_, &b_q_}) p->zero_grad();
+  query_.zero_grad();
+  key_.zero_grad();
+  w_.zero_grad();
 }
 
+// additive: W_q, W_k, then w; scaled_dot: W_q, b_q; none: nothing (both layers are empty).
 template <class Scalar>
 std::vector<ParameterRef<Scalar>> DecoderAttention<Scalar>::parameters() {
-  if (score_ == Score::additive) return {w_q_.ref("w_q"), w_k_.ref("w_k"), w_.ref("w")};
-  if (score_ == Score::scaled_dot) return {w_q_.ref("w_q"), b_q_.ref("b_q")};
-  return {};
+  std::vector<ParameterRef<Scalar>> result = query_.parameters();
+  append(result, key_.parameters());
+  if (score_ == Score::additive) result.push_back(w_.ref("w"));
+  return result;
 }
 
 template <class Scalar>
 std::vector<ParameterRef<const Scalar>> DecoderAttention<Scalar>::parameters() const {
-  if (score_ == Score::additive) return {w_q_.ref("w_q"), w_k_.ref("w_k"), w_.ref("w")};
-  if (score_ == Score::scaled_dot) return {w_q_.ref("w_q"), b_q_.ref("b_q")};
-  return {};
+  std::vector<ParameterRef<const Scalar>> result = query_.parameters();
+  append(result, key_.parameters());
+  if (score_ == Score::additive) result.push_back(w_.ref("w"));
+  return result;
 }
 
 // ---- Seq2Seq ------------------------------------------------------------------------------------
@@ -393,15 +389,12 @@ Seq2Seq<Scalar>::Seq2Seq(const Seq2SeqConfig& config, Rng& rng)
       source_embedding_({.num_embeddings = config.source_vocabulary, .dim = config.embedding}, rng),
       target_embedding_({.num_embeddings = config.target_vocabulary, .dim = config.embedding}, rng),
       encoder_({.input_size = config.embedding, .hidden_size = config.encoder_hidden}, rng),
-      w_init_(Shape{config.decoder_hidden, 2 * config.encoder_hidden}),
-      b_init_(Shape{config.decoder_hidden}),
       attention_(config.score, config.decoder_hidden, 2 * config.encoder_hidden, config.attention_hidden, rng),
       decoder_({.input_size = config.embedding + 2 * config.encoder_hidden, .hidden_size = config.decoder_hidden}, rng),
-      w_out_(Shape{config.target_vocabulary, config.decoder_hidden + 2 * config.encoder_hidden + config.embedding}),
-      b_out_(Shape{config.target_vocabulary}) {
-  linear_init<Scalar>(w_init_.value.view(), b_init_.value.view(), rng);
-  linear_init<Scalar>(w_out_.value.view(), b_out_.value.view(), rng);
-}
+      init_({.in_features = 2 * config.encoder_hidden, .out_features = config.decoder_hidden}, rng),
+      readout_({.in_features = config.decoder_hidden + 2 * config.encoder_hidden + config.embedding,
+                .out_features = config.target_vocabulary},
+               rng) {}
 
 template <class Scalar>
 EncoderMemory<Scalar> Seq2Seq<Scalar>::encode(TensorView<const int64_t> source, TensorView<const int64_t> lengths,
@@ -436,9 +429,7 @@ EncoderMemory<Scalar> Seq2Seq<Scalar>::encode(TensorView<const int64_t> source, 
 
 template <class Scalar>
 Tensor<Scalar> Seq2Seq<Scalar>::initial_state(const EncoderMemory<Scalar>& memory) const {
-  Tensor<Scalar> s(Shape{memory.summary.shape()[0], config_.decoder_hidden});
-  linear_forward<Scalar>({.x = memory.summary.cview(), .w = w_init_.value.cview(), .b = b_init_.value.cview()},
-                         s.view());
+  Tensor<Scalar> s = init_.forward(memory.summary.cview());
   for (Scalar& v : s.values()) v = std::tanh(v);
   return s;
 }
@@ -460,9 +451,7 @@ DecoderStepOutputs<Scalar> Seq2Seq<Scalar>::step_forward(const EncoderMemory<Sca
   put_columns(out.state.cview(), cache.readout, 0);
   put_columns(context.cview(), cache.readout, config_.decoder_hidden);
   put_columns(x, cache.readout, config_.decoder_hidden + width);
-  out.logits = Tensor<Scalar>(Shape{batch, config_.target_vocabulary});
-  linear_forward<Scalar>({.x = cache.readout.cview(), .w = w_out_.value.cview(), .b = b_out_.value.cview()},
-                         out.logits.view());
+  out.logits = readout_.forward(cache.readout.cview());
   return out;
 }
 
@@ -480,8 +469,7 @@ void Seq2Seq<Scalar>::step_backward(const EncoderMemory<Scalar>& memory, const D
   check_shape("ds_next", ds_next.shape, Shape{batch, hd});
   check_shape("dx", dx.shape, Shape{batch, e});
   Tensor<Scalar> dreadout(cache.readout.shape());
-  linear_backward<Scalar>({.x = cache.readout.cview(), .w = w_out_.value.cview(), .b = b_out_.value.cview()}, dlogits,
-                          {.dx = dreadout.view(), .dw = w_out_.grad.view(), .db = b_out_.grad.view()});
+  readout_.backward(cache.readout.cview(), dlogits, dreadout.view());
   Tensor<Scalar> dstate = to_tensor<Scalar, Scalar>(ds_next);
   add_columns(dreadout, 0, dstate.view());
   Tensor<Scalar> dcontext(Shape{batch, width});
@@ -544,9 +532,7 @@ void Seq2Seq<Scalar>::backward(TensorView<const Scalar> dlogits) {
   }
   // s_0 = tanh(pre): dpre = ds_0 ∘ (1 − s_0²).
   for (int64_t k = 0; k < ds_next.numel(); ++k) ds_next[k] *= Scalar{1} - s0_[k] * s0_[k];
-  linear_backward<Scalar>({.x = memory_.summary.cview(), .w = w_init_.value.cview(), .b = b_init_.value.cview()},
-                          ds_next.cview(),
-                          {.dx = dmemory.summary.view(), .dw = w_init_.grad.view(), .db = b_init_.grad.view()});
+  init_.backward(memory_.summary.cview(), ds_next.cview(), dmemory.summary.view());
   target_embedding_.backward(target_cache_, dtarget_x.cview());
 
   attention_.prepare_backward(memory_, dmemory);
@@ -619,10 +605,10 @@ std::vector<ParameterRef<Scalar>> Seq2Seq<Scalar>::parameters() {
   append(all, prefixed("source_embedding", source_embedding_.parameters()));
   append(all, prefixed("target_embedding", target_embedding_.parameters()));
   append(all, prefixed("encoder", encoder_.parameters()));
-  append(all, std::vector<ParameterRef<Scalar>>{w_init_.ref("init.weight"), b_init_.ref("init.bias")});
+  append(all, prefixed("init", init_.parameters()));
   append(all, prefixed("attention", attention_.parameters()));
   append(all, prefixed("decoder", decoder_.parameters()));
-  append(all, std::vector<ParameterRef<Scalar>>{w_out_.ref("readout.weight"), b_out_.ref("readout.bias")});
+  append(all, prefixed("readout", readout_.parameters()));
   return all;
 }
 
@@ -632,10 +618,10 @@ std::vector<ParameterRef<const Scalar>> Seq2Seq<Scalar>::parameters() const {
   append(all, prefixed("source_embedding", source_embedding_.parameters()));
   append(all, prefixed("target_embedding", target_embedding_.parameters()));
   append(all, prefixed("encoder", encoder_.parameters()));
-  append(all, std::vector<ParameterRef<const Scalar>>{w_init_.ref("init.weight"), b_init_.ref("init.bias")});
+  append(all, prefixed("init", init_.parameters()));
   append(all, prefixed("attention", attention_.parameters()));
   append(all, prefixed("decoder", decoder_.parameters()));
-  append(all, std::vector<ParameterRef<const Scalar>>{w_out_.ref("readout.weight"), b_out_.ref("readout.bias")});
+  append(all, prefixed("readout", readout_.parameters()));
   return all;
 }
 

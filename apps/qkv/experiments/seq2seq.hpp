@@ -37,6 +37,7 @@
 #include "qkv/nn/adam.hpp"
 #include "qkv/nn/embedding.hpp"
 #include "qkv/nn/gru.hpp"
+#include "qkv/nn/linear.hpp"
 
 namespace qkv::cli {
 
@@ -169,7 +170,9 @@ class DecoderAttention {
  private:
   Score score_;
   int64_t query_size_, key_size_, hidden_;
-  Parameter<Scalar> w_q_, w_k_, w_, b_q_;
+  // W_q (with b_q for scaled_dot), W_k and w; each empty where the score has no use for it.
+  Linear<Scalar> query_, key_;
+  Parameter<Scalar> w_;
 };
 
 // What one decoder step keeps for its backward.
@@ -248,10 +251,10 @@ class Seq2Seq {
   Seq2SeqConfig config_;
   Embedding<Scalar> source_embedding_, target_embedding_;
   BidirectionalGru<Scalar> encoder_;
-  Parameter<Scalar> w_init_, b_init_;
   DecoderAttention<Scalar> attention_;
   Gru<Scalar> decoder_;
-  Parameter<Scalar> w_out_, b_out_;
+  // W_init, b_init and W_out, b_out: declared after the decoder, as they draw after it.
+  Linear<Scalar> init_, readout_;
 
   // The last forward, for backward.
   EncoderCache<Scalar> encoder_cache_;

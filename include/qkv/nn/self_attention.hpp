@@ -16,6 +16,7 @@
 #include "qkv/core/parameter.hpp"
 #include "qkv/core/rng.hpp"
 #include "qkv/core/tensor.hpp"
+#include "qkv/nn/linear.hpp"
 #include "qkv/ops/attention.hpp"
 
 namespace qkv {
@@ -73,13 +74,10 @@ class SelfAttention {
   std::vector<ParameterRef<const T>> parameters() const;
 
  private:
-  // The projection W [d_model, d_model], its optional bias [d_model] and their gradients.
-  struct Projection {
-    Tensor<T> w, b, dw, db;
-  };
-
   SelfAttentionConfig config_;
-  Projection query_, key_, value_, output_;
+  // Each [d_model, d_model] with its optional bias [d_model]; output_ is empty without the output
+  // projection.
+  Linear<T> query_, key_, value_, output_;
 };
 
 }  // namespace qkv
