@@ -219,14 +219,10 @@ void run_demo(const DemoOptions& options) {
     picture.annotate = t <= kAnnotatedTokens;
     const std::string png = render_heatmap(alpha.cview(), HeatmapFormat::png, picture);
     const std::string html = render_heatmap(alpha.cview(), HeatmapFormat::html, picture);
-    write_file_atomically(png_path, png);
-    try {
-      write_file_atomically(html_path, html);
-    } catch (const IoError&) {
-      std::error_code ignored;
-      std::filesystem::remove(png_path, ignored);
-      throw;
-    }
+    StagedFiles files;  // both pictures or neither
+    files.stage(png_path, png);
+    files.stage(html_path, html);
+    files.commit();
     const auto shown = [](const std::filesystem::path& p) {
       return std::filesystem::absolute(p).lexically_normal().string();
     };

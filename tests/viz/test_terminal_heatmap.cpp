@@ -1,6 +1,6 @@
-// Tests of the terminal heatmap (HeatmapFormat::terminal, src/viz/heatmap_terminal.cpp, and the
-// rank-2 render_terminal_heatmap of src/viz/terminal_heatmap.cpp): exact plain layouts, alignment of
-// CJK labels by display width, colour escapes, the scale, label and option errors, terminal detection.
+// Tests of the terminal heatmap (HeatmapFormat::terminal, src/viz/heatmap_terminal.cpp): exact
+// plain layouts, alignment of CJK labels by display width, colour escapes, the scale, label and option errors, terminal
+// detection.
 
 #include <gtest/gtest.h>
 
@@ -16,7 +16,6 @@
 #include "qkv/core/error.hpp"
 #include "qkv/core/text.hpp"
 #include "qkv/viz/heatmap.hpp"
-#include "qkv/viz/terminal_heatmap.hpp"
 #include "testing.hpp"
 
 namespace qkv {
@@ -184,37 +183,24 @@ TEST(TerminalHeatmap, MissingLabelsAreNumbered) {
             "1 ██ ██ ██\n");
 }
 
-// render_terminal_heatmap's own refusals, in its own words: render_heatmap words a label count as it
-// does for every format (tests/viz/test_heatmap.cpp) and draws every head of a rank-3 alpha.
+// The terminal refuses what every format refuses, in the same words (tests/viz/test_heatmap.cpp):
+// label lists of the wrong length and an alpha that is not [Tq, Tk], [H, Tq, Tk] or [B, H, Tq, Tk].
 TEST(TerminalHeatmap, LabelCountsMustMatchTheAxes) {
   const Tensor<float> alpha({3, 4});
-  TerminalHeatmapOptions options;
+  HeatmapOptions options;
   options.row_labels = {"a", "b"};
   options.col_labels = {"w", "x", "y", "z"};
-  try {
-    render_terminal_heatmap(alpha.cview(), options);
-    FAIL() << "expected ShapeError";
-  } catch (const ShapeError& e) {
-    EXPECT_STREQ(e.what(), "row_labels: expected 3 labels (one per row of alpha [3, 4]), got 2");
-  }
+  EXPECT_TRUE(testing::throws_naming<ShapeError>([&] { terminal(alpha.cview(), options); },
+                                                 {"row_labels: expected 3 labels", "got 2"}));
   options.row_labels = {"a", "b", "c"};
   options.col_labels = {"w", "x", "y", "z", "extra"};
-  try {
-    render_terminal_heatmap(alpha.cview(), options);
-    FAIL() << "expected ShapeError";
-  } catch (const ShapeError& e) {
-    EXPECT_STREQ(e.what(), "col_labels: expected 4 labels (one per column of alpha [3, 4]), got 5");
-  }
+  EXPECT_TRUE(testing::throws_naming<ShapeError>([&] { terminal(alpha.cview(), options); },
+                                                 {"col_labels: expected 4 labels", "got 5"}));
 }
 
-TEST(TerminalHeatmap, AlphaMustBeAMatrix) {
-  const Tensor<float> alpha({1, 3, 3});
-  try {
-    render_terminal_heatmap(alpha.cview(), {});
-    FAIL() << "expected ShapeError";
-  } catch (const ShapeError& e) {
-    EXPECT_STREQ(e.what(), "alpha: expected a matrix [Tq, Tk], got shape [1, 3, 3]");
-  }
+TEST(TerminalHeatmap, AlphaMustBeAMatrixOrHeads) {
+  const Tensor<float> alpha({3});
+  EXPECT_TRUE(testing::throws_naming<ShapeError>([&] { terminal(alpha.cview(), {}); }, {"alpha", "[3]"}));
 }
 
 TEST(TerminalHeatmap, RefusesBadOptions) {

@@ -48,7 +48,6 @@
 #include "qkv/io/model_file.hpp"
 #include "qkv/ops/softmax.hpp"
 #include "qkv/viz/heatmap.hpp"
-#include "qkv/viz/terminal_heatmap.hpp"
 #include "seq2seq.hpp"
 #include "support/progress.hpp"
 #include "toy_translation.hpp"
@@ -573,13 +572,13 @@ Report report_alignment(const ExperimentOptions& options, const AlignmentMeasure
       heatmap_text += fmt::format("![{}, sentence {}]({}.png) ([SVG]({}.svg))\n\n", model_label(models[k].score), c + 1,
                                   stem, stem);
       if (k == 0 && c == 0) {
-        TerminalHeatmapOptions terminal;
+        HeatmapOptions terminal;
         terminal.row_labels = heatmap.row_labels;
         terminal.col_labels = heatmap.col_labels;
         terminal.vmin = 0.0;
         terminal.vmax = 1.0;
         heatmap_text += fmt::format("As `qkv translate` shows it (additive, sentence 1):\n\n```\n{}```\n\n",
-                                    render_terminal_heatmap<float>(alpha.cview(), terminal));
+                                    render_heatmap<float>(alpha.cview(), HeatmapFormat::terminal, terminal));
       }
     }
   }
