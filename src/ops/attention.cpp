@@ -28,7 +28,7 @@ int thread_limit_of(const AttentionProblem<T>& p) {
                       static_cast<double>(p.batch() * p.heads()));
 }
 
-// Per-worker float64 buffers of the reference, sized once per call.
+// Per-worker float64 buffers of the reference, kept across the heads a worker runs.
 struct HeadScratch {
   std::vector<double> probs, row_lse, acc, dscores, dq_row, dk_acc, dv_acc;
 };
