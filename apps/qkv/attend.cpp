@@ -109,7 +109,7 @@ void add_input_options(CLI::App& cmd, InputOptions& o) {
       ->type_name("FILE");
   cmd.add_option("--impl", o.impl,
                  "auto (the fastest implementation that supports the request), fused (tiled online softmax, O(T) "
-                 "memory) or reference (plain loops, float64 sums)")
+                 "memory; dot scores only, no --weights or --heatmap) or reference (plain loops, float64 sums)")
       ->check(CLI::IsMember({"auto", "fused", "reference"}))
       ->capture_default_str();
   cmd.add_option("--score", o.score, "dot (scaled dot product) or additive (w . tanh(Wq q + Wk k))")
@@ -215,12 +215,23 @@ void load_mask(const InputOptions& o, const Shape& scores, Operands& x) {
   }
 }
 
+AttentionImpl impl_of(std::string_view name) {
+  if (name == "fused") return AttentionImpl::fused;
+  if (name == "reference") return AttentionImpl::reference;
+  return AttentionImpl::automatic;
+}
+
 Operands load_operands(const InputOptions& o) {
   Operands x;
   x.score = o.score == "additive" ? Score::additive : Score::dot;
-  x.impl = o.impl == "reference" ? AttentionImpl::reference : AttentionImpl::automatic;
+  x.impl = impl_of(o.impl);
   x.causal = o.causal;
   check_scoring_options(o, x.score);
+  if (x.score == Score::additive && x.impl == AttentionImpl::fused) {
+    throw ValueError(
+        "--impl: fused computes dot-product scores only; --score additive has only the reference "
+        "implementation (use --impl auto or reference), got --impl fused");
+  }
   if (o.scale_option->count() > 0) x.scale = o.scale;
 
   x.q = load_float32(o.q, "--q");
@@ -285,6 +296,17 @@ void run_attend(const AttendOptions& o) {
   if (!o.heatmap.empty()) {
     heatmap = heatmap_format_for_path(o.heatmap, "--heatmap");
     files.plan("--heatmap", o.heatmap);
+  }
+  // The fused kernel never materialises the weights, so it cannot give them.
+  if (o.in.impl == "fused") {
+    for (const std::string_view arg : {"--weights", "--heatmap"}) {
+      if (files.planned(arg)) {
+        throw ValueError(
+            fmt::format("{}: the fused implementation never forms the attention weights; drop {} or use "
+                        "--impl auto or reference, got --impl fused",
+                        arg, arg));
+      }
+    }
   }
   const Operands x = load_operands(o.in);
 

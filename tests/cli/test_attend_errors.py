@@ -157,6 +157,15 @@ def main():
         t.refuse("--scale with --score additive", [*attend, *additive, "--scale", "0.5", "-o", "o.npy"], "--scale")
         t.refuse("unknown --impl", [*attend, "--impl", "fast", "-o", "o.npy"], "--impl")
         t.refuse("unknown --score", [*attend, "--score", "cosine", "-o", "o.npy"], "--score")
+        # An explicit --impl is honoured or refused, never swapped for another implementation.
+        t.refuse("--impl fused with --weights", [*attend, "--impl", "fused", "-o", "o.npy", "--weights", "a.npy"],
+                 "--weights:", "fused", "weights")
+        t.refuse("--impl fused with --heatmap", [*attend, "--impl", "fused", "-o", "o.npy", "--heatmap", "a.svg"],
+                 "--heatmap:", "fused")
+        t.refuse("--impl fused with --score additive", [*attend, *additive, "--impl", "fused", "-o", "o.npy"],
+                 "--impl:", "fused", "additive", "reference")
+        t.refuse("backward --impl fused with --score additive",
+                 [*backward, *additive, "--impl", "fused", "--dq", "dq.npy"], "--impl:", "fused", "additive")
         t.refuse("missing --q", ["attend", "--k", "k.npy", "--v", "v.npy", "-o", "o.npy"], "--q")
         t.refuse("missing -o", [*attend], "--out")
 
