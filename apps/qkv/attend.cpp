@@ -40,7 +40,8 @@ Scores: s_ij = scale * q_i.k_j + mask_ij, scale = 1/sqrt(Dk) unless --scale. Wit
 s_ij = w . tanh(Wq q_i + Wk k_j) + mask_ij (--wq [A, Dq], --wk [A, Dk], --ww [A]; Q may then have
 Dq != Dk, and there is no scale).
 Mask (--mask, broadcast to [B, H, Tq, Tk]): a bool mask says which keys a query may attend to
-(true = visible); a float mask is a bias added to the scores, where -inf masks the key.
+(true = visible), and so does an int64 mask (nonzero = visible); a float mask is a bias added to
+the scores, where -inf masks the key.
 Causal (--causal) is bottom-right aligned: query i sees key j <= i + Tk - Tq, the usual lower
 triangle when Tq == Tk; with Tq < Tk (a KV cache) the last query sees every key. A query that
 sees no key gets output 0, weights 0 and lse -inf, never NaN.
@@ -53,7 +54,7 @@ inputs with the same meaning, plus --dout dO [..., Tq, Dv].
 Outputs (at least one; only those given are written): --dq [..., Tq, Dk], --dk [..., Tk, Dk],
 --dv [..., Tk, Dv]; --dbias (needs a float --mask: its shape, summed over the dims it was broadcast
 along); with --score additive --dwq [A, Dq], --dwk [A, Dk], --dww [A] (summed over batch and heads).
-Mask: bool = may attend (true = visible), float = additive bias (-inf masks); it broadcasts to
+Mask: bool or int64 = may attend (nonzero = visible), float = additive bias (-inf masks); it broadcasts to
 [B, H, Tq, Tk]. Causal: query i sees key j <= i + Tk - Tq (bottom-right aligned). A query that sees
 no key has zero gradients.
 Example:
@@ -105,7 +106,8 @@ void add_input_options(CLI::App& cmd, InputOptions& o) {
   cmd.add_option("--v", o.v, "values V.npy [..., Tk, Dv]")->type_name("FILE")->required();
   o.scale_option = cmd.add_option("--scale", o.scale, "multiplies q.k before the mask is added (default 1/sqrt(Dk))");
   cmd.add_flag("--causal", o.causal, "query i sees key j <= i + Tk - Tq (bottom-right aligned)");
-  cmd.add_option("--mask", o.mask, "M.npy, broadcast to [B, H, Tq, Tk]: bool = may attend, float = additive bias")
+  cmd.add_option("--mask", o.mask,
+                 "M.npy, broadcast to [B, H, Tq, Tk]: bool or int64 = may attend (nonzero), float = additive bias")
       ->type_name("FILE");
   cmd.add_option("--impl", o.impl,
                  "auto (the fastest implementation that supports the request), fused (tiled online softmax, O(T) "
@@ -127,7 +129,7 @@ struct Operands {
   Tensor<float> q;                         // [..., Tq, Dk] ([..., Tq, Dq] with additive scores)
   Tensor<float> k;                         // [..., Tk, Dk]
   Tensor<float> v;                         // [..., Tk, Dv]
-  std::optional<Tensor<uint8_t>> allowed;  // a bool --mask, broadcastable to [B, H, Tq, Tk]
+  std::optional<Tensor<uint8_t>> allowed;  // a bool or int64 --mask, broadcastable to [B, H, Tq, Tk]
   std::optional<Tensor<float>> bias;       // a float --mask, broadcastable to [B, H, Tq, Tk]
   Tensor<float> w_q;                       // [A, Dq], additive scores only
   Tensor<float> w_k;                       // [A, Dk], additive scores only
@@ -192,17 +194,18 @@ void expect_shape(std::string_view arg, const Shape& actual, const Shape& expect
   }
 }
 
-// Reads --mask as a bool mask or a float bias and checks that it broadcasts to the scores.
+constexpr std::string_view kMaskDtypes = "bool or int64 (nonzero = may attend) or float32/float64 (a bias)";
+
+// Reads --mask as a bool or integer mask or a float bias and checks that it broadcasts to the scores.
 void load_mask(const InputOptions& o, const Shape& scores, Operands& x) {
-  NpyArray array = read_input(o.mask, "--mask");
-  if (array.dtype == DType::boolean) {
+  NpyArray array = read_input(o.mask, "--mask", kMaskDtypes);
+  if (array.dtype == DType::boolean || array.dtype == DType::int64) {
     x.allowed = to_bool(std::move(array), "--mask");
   } else if (array.dtype == DType::float32 || array.dtype == DType::float64) {
     x.bias = to_float32(std::move(array), "--mask");
   } else {
-    throw ShapeError(
-        fmt::format("--mask: expected dtype bool (may attend) or float32/float64 (a bias), got {} (shape {})",
-                    dtype_name(array.dtype), array.shape_str()));
+    throw ShapeError(fmt::format("--mask: expected dtype {}, got {} (shape {})", kMaskDtypes, dtype_name(array.dtype),
+                                 array.shape_str()));
   }
   const Shape shape = x.allowed ? x.allowed->shape() : x.bias->shape();
   bool broadcasts = shape.rank() <= scores.rank();
@@ -349,7 +352,7 @@ void run_attend_backward(const BackwardOptions& o) {
   const Operands x = load_operands(o.in);
   if (files.planned("--dbias") && !x.bias) {
     throw ValueError(fmt::format("--dbias: needs a float --mask (an additive bias), got {}",
-                                 x.allowed ? "a bool --mask" : "no --mask"));
+                                 x.allowed ? "a bool or int64 --mask" : "no --mask"));
   }
   Tensor<float> dout = load_float32(o.dout, "--dout");
   expect_shape("--dout", dout.shape(), x.with_leading({x.tq, x.dv}),

@@ -46,18 +46,22 @@ std::string index_str(const Shape& shape, int64_t flat) {
   return fmt::format("[{}]", fmt::join(index, ", "));
 }
 
-NpyArray read_input(const std::filesystem::path& path, std::string_view arg) {
+NpyArray read_input(const std::filesystem::path& path, std::string_view arg, std::string_view accepted) {
   try {
     return read_npy(path);
   } catch (const IoError& e) {
-    throw IoError(fmt::format("{}: {}", arg, e.what()));
+    const std::string_view what = e.what();
+    if (what.find("unsupported dtype") != std::string_view::npos) {
+      throw IoError(fmt::format("{}: {}; {} takes {}", arg, what, arg, accepted));
+    }
+    throw IoError(fmt::format("{}: {}", arg, what));
   }
 }
 
 Tensor<float> to_float32(NpyArray array, std::string_view arg) {
   const Shape shape = shape_of(array, arg);
   if (array.dtype == DType::float32) return Tensor<float>(shape, std::move(std::get<std::vector<float>>(array.values)));
-  if (array.dtype != DType::float64) wrong_dtype(array, arg, "float32 or float64");
+  if (array.dtype != DType::float64) wrong_dtype(array, arg, kFloatDtypes);
 
   const auto& source = std::get<std::vector<double>>(array.values);
   std::vector<float> values(source.size());
@@ -75,12 +79,18 @@ Tensor<float> to_float32(NpyArray array, std::string_view arg) {
 
 Tensor<uint8_t> to_bool(NpyArray array, std::string_view arg) {
   const Shape shape = shape_of(array, arg);
-  if (array.dtype != DType::boolean) wrong_dtype(array, arg, "bool");
-  return Tensor<uint8_t>(shape, std::move(std::get<std::vector<uint8_t>>(array.values)));
+  if (array.dtype == DType::boolean) {
+    return Tensor<uint8_t>(shape, std::move(std::get<std::vector<uint8_t>>(array.values)));
+  }
+  if (array.dtype != DType::int64) wrong_dtype(array, arg, "bool or int64");
+  const auto& source = std::get<std::vector<int64_t>>(array.values);
+  std::vector<uint8_t> values(source.size());
+  std::ranges::transform(source, values.begin(), [](int64_t x) { return static_cast<uint8_t>(x != 0); });
+  return Tensor<uint8_t>(shape, std::move(values));
 }
 
 Tensor<float> load_float32(const std::filesystem::path& path, std::string_view arg) {
-  return to_float32(read_input(path, arg), arg);
+  return to_float32(read_input(path, arg, kFloatDtypes), arg);
 }
 
 void check_finite(TensorView<const float> values, std::string_view arg, NonFinite rule) {

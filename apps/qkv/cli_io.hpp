@@ -22,16 +22,22 @@ namespace qkv::cli {
 
 // ---- Inputs ---------------------------------------------------------------------------------
 
-// Reads the .npy file given to option `arg`. A missing, unreadable or malformed file raises
-// IoError "`arg`: <path>: <what is wrong>".
-NpyArray read_input(const std::filesystem::path& path, std::string_view arg);
+// The dtypes an option reading floats takes, as its messages list them.
+inline constexpr std::string_view kFloatDtypes = "float32 or float64";
+
+// Reads the .npy file given to option `arg`, which takes the dtypes `accepted` ("float32 or
+// float64"). A missing, unreadable or malformed file raises IoError "`arg`: <path>: <what is
+// wrong>"; a dtype the reader cannot read at all says also what `arg` takes, since the reader's
+// own list is wider than most options'.
+NpyArray read_input(const std::filesystem::path& path, std::string_view arg, std::string_view accepted);
 
 // The array as a float32 tensor of rank 0 to 4. float32 is taken as is and float64 is rounded;
 // any other dtype is a ShapeError, and a finite float64 value beyond float32's range is a
 // ValueError (it would turn into an infinity that was not in the file).
 Tensor<float> to_float32(NpyArray array, std::string_view arg);
 
-// The bool array as a tensor of 0/1 bytes, rank 0 to 4; any other dtype is a ShapeError.
+// A bool or integer array as a tensor of 0/1 bytes (nonzero = 1), rank 0 to 4; any other dtype is
+// a ShapeError.
 Tensor<uint8_t> to_bool(NpyArray array, std::string_view arg);
 
 // read_input then to_float32: the usual way to take a float operand.

@@ -136,8 +136,13 @@ def main():
                  "--mask:", str([B, H, Tq, Tk]), str([Tq, 3]))
         t.save("mask_h2.npy", np.zeros((2, Tq, Tk), dtype=f32))
         t.refuse("float mask with the wrong heads", [*attend, "--mask", "mask_h2.npy", "-o", "o.npy"], "--mask:")
-        t.save("mask_i64.npy", np.ones((Tq, Tk), dtype=np.int64))
-        t.refuse("int64 mask", [*attend, "--mask", "mask_i64.npy", "-o", "o.npy"], "--mask:", "int64", "bool")
+        # The reader has no uint8: the refusal says what each option takes, not the reader's whole list.
+        t.save("mask_u8.npy", np.ones((Tq, Tk), dtype=np.uint8))
+        t.refuse("uint8 mask", [*attend, "--mask", "mask_u8.npy", "-o", "o.npy"],
+                 "--mask:", "u1", "--mask takes bool or int64 (nonzero = may attend) or float32/float64")
+        t.save("q_u8.npy", np.ones((B, H, Tq, Dk), dtype=np.uint8))
+        t.refuse("uint8 Q", ["attend", "--q", "q_u8.npy", "--k", "k.npy", "--v", "v.npy", "-o", "o.npy"],
+                 "--q:", "u1", "--q takes float32 or float64")
 
         # ---- Options that do not fit together.
         t.refuse("--score additive without --wq", [*attend, "--score", "additive", "--wk", "wk.npy", "--ww", "ww.npy",
@@ -246,6 +251,17 @@ def main():
         t.succeed("float64 input", ["attend", "--q", "q64.npy", "--k", "k.npy", "--v", "v.npy", "--causal",
                                     "--mask", "allowed.npy", "--impl", "reference", "-o", "o64.npy"],
                   lambda _: None if np.isfinite(np.load(t.path("o64.npy"))).all() else "non-finite output")
+        # An integer mask means what a bool mask does: nonzero may attend.
+        allowed = np.load(t.path("allowed.npy"))
+        mask_i64 = np.where(allowed, np.array([1, -3, 7, 2, 9, 5, 4])[:Tk], 0).astype(np.int64)
+        t.save("mask_i64.npy", mask_i64)
+        def check_int_mask(_):
+            want, _ = softmax_attention(q, k, v, 1 / np.sqrt(Dk), np.where(allowed, 0.0, -np.inf))
+            got = np.load(t.path("o_i64.npy"))
+            error = np.abs(got - want).max()
+            return None if error <= 1e-5 else f"differs from numpy with the bool mask by {error:.3g}"
+        t.succeed("int64 mask, nonzero = may attend", [*attend, "--mask", "mask_i64.npy", "-o", "o_i64.npy"],
+                  check_int_mask)
         bias_ninf = np.zeros((Tq, Tk), dtype=f32)
         bias_ninf[:, 1:] = -np.inf
         t.save("bias_ninf.npy", bias_ninf)
