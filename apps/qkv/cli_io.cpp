@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <charconv>
 #include <cmath>
 #include <cstdio>
 #include <limits>
@@ -191,6 +192,42 @@ void OutputFiles::commit() {
   } catch (const IoError& e) {
     throw IoError(fmt::format("outputs: {}", e.what()));
   }
+}
+
+std::optional<std::string> closest_name(std::string_view name, const std::vector<std::string>& candidates) {
+  // Levenshtein distance, one row at a time.
+  const auto distance = [name](std::string_view other) {
+    std::vector<size_t> row(other.size() + 1);
+    for (size_t j = 0; j < row.size(); ++j) row[j] = j;
+    for (size_t i = 1; i <= name.size(); ++i) {
+      size_t diagonal = row[0];
+      row[0] = i;
+      for (size_t j = 1; j <= other.size(); ++j) {
+        const size_t substitute = diagonal + (name[i - 1] == other[j - 1] ? 0 : 1);
+        diagonal = row[j];
+        row[j] = std::min({substitute, row[j] + 1, row[j - 1] + 1});
+      }
+    }
+    return row.back();
+  };
+  std::optional<std::string> best;
+  size_t best_distance = std::max<size_t>(2, name.size() / 3) + 1;
+  for (const std::string& candidate : candidates) {
+    const size_t d = distance(candidate);
+    if (d < best_distance) {
+      best = candidate;
+      best_distance = d;
+    }
+  }
+  return best;
+}
+
+std::string uint64_error(const std::string& text) {
+  uint64_t value = 0;
+  const char* end = text.data() + text.size();
+  const auto [ptr, ec] = std::from_chars(text.data(), end, value);
+  if (ec == std::errc() && ptr == end && !text.empty()) return "";
+  return fmt::format("expected an integer from 0 to {}, got {}", std::numeric_limits<uint64_t>::max(), text);
 }
 
 TerminalColor terminal_color(std::string_view when) {

@@ -95,6 +95,16 @@ class OutputFiles {
   std::vector<File> files_;
 };
 
+// ---- Names and numbers ----------------------------------------------------------------------
+
+// The name of `candidates` that `name` is most likely a typo of (the fewest edits, at most a third
+// of the name's length and at least 2), or nothing when none is that close.
+std::optional<std::string> closest_name(std::string_view name, const std::vector<std::string>& candidates);
+
+// Why `text` is not a decimal integer from 0 to 2^64 - 1, or "" when it is: a CLI11 check for the
+// uint64 options (--seed), whose conversion would wrap -1 and saturate what is too large.
+std::string uint64_error(const std::string& text);
+
 // ---- The terminal ---------------------------------------------------------------------------
 
 // The colours of a grid printed to standard output with --color `when` (auto, always or never):
