@@ -36,6 +36,7 @@ constexpr const char* kAttendFooter =
     R"(Shapes: Q [..., Tq, Dk], K [..., Tk, Dk], V [..., Tk, Dv], with the same leading dims: none,
 [H] or [B, H]. Out is [..., Tq, Dv], --weights [..., Tq, Tk] (rows sum to 1), --lse [..., Tq].
 Inputs may be float32 or float64 .npy files; outputs are float32.
+Every input and output is a file: - is not standard input or output (write ./- for a file named -).
 Scores: s_ij = scale * q_i.k_j + mask_ij, scale = 1/sqrt(Dk) unless --scale. With --score additive,
 s_ij = w . tanh(Wq q_i + Wk k_j) + mask_ij (--wq [A, Dq], --wk [A, Dk], --ww [A]; Q may then have
 Dq != Dk, and there is no scale).

@@ -48,6 +48,12 @@ std::string index_str(const Shape& shape, int64_t flat) {
 }
 
 NpyArray read_input(const std::filesystem::path& path, std::string_view arg, std::string_view accepted) {
+  if (path == "-") {
+    throw IoError(
+        fmt::format("{}: expected a file path, got - (arrays are read from files, not from standard input; "
+                    "write ./- for a file named -)",
+                    arg));
+  }
   try {
     return read_npy(path);
   } catch (const IoError& e) {
@@ -135,6 +141,12 @@ Tensor<float> allocate_output(const Shape& shape, std::string_view what) {
 void OutputFiles::plan(std::string_view arg, const std::filesystem::path& path) {
   namespace fs = std::filesystem;
   if (path.empty()) throw IoError(fmt::format("{}: expected a file path, got an empty string", arg));
+  if (path == "-") {
+    throw IoError(
+        fmt::format("{}: expected a file path, got - (binary arrays and pictures are not written to standard "
+                    "output; write ./- for a file named -)",
+                    arg));
+  }
   const auto refuse = [&](std::string_view why) {
     throw IoError(fmt::format("{}: cannot write {}: {}", arg, path.string(), why));
   };

@@ -29,6 +29,8 @@ inline constexpr std::string_view kFloatDtypes = "float32 or float64";
 // float64"). A missing, unreadable or malformed file raises IoError "`arg`: <path>: <what is
 // wrong>"; a dtype the reader cannot read at all says also what `arg` takes, since the reader's
 // own list is wider than most options'.
+// "-" is refused rather than read as a file of that name: it would look like standard input,
+// which a binary .npy is never read from.
 NpyArray read_input(const std::filesystem::path& path, std::string_view arg, std::string_view accepted);
 
 // The array as a float32 tensor of rank 0 to 4. float32 is taken as is and float64 is rounded;
@@ -68,7 +70,8 @@ Tensor<float> allocate_output(const Shape& shape, std::string_view what);
 // nothing, and commit() itself either writes every file or none.
 class OutputFiles {
  public:
-  // Plans output `arg` at `path`. Throws IoError naming `arg` when the path is empty, is a
+  // Plans output `arg` at `path`. Throws IoError naming `arg` when the path is empty or "-" (which
+  // would look like standard output, where no binary file goes), is a
   // directory, lies in a directory that does not exist or is not writable, or names the same file
   // as an output planned before.
   void plan(std::string_view arg, const std::filesystem::path& path);

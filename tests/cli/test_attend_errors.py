@@ -180,6 +180,15 @@ def main():
                  "--weights:", "missing")
         t.refuse("third output is a directory", [*attend, "-o", "o.npy", "--weights", "a.npy", "--lse", "outdir"],
                  "--lse:", "directory")
+        # "-" is never a file name nor standard input or output: binary arrays only go to files.
+        t.refuse("-o -", [*attend, "-o", "-"], "-o:", "got -", "standard output", "./-")
+        t.refuse("--lse -", [*attend, "-o", "o.npy", "--lse", "-"], "--lse:", "standard output")
+        t.refuse("backward --dq -", [*backward, "--dq", "-"], "--dq:", "standard output")
+        t.refuse("--q -", ["attend", "--q", "-", "--k", "k.npy", "--v", "v.npy", "-o", "o.npy"],
+                 "--q:", "got -", "standard input", "./-")
+        t.succeed("-o ./- writes a file named -", [*attend, "-o", "./-"],
+                  lambda _: None if np.load(t.path("-")).shape == (B, H, Tq, Dv) else "no array in the file -")
+        os.remove(t.path("-"))
         t.refuse("two outputs name one file", [*attend, "-o", "o.npy", "--weights", "./o.npy"], "--weights:", "-o")
         # Under a file-size limit that -o (848 bytes) fits and --weights (968) does not, the second
         # output fails while being written, after the first was, and neither may remain.
@@ -304,6 +313,8 @@ def main():
         t.succeed("qkv --help lists the subcommands", ["--help"], help_mentions("attend", "attend-backward"))
         t.succeed("attend --help", ["attend", "--help"],
                   help_mentions("[..., Tq, Dk]", "i + Tk - Tq", "true = visible", "-inf", "Example"))
+        t.succeed("attend --help says what - means", ["attend", "--help"],
+                  help_mentions("- is not standard input or output"))
         t.succeed("attend-backward --help", ["attend-backward", "--help"],
                   help_mentions("--dout", "i + Tk - Tq", "--dbias", "Example"))
 
