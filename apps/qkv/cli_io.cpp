@@ -84,6 +84,16 @@ Tensor<float> to_float32(NpyArray array, std::string_view arg) {
   return Tensor<float>(shape, std::move(values));
 }
 
+Tensor<double> to_float64(NpyArray array, std::string_view arg) {
+  const Shape shape = shape_of(array, arg);
+  if (array.dtype == DType::float64) {
+    return Tensor<double>(shape, std::move(std::get<std::vector<double>>(array.values)));
+  }
+  if (array.dtype != DType::float32) wrong_dtype(array, arg, kFloatDtypes);
+  const auto& source = std::get<std::vector<float>>(array.values);
+  return Tensor<double>(shape, std::vector<double>(source.begin(), source.end()));
+}
+
 Tensor<uint8_t> to_bool(NpyArray array, std::string_view arg) {
   const Shape shape = shape_of(array, arg);
   if (array.dtype == DType::boolean) {
@@ -100,19 +110,20 @@ Tensor<float> load_float32(const std::filesystem::path& path, std::string_view a
   return to_float32(read_input(path, arg, kFloatDtypes), arg);
 }
 
-void check_finite(TensorView<const float> values, std::string_view arg, NonFinite rule) {
-  const TensorView<const float> v4 = as_rank4(values);
+template <class T>
+void check_finite(TensorView<const T> values, std::string_view arg, NonFinite rule) {
+  const TensorView<const T> v4 = as_rank4(values);
   int64_t count = 0;
   int64_t first = -1;
-  float first_value = 0.0f;
+  T first_value = 0;
   int64_t flat = 0;
   for (int64_t a = 0; a < v4.shape[0]; ++a)
     for (int64_t b = 0; b < v4.shape[1]; ++b)
       for (int64_t c = 0; c < v4.shape[2]; ++c)
         for (int64_t d = 0; d < v4.shape[3]; ++d, ++flat) {
-          const float x = v4(a, b, c, d);
+          const T x = v4(a, b, c, d);
           if (std::isfinite(x)) continue;
-          if (rule == NonFinite::minus_infinity_allowed && x == -std::numeric_limits<float>::infinity()) continue;
+          if (rule == NonFinite::minus_infinity_allowed && x == -std::numeric_limits<T>::infinity()) continue;
           if (count++ == 0) {
             first = flat;
             first_value = x;
@@ -127,14 +138,21 @@ void check_finite(TensorView<const float> values, std::string_view arg, NonFinit
                   arg, allowed, count, count == 1 ? "" : "s", first_value, index_str(values.shape, first)));
 }
 
-Tensor<float> allocate_output(const Shape& shape, std::string_view what) {
-  double bytes = sizeof(float);
+template void check_finite(TensorView<const float>, std::string_view, NonFinite);
+template void check_finite(TensorView<const double>, std::string_view, NonFinite);
+
+template <class T>
+Tensor<T> allocate_output(const Shape& shape, std::string_view what) {
+  double bytes = sizeof(T);
   for (const int64_t dim : shape.dims()) bytes *= static_cast<double>(dim);
   // The tensor, and the file image that writing builds before it goes to disk.
-  check_allocation_fits(2.0 * bytes,
-                        fmt::format("{} (a float32 array of shape {}, kept and then written)", what, shape.str()));
-  return Tensor<float>(shape);
+  check_allocation_fits(2.0 * bytes, fmt::format("{} (a {} array of shape {}, kept and then written)", what,
+                                                 sizeof(T) == sizeof(float) ? "float32" : "float64", shape.str()));
+  return Tensor<T>(shape);
 }
+
+template Tensor<float> allocate_output(const Shape&, std::string_view);
+template Tensor<double> allocate_output(const Shape&, std::string_view);
 
 // ---- OutputFiles ----------------------------------------------------------------------------
 
@@ -178,6 +196,11 @@ void OutputFiles::set(std::string_view arg, Tensor<float> values) {
   if (file != files_.end()) file->contents = std::move(values);
 }
 
+void OutputFiles::set(std::string_view arg, Tensor<double> values) {
+  const auto file = std::ranges::find(files_, arg, &File::arg);
+  if (file != files_.end()) file->contents = std::move(values);
+}
+
 void OutputFiles::set(std::string_view arg, std::string bytes) {
   const auto file = std::ranges::find(files_, arg, &File::arg);
   if (file != files_.end()) file->contents = std::move(bytes);
@@ -192,8 +215,15 @@ void OutputFiles::commit() {
   StagedFiles staged;
   for (const File& file : files_) {
     try {
-      const auto* values = std::get_if<Tensor<float>>(&file.contents);
-      staged.stage(file.path, values ? encode_npy(values->cview()) : std::get<std::string>(file.contents));
+      std::string bytes;
+      if (const auto* values = std::get_if<Tensor<float>>(&file.contents)) {
+        bytes = encode_npy(values->cview());
+      } else if (const auto* wide = std::get_if<Tensor<double>>(&file.contents)) {
+        bytes = encode_npy(wide->cview());
+      } else {
+        bytes = std::get<std::string>(file.contents);
+      }
+      staged.stage(file.path, bytes);
     } catch (const IoError& e) {
       throw IoError(fmt::format("{}: cannot write {}: staging it beside the target failed: {}", file.arg,
                                 file.path.string(), e.what()));

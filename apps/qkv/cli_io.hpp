@@ -38,6 +38,10 @@ NpyArray read_input(const std::filesystem::path& path, std::string_view arg, std
 // ValueError (it would turn into an infinity that was not in the file).
 Tensor<float> to_float32(NpyArray array, std::string_view arg);
 
+// The array as a float64 tensor of rank 0 to 4: float64 as is, float32 widened exactly; any other
+// dtype is a ShapeError.
+Tensor<double> to_float64(NpyArray array, std::string_view arg);
+
 // A bool or integer array as a tensor of 0/1 bytes (nonzero = 1), rank 0 to 4; any other dtype is
 // a ShapeError.
 Tensor<uint8_t> to_bool(NpyArray array, std::string_view arg);
@@ -54,16 +58,18 @@ enum class NonFinite {
 // Throws ValueError "`arg`: expected finite values, got 3 non-finite values (the first: nan at
 // [0, 2, 1]); ..." when `values` holds a NaN or an infinity that `rule` does not allow. The message
 // suggests --allow-nonfinite, so a subcommand calling this offers that flag.
-void check_finite(TensorView<const float> values, std::string_view arg, NonFinite rule = NonFinite::refused);
+template <class T>
+void check_finite(TensorView<const T> values, std::string_view arg, NonFinite rule = NonFinite::refused);
 
 // "[0, 2, 1]": the index of element `flat` of a C-order array of `shape`.
 std::string index_str(const Shape& shape, int64_t flat);
 
 // ---- Outputs --------------------------------------------------------------------------------
 
-// A zero-filled float32 tensor for output `what`, refused first (ResourceError naming `what`) when
+// A zero-filled float32 or float64 tensor for output `what`, refused first (ResourceError naming `what`) when
 // it and the file image that writing it needs would not fit in the memory available.
-Tensor<float> allocate_output(const Shape& shape, std::string_view what);
+template <class T = float>
+Tensor<T> allocate_output(const Shape& shape, std::string_view what);
 
 // The files one run writes. Paths are checked when planned, before any work; values are handed
 // over once computed; commit() writes them all. A run that throws before commit() returns writes
@@ -79,10 +85,11 @@ class OutputFiles {
   bool empty() const { return files_.empty(); }
   bool planned(std::string_view arg) const;
 
-  // The contents of planned output `arg`: an array, written as a float32 .npy, or the bytes of a
+  // The contents of planned output `arg`: an array, written as a .npy of its dtype, or the bytes of a
   // file (a picture). Contents for an output not planned are dropped, so that callers can hand
   // over everything they computed.
   void set(std::string_view arg, Tensor<float> values);
+  void set(std::string_view arg, Tensor<double> values);
   void set(std::string_view arg, std::string bytes);
 
   // Writes every planned output, all or nothing (qkv::StagedFiles). IoError names the output whose
@@ -93,7 +100,7 @@ class OutputFiles {
   struct File {
     std::string arg;
     std::filesystem::path path;
-    std::variant<std::monostate, Tensor<float>, std::string> contents;
+    std::variant<std::monostate, Tensor<float>, Tensor<double>, std::string> contents;
   };
   std::vector<File> files_;
 };

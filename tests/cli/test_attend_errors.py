@@ -78,9 +78,10 @@ def main():
         t.save("q_i64.npy", np.ones((B, H, Tq, Dk), dtype=np.int64))
         t.refuse("int64 Q", ["attend", "--q", "q_i64.npy", "--k", "k.npy", "--v", "v.npy", "-o", "o.npy"],
                  "--q:", "int64", "float32")
-        t.save("q_big.npy", np.full((Tq, Dk), 1e300))
-        t.refuse("float64 beyond float32's range",
-                 ["attend", "--q", "q_big.npy", "--k", "k.npy", "--v", "v.npy", "-o", "o.npy"], "--q:", "range")
+        # A float32 run rounds a float64 mask: a value beyond float32's range would become an infinity.
+        t.save("bias_big.npy", np.full((Tq, Tk), 1e300))
+        t.refuse("float64 beyond float32's range", [*attend, "--mask", "bias_big.npy", "-o", "o.npy"],
+                 "--mask:", "range")
 
         # ---- Shapes that do not fit together.
         t.save("k_dk3.npy", np.ones((B, H, Tk, 3), dtype=f32))
@@ -257,6 +258,40 @@ def main():
                                                            "--weights", "outdir/a.npy", "--lse", "outdir/l.npy"],
                   check_forward)
         t.save("q64.npy", q.astype(np.float64))
+        # A float64 operand makes the run float64 end to end: outputs float64, at float64 accuracy.
+        q64, k64, v64 = (rng.standard_normal(a.shape) for a in (q, k, v))
+        for name, a in (("qd.npy", q64), ("kd.npy", k64), ("vd.npy", v64)):
+            t.save(name, a)
+        want64, want_p64 = softmax_attention(q64, k64, v64, 1 / np.sqrt(Dk))
+
+        def float64_close(names_wants):
+            def check(_):
+                for name, want in names_wants:
+                    got = np.load(t.path(name))
+                    if got.dtype != np.float64:
+                        return f"{name}: dtype {got.dtype}, expected float64"
+                    if np.abs(got - want).max() > 1e-12:
+                        return f"{name}: differs from numpy's float64 by {np.abs(got - want).max():.3g}"
+                return None
+            return check
+        for impl in ("reference", "auto", "fused"):
+            extra = ["--weights", "a64.npy"] if impl != "fused" else []
+            t.succeed(f"float64 in, float64 out (--impl {impl})",
+                      ["attend", "--q", "qd.npy", "--k", "kd.npy", "--v", "vd.npy", "--impl", impl, "-o", "o64d.npy",
+                       *extra],
+                      float64_close([("o64d.npy", want64)] + ([("a64.npy", want_p64)] if extra else [])))
+        t.save("doutd.npy", np.ones((B, H, Tq, Dv)))
+        # With dO all ones, dV_j is the sum of the weights of key j over the queries.
+        t.succeed("attend-backward: float64 in, float64 out",
+                  ["attend-backward", "--q", "qd.npy", "--k", "kd.npy", "--v", "vd.npy", "--dout", "doutd.npy",
+                   "--dv", "dv64.npy"], float64_close([("dv64.npy", want_p64.sum(axis=-2)[..., None]
+                                                        * np.ones((1, 1, 1, Dv)))]))
+        t.succeed("--score additive with float64 inputs runs in float32",
+                  ["attend", "--q", "qd.npy", "--k", "kd.npy", "--v", "vd.npy", *additive, "-o", "oadd64.npy"],
+                  lambda _: None if np.load(t.path("oadd64.npy")).dtype == np.float32 else "not float32")
+        t.succeed("float64 Q with float32 K and V runs in float64",
+                  ["attend", "--q", "qd.npy", "--k", "k.npy", "--v", "v.npy", "-o", "omix.npy"],
+                  lambda _: None if np.load(t.path("omix.npy")).dtype == np.float64 else "not float64")
         t.succeed("float64 input", ["attend", "--q", "q64.npy", "--k", "k.npy", "--v", "v.npy", "--causal",
                                     "--mask", "allowed.npy", "--impl", "reference", "-o", "o64.npy"],
                   lambda _: None if np.isfinite(np.load(t.path("o64.npy"))).all() else "non-finite output")
@@ -315,6 +350,8 @@ def main():
                   help_mentions("[..., Tq, Dk]", "i + Tk - Tq", "true = visible", "-inf", "Example"))
         t.succeed("attend --help says what - means", ["attend", "--help"],
                   help_mentions("- is not standard input or output"))
+        t.succeed("attend --help says which runs are float64", ["attend", "--help"],
+                  help_mentions("When Q, K or V is float64", "--score additive runs in float32 only"))
         t.succeed("attend-backward --help", ["attend-backward", "--help"],
                   help_mentions("--dout", "i + Tk - Tq", "--dbias", "Example"))
 
