@@ -1,25 +1,30 @@
-# The two commands of README.md. Both install what is missing (scripts/install-deps.sh), configure
-# with the `release` CMake preset (Ninja) and build; then `demo` runs the seed's example and `test`
-# runs every test through CTest.
+# The two commands of README.md. `demo` installs only what the library and the qkv command line
+# need (scripts/install-deps.sh demo), builds the qkv binary and runs the seed's example; `test`
+# installs everything the tests use as well (scripts/install-deps.sh test), builds it all and runs
+# every test through CTest. Both configure with the `release` CMake preset (Ninja).
 
 JOBS ?= $(shell nproc)
 BUILD_DIR := build/release
 QKV := $(BUILD_DIR)/apps/qkv
 
-.PHONY: demo test build deps clean
+.PHONY: demo test build clean
 
-demo: build
+# A first configure leaves out the tests and benchmarks, whose libraries `demo` does not install;
+# a build directory that `make test` configured keeps them.
+demo:
+	scripts/install-deps.sh demo
+	if [ -f $(BUILD_DIR)/CMakeCache.txt ]; then cmake --preset release; \
+	else cmake --preset release -DQKV_BUILD_TESTS=OFF -DQKV_BUILD_BENCH=OFF; fi
+	cmake --build --preset release -j $(JOBS) --target qkv_cli
 	$(QKV) demo
 
 test: build
 	ctest --preset release -j $(JOBS)
 
-build: deps
-	cmake --preset release
+build:
+	scripts/install-deps.sh test
+	cmake --preset release -DQKV_BUILD_TESTS=ON -DQKV_BUILD_BENCH=ON
 	cmake --build --preset release -j $(JOBS)
-
-deps:
-	scripts/install-deps.sh
 
 clean:
 	rm -rf build

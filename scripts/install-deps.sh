@@ -1,29 +1,44 @@
 #!/usr/bin/env bash
-# Installs, from Debian 12's archive, whatever qkv needs to build and test that is not yet present.
+# Installs, from Debian 12's archive, whatever qkv needs that is not yet present. One argument says
+# for what:
+#   demo  what the library and the qkv command line need to build and run (`make demo`)
+#   test  that, and everything the tests and benchmarks use besides (`make test`)
 # Idempotent: when every package is already installed it only runs dpkg-query (and, for the browser
 # test's node modules, compares two timestamps) and exits.
 set -euo pipefail
+
+usage="usage: scripts/install-deps.sh demo|test"
+if (($# != 1)) || [[ "$1" != demo && "$1" != test ]]; then
+  echo "install-deps: expected one argument, demo or test, got ${*:-none}" >&2
+  echo "$usage" >&2
+  exit 2
+fi
+mode=$1
 
 packages=(
   # build
   cmake ninja-build g++ make pkg-config
   # libraries the code uses
   libhwy-dev libcli11-dev libfmt-dev
-  # tests and benchmarks
-  libgtest-dev libgmock-dev libbenchmark-dev
-  # the independent reference the tests compare against (never linked into the library)
-  python3 python3-numpy python3-torch
-  # PyTorch's BLAS for bench/compare_torch.py: without it Debian's torch falls back to the
-  # reference BLAS (about 5 GFLOP/s here), which would make PyTorch a straw man
-  libopenblas0-pthread
-  # heatmaps as images (cairo + pango, CJK glyphs) and their tests (xmllint; Chromium for the HTML page)
-  libcairo2-dev libpango1.0-dev fonts-noto-cjk libxml2-utils chromium
-  # line plots of the experiments
-  libplplot-dev plplot-driver-cairo
+  # heatmaps as images (cairo + pango, CJK glyphs for any token) and the experiments' line plots
+  libcairo2-dev libpango1.0-dev fonts-noto-cjk libplplot-dev plplot-driver-cairo
 )
-# npm installs the browser-test driver (playwright-core). Node.js may come from elsewhere with its
-# own npm; Debian's npm package is needed only when there is none.
-command -v npm >/dev/null 2>&1 || packages+=(nodejs npm)
+if [[ "$mode" == test ]]; then
+  packages+=(
+    # tests and benchmarks
+    libgtest-dev libgmock-dev libbenchmark-dev
+    # the independent reference the tests compare against (never linked into the library)
+    python3 python3-numpy python3-torch
+    # PyTorch's BLAS for bench/compare_torch.py: without it Debian's torch falls back to the
+    # reference BLAS (about 5 GFLOP/s here), which would make PyTorch a straw man
+    libopenblas0-pthread
+    # the heatmap tests: xmllint for the SVGs, Chromium for the HTML page
+    libxml2-utils chromium
+  )
+  # npm installs the browser-test driver (playwright-core). Node.js may come from elsewhere with its
+  # own npm; Debian's npm package is needed only when there is none.
+  command -v npm >/dev/null 2>&1 || packages+=(nodejs npm)
+fi
 
 missing=()
 for pkg in "${packages[@]}"; do
@@ -48,6 +63,8 @@ if ((${#missing[@]} > 0)); then
   fi
   echo "install-deps: done"
 fi
+
+[[ "$mode" == test ]] || exit 0
 
 # The browser test's node modules (tests/browser: playwright-core, which drives Debian's Chromium and
 # downloads no browser), installed exactly as package-lock.json pins them, and again only when the

@@ -17,6 +17,7 @@
 #include <string>
 #include <string_view>
 #include <system_error>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -35,12 +36,16 @@ namespace {
 constexpr const char* kAttendFooter =
     R"(Shapes: Q [..., Tq, Dk], K [..., Tk, Dk], V [..., Tk, Dv], with the same leading dims: none,
 [H] or [B, H]. Out is [..., Tq, Dv], --weights [..., Tq, Tk] (rows sum to 1), --lse [..., Tq].
-Inputs may be float32 or float64 .npy files; outputs are float32.
+Inputs may be float32 or float64 .npy files. When Q, K or V is float64, the run is float64 end to
+end (the other inputs are widened, the outputs are float64); else it is float32 (a float64 mask or
+dOut is rounded). --score additive runs in float32 only.
+Every input and output is a file: - is not standard input or output (write ./- for a file named -).
 Scores: s_ij = scale * q_i.k_j + mask_ij, scale = 1/sqrt(Dk) unless --scale. With --score additive,
 s_ij = w . tanh(Wq q_i + Wk k_j) + mask_ij (--wq [A, Dq], --wk [A, Dk], --ww [A]; Q may then have
 Dq != Dk, and there is no scale).
 Mask (--mask, broadcast to [B, H, Tq, Tk]): a bool mask says which keys a query may attend to
-(true = visible); a float mask is a bias added to the scores, where -inf masks the key.
+(true = visible), and so does an int64 mask (nonzero = visible); a float mask is a bias added to
+the scores, where -inf masks the key.
 Causal (--causal) is bottom-right aligned: query i sees key j <= i + Tk - Tq, the usual lower
 triangle when Tq == Tk; with Tq < Tk (a KV cache) the last query sees every key. A query that
 sees no key gets output 0, weights 0 and lse -inf, never NaN.
@@ -53,7 +58,7 @@ inputs with the same meaning, plus --dout dO [..., Tq, Dv].
 Outputs (at least one; only those given are written): --dq [..., Tq, Dk], --dk [..., Tk, Dk],
 --dv [..., Tk, Dv]; --dbias (needs a float --mask: its shape, summed over the dims it was broadcast
 along); with --score additive --dwq [A, Dq], --dwk [A, Dk], --dww [A] (summed over batch and heads).
-Mask: bool = may attend (true = visible), float = additive bias (-inf masks); it broadcasts to
+Mask: bool or int64 = may attend (nonzero = visible), float = additive bias (-inf masks); it broadcasts to
 [B, H, Tq, Tk]. Causal: query i sees key j <= i + Tk - Tq (bottom-right aligned). A query that sees
 no key has zero gradients.
 Example:
@@ -105,11 +110,12 @@ void add_input_options(CLI::App& cmd, InputOptions& o) {
   cmd.add_option("--v", o.v, "values V.npy [..., Tk, Dv]")->type_name("FILE")->required();
   o.scale_option = cmd.add_option("--scale", o.scale, "multiplies q.k before the mask is added (default 1/sqrt(Dk))");
   cmd.add_flag("--causal", o.causal, "query i sees key j <= i + Tk - Tq (bottom-right aligned)");
-  cmd.add_option("--mask", o.mask, "M.npy, broadcast to [B, H, Tq, Tk]: bool = may attend, float = additive bias")
+  cmd.add_option("--mask", o.mask,
+                 "M.npy, broadcast to [B, H, Tq, Tk]: bool or int64 = may attend (nonzero), float = additive bias")
       ->type_name("FILE");
   cmd.add_option("--impl", o.impl,
                  "auto (the fastest implementation that supports the request), fused (tiled online softmax, O(T) "
-                 "memory) or reference (plain loops, float64 sums)")
+                 "memory; dot scores only, no --weights or --heatmap) or reference (plain loops, float64 sums)")
       ->check(CLI::IsMember({"auto", "fused", "reference"}))
       ->capture_default_str();
   cmd.add_option("--score", o.score, "dot (scaled dot product) or additive (w . tanh(Wq q + Wk k))")
@@ -121,14 +127,16 @@ void add_input_options(CLI::App& cmd, InputOptions& o) {
   cmd.add_flag("--allow-nonfinite", o.allow_nonfinite, "accept NaN and infinities in the inputs");
 }
 
-// The operands of one run: read, converted to float32 and checked against each other.
+// The operands of one run: read, converted to T (float, or double for float64 dot-product runs)
+// and checked against each other.
+template <class T>
 struct Operands {
   Score score = Score::dot;
-  Tensor<float> q;                         // [..., Tq, Dk] ([..., Tq, Dq] with additive scores)
-  Tensor<float> k;                         // [..., Tk, Dk]
-  Tensor<float> v;                         // [..., Tk, Dv]
-  std::optional<Tensor<uint8_t>> allowed;  // a bool --mask, broadcastable to [B, H, Tq, Tk]
-  std::optional<Tensor<float>> bias;       // a float --mask, broadcastable to [B, H, Tq, Tk]
+  Tensor<T> q;                             // [..., Tq, Dk] ([..., Tq, Dq] with additive scores)
+  Tensor<T> k;                             // [..., Tk, Dk]
+  Tensor<T> v;                             // [..., Tk, Dv]
+  std::optional<Tensor<uint8_t>> allowed;  // a bool or int64 --mask, broadcastable to [B, H, Tq, Tk]
+  std::optional<Tensor<T>> bias;           // a float --mask, broadcastable to [B, H, Tq, Tk]
   Tensor<float> w_q;                       // [A, Dq], additive scores only
   Tensor<float> w_k;                       // [A, Dk], additive scores only
   Tensor<float> w;                         // [A], additive scores only
@@ -144,12 +152,12 @@ struct Operands {
     return Shape(std::span<const int64_t>(dims));
   }
 
-  AttentionMask<float> mask() const {
+  AttentionMask<T> mask() const {
     return {.causal = causal,
             .allowed = allowed ? std::optional(allowed->cview()) : std::nullopt,
             .bias = bias ? std::optional(bias->cview()) : std::nullopt};
   }
-  AttentionParams<float> dot_params() const {
+  AttentionParams<T> dot_params() const {
     return {.q = q.cview(), .k = k.cview(), .v = v.cview(), .scale = scale, .mask = mask()};
   }
   AdditiveAttentionParams<float> additive_params() const {
@@ -192,17 +200,28 @@ void expect_shape(std::string_view arg, const Shape& actual, const Shape& expect
   }
 }
 
-// Reads --mask as a bool mask or a float bias and checks that it broadcasts to the scores.
-void load_mask(const InputOptions& o, const Shape& scores, Operands& x) {
-  NpyArray array = read_input(o.mask, "--mask");
-  if (array.dtype == DType::boolean) {
+constexpr std::string_view kMaskDtypes = "bool or int64 (nonzero = may attend) or float32/float64 (a bias)";
+
+template <class T>
+Tensor<T> to_tensor(NpyArray array, std::string_view arg) {
+  if constexpr (std::is_same_v<T, double>) {
+    return to_float64(std::move(array), arg);
+  } else {
+    return to_float32(std::move(array), arg);
+  }
+}
+
+// Reads --mask as a bool or integer mask or a float bias and checks that it broadcasts to the scores.
+template <class T>
+void load_mask(const InputOptions& o, const Shape& scores, Operands<T>& x) {
+  NpyArray array = read_input(o.mask, "--mask", kMaskDtypes);
+  if (array.dtype == DType::boolean || array.dtype == DType::int64) {
     x.allowed = to_bool(std::move(array), "--mask");
   } else if (array.dtype == DType::float32 || array.dtype == DType::float64) {
-    x.bias = to_float32(std::move(array), "--mask");
+    x.bias = to_tensor<T>(std::move(array), "--mask");
   } else {
-    throw ShapeError(
-        fmt::format("--mask: expected dtype bool (may attend) or float32/float64 (a bias), got {} (shape {})",
-                    dtype_name(array.dtype), array.shape_str()));
+    throw ShapeError(fmt::format("--mask: expected dtype {}, got {} (shape {})", kMaskDtypes, dtype_name(array.dtype),
+                                 array.shape_str()));
   }
   const Shape shape = x.allowed ? x.allowed->shape() : x.bias->shape();
   bool broadcasts = shape.rank() <= scores.rank();
@@ -215,16 +234,52 @@ void load_mask(const InputOptions& o, const Shape& scores, Operands& x) {
   }
 }
 
-Operands load_operands(const InputOptions& o) {
-  Operands x;
-  x.score = o.score == "additive" ? Score::additive : Score::dot;
-  x.impl = o.impl == "reference" ? AttentionImpl::reference : AttentionImpl::automatic;
+AttentionImpl impl_of(std::string_view name) {
+  if (name == "fused") return AttentionImpl::fused;
+  if (name == "reference") return AttentionImpl::reference;
+  return AttentionImpl::automatic;
+}
+
+// Q, K and V as read, before the run's dtype is chosen from them.
+struct InputArrays {
+  NpyArray q, k, v;
+};
+
+Score score_of(const InputOptions& o) { return o.score == "additive" ? Score::additive : Score::dot; }
+
+// The options that fit together, checked before any file is read.
+void check_input_options(const InputOptions& o) {
+  check_scoring_options(o, score_of(o));
+  if (score_of(o) == Score::additive && impl_of(o.impl) == AttentionImpl::fused) {
+    throw ValueError(
+        "--impl: fused computes dot-product scores only; --score additive has only the reference "
+        "implementation (use --impl auto or reference), got --impl fused");
+  }
+}
+
+InputArrays read_inputs(const InputOptions& o) {
+  return {.q = read_input(o.q, "--q", kFloatDtypes),
+          .k = read_input(o.k, "--k", kFloatDtypes),
+          .v = read_input(o.v, "--v", kFloatDtypes)};
+}
+
+// Dot-product attention runs in float64 when Q, K or V is float64, as numpy would promote them;
+// additive attention has a float32 implementation only.
+bool runs_in_float64(const InputOptions& o, const InputArrays& in) {
+  return score_of(o) == Score::dot &&
+         (in.q.dtype == DType::float64 || in.k.dtype == DType::float64 || in.v.dtype == DType::float64);
+}
+
+template <class T>
+Operands<T> load_operands(const InputOptions& o, InputArrays in) {
+  Operands<T> x;
+  x.score = score_of(o);
+  x.impl = impl_of(o.impl);
   x.causal = o.causal;
-  check_scoring_options(o, x.score);
   if (o.scale_option->count() > 0) x.scale = o.scale;
 
-  x.q = load_float32(o.q, "--q");
-  const TensorView<const float> q4 = as_bhtd(x.q.cview(), "--q");
+  x.q = to_tensor<T>(std::move(in.q), "--q");
+  const TensorView<const T> q4 = as_bhtd(x.q.cview(), "--q");
   x.leading = Shape(std::span<const int64_t>(x.q.shape().dims().data(), static_cast<size_t>(x.q.shape().rank() - 2)));
   x.tq = q4.shape[2];
   const int64_t dq = q4.shape[3];
@@ -232,7 +287,7 @@ Operands load_operands(const InputOptions& o) {
     throw ShapeError(fmt::format("--q: expected d_k (the last dim) >= 1, got shape {}", x.q.shape().str()));
   }
 
-  x.k = load_float32(o.k, "--k");
+  x.k = to_tensor<T>(std::move(in.k), "--k");
   as_bhtd(x.k.cview(), "--k");  // refuses a rank outside 2 to 4 before Tk is read off the shape
   x.tk = x.k.shape().from_back(2);
   const int64_t dk = x.k.shape().from_back(1);
@@ -242,7 +297,7 @@ Operands load_operands(const InputOptions& o) {
     expect_shape("--k", x.k.shape(), x.with_leading({x.tk, dk}), "[..., Tk, Dk]: the leading dims of --q");
   }
 
-  x.v = load_float32(o.v, "--v");
+  x.v = to_tensor<T>(std::move(in.v), "--v");
   as_bhtd(x.v.cview(), "--v");  // the same for Dv
   x.dv = x.v.shape().from_back(1);
   expect_shape("--v", x.v.shape(), x.with_leading({x.tk, x.dv}), "[..., Tk, Dv]: the leading dims of --q, Tk of --k");
@@ -276,6 +331,10 @@ Operands load_operands(const InputOptions& o) {
   return x;
 }
 
+template <class T>
+void attend(const AttendOptions& o, const Operands<T>& x, const std::optional<HeatmapFormat>& heatmap,
+            OutputFiles& files);
+
 void run_attend(const AttendOptions& o) {
   OutputFiles files;
   files.plan("-o", o.out);
@@ -286,20 +345,45 @@ void run_attend(const AttendOptions& o) {
     heatmap = heatmap_format_for_path(o.heatmap, "--heatmap");
     files.plan("--heatmap", o.heatmap);
   }
-  const Operands x = load_operands(o.in);
-
-  Tensor<float> out = allocate_output(x.with_leading({x.tq, x.dv}), "-o");
-  std::optional<Tensor<float>> weights;
-  std::optional<Tensor<float>> lse;
-  if (files.planned("--weights") || heatmap) weights = allocate_output(x.with_leading({x.tq, x.tk}), "--weights");
-  if (files.planned("--lse")) lse = allocate_output(x.with_leading({x.tq}), "--lse");
-  const AttentionOutputs<float> outputs{.out = out.view(),
-                                        .weights = weights ? std::optional(weights->view()) : std::nullopt,
-                                        .lse = lse ? std::optional(lse->view()) : std::nullopt};
-  if (x.score == Score::dot) {
-    attention_forward(x.dot_params(), outputs, x.impl);
+  // The fused kernel never materialises the weights, so it cannot give them.
+  if (o.in.impl == "fused") {
+    for (const std::string_view arg : {"--weights", "--heatmap"}) {
+      if (files.planned(arg)) {
+        throw ValueError(
+            fmt::format("{}: the fused implementation never forms the attention weights; drop {} or use "
+                        "--impl auto or reference, got --impl fused",
+                        arg, arg));
+      }
+    }
+  }
+  check_input_options(o.in);
+  InputArrays in = read_inputs(o.in);
+  if (runs_in_float64(o.in, in)) {
+    attend<double>(o, load_operands<double>(o.in, std::move(in)), heatmap, files);
   } else {
-    additive_attention_forward(x.additive_params(), outputs);
+    attend<float>(o, load_operands<float>(o.in, std::move(in)), heatmap, files);
+  }
+}
+
+template <class T>
+void attend(const AttendOptions& o, const Operands<T>& x, const std::optional<HeatmapFormat>& heatmap,
+            OutputFiles& files) {
+  Tensor<T> out = allocate_output<T>(x.with_leading({x.tq, x.dv}), "-o");
+  std::optional<Tensor<T>> weights;
+  std::optional<Tensor<T>> lse;
+  if (files.planned("--weights") || heatmap) weights = allocate_output<T>(x.with_leading({x.tq, x.tk}), "--weights");
+  if (files.planned("--lse")) lse = allocate_output<T>(x.with_leading({x.tq}), "--lse");
+  const AttentionOutputs<T> outputs{.out = out.view(),
+                                    .weights = weights ? std::optional(weights->view()) : std::nullopt,
+                                    .lse = lse ? std::optional(lse->view()) : std::nullopt};
+  if constexpr (std::is_same_v<T, float>) {
+    if (x.score == Score::additive) {
+      additive_attention_forward(x.additive_params(), outputs);
+    } else {
+      attention_forward(x.dot_params(), outputs, x.impl);
+    }
+  } else {
+    attention_forward(x.dot_params(), outputs, x.impl);
   }
 
   // Every head of the first batch entry, written with the arrays: all the files or none.
@@ -309,6 +393,9 @@ void run_attend(const AttendOptions& o) {
   if (lse) files.set("--lse", std::move(*lse));
   files.commit();
 }
+
+template <class T>
+void attend_backward(const BackwardOptions& o, const Operands<T>& x, OutputFiles& files);
 
 void run_attend_backward(const BackwardOptions& o) {
   OutputFiles files;
@@ -324,28 +411,38 @@ void run_attend_backward(const BackwardOptions& o) {
       throw ValueError(fmt::format("{}: only computed with --score additive, got --score {}", arg, o.in.score));
     }
   }
-  const Operands x = load_operands(o.in);
+  check_input_options(o.in);
+  InputArrays in = read_inputs(o.in);
+  if (runs_in_float64(o.in, in)) {
+    attend_backward<double>(o, load_operands<double>(o.in, std::move(in)), files);
+  } else {
+    attend_backward<float>(o, load_operands<float>(o.in, std::move(in)), files);
+  }
+}
+
+template <class T>
+void attend_backward(const BackwardOptions& o, const Operands<T>& x, OutputFiles& files) {
   if (files.planned("--dbias") && !x.bias) {
     throw ValueError(fmt::format("--dbias: needs a float --mask (an additive bias), got {}",
-                                 x.allowed ? "a bool --mask" : "no --mask"));
+                                 x.allowed ? "a bool or int64 --mask" : "no --mask"));
   }
-  Tensor<float> dout = load_float32(o.dout, "--dout");
+  Tensor<T> dout = to_tensor<T>(read_input(o.dout, "--dout", kFloatDtypes), "--dout");
   expect_shape("--dout", dout.shape(), x.with_leading({x.tq, x.dv}),
                "[..., Tq, Dv]: the shape of the attention output");
   if (!o.in.allow_nonfinite) check_finite(dout.cview(), "--dout");
 
   // The library computes dq, dk and dv whether or not they are written.
-  Tensor<float> dq = allocate_output(x.q.shape(), "--dq");
-  Tensor<float> dk = allocate_output(x.k.shape(), "--dk");
-  Tensor<float> dv = allocate_output(x.v.shape(), "--dv");
-  std::optional<Tensor<float>> dbias;
-  if (files.planned("--dbias")) dbias = allocate_output(x.bias->shape(), "--dbias");
-  const std::optional<TensorView<float>> dbias_view = dbias ? std::optional(dbias->view()) : std::nullopt;
+  Tensor<T> dq = allocate_output<T>(x.q.shape(), "--dq");
+  Tensor<T> dk = allocate_output<T>(x.k.shape(), "--dk");
+  Tensor<T> dv = allocate_output<T>(x.v.shape(), "--dv");
+  std::optional<Tensor<T>> dbias;
+  if (files.planned("--dbias")) dbias = allocate_output<T>(x.bias->shape(), "--dbias");
+  const std::optional<TensorView<T>> dbias_view = dbias ? std::optional(dbias->view()) : std::nullopt;
 
   if (x.score == Score::dot) {
-    const AttentionGradients<float> grads{.dq = dq.view(), .dk = dk.view(), .dv = dv.view(), .dbias = dbias_view};
-    attention_backward<float>(x.dot_params(), dout.cview(), grads, std::nullopt, x.impl);
-  } else {
+    const AttentionGradients<T> grads{.dq = dq.view(), .dk = dk.view(), .dv = dv.view(), .dbias = dbias_view};
+    attention_backward<T>(x.dot_params(), dout.cview(), grads, std::nullopt, x.impl);
+  } else if constexpr (std::is_same_v<T, float>) {
     Tensor<float> dw_q = allocate_output(x.w_q.shape(), "--dwq");
     Tensor<float> dw_k = allocate_output(x.w_k.shape(), "--dwk");
     Tensor<float> dw = allocate_output(x.w.shape(), "--dww");

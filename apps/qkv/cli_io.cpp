@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <charconv>
 #include <cmath>
 #include <cstdio>
 #include <limits>
@@ -46,18 +47,28 @@ std::string index_str(const Shape& shape, int64_t flat) {
   return fmt::format("[{}]", fmt::join(index, ", "));
 }
 
-NpyArray read_input(const std::filesystem::path& path, std::string_view arg) {
+NpyArray read_input(const std::filesystem::path& path, std::string_view arg, std::string_view accepted) {
+  if (path == "-") {
+    throw IoError(
+        fmt::format("{}: expected a file path, got - (arrays are read from files, not from standard input; "
+                    "write ./- for a file named -)",
+                    arg));
+  }
   try {
     return read_npy(path);
   } catch (const IoError& e) {
-    throw IoError(fmt::format("{}: {}", arg, e.what()));
+    const std::string_view what = e.what();
+    if (what.find("unsupported dtype") != std::string_view::npos) {
+      throw IoError(fmt::format("{}: {}; {} takes {}", arg, what, arg, accepted));
+    }
+    throw IoError(fmt::format("{}: {}", arg, what));
   }
 }
 
 Tensor<float> to_float32(NpyArray array, std::string_view arg) {
   const Shape shape = shape_of(array, arg);
   if (array.dtype == DType::float32) return Tensor<float>(shape, std::move(std::get<std::vector<float>>(array.values)));
-  if (array.dtype != DType::float64) wrong_dtype(array, arg, "float32 or float64");
+  if (array.dtype != DType::float64) wrong_dtype(array, arg, kFloatDtypes);
 
   const auto& source = std::get<std::vector<double>>(array.values);
   std::vector<float> values(source.size());
@@ -73,29 +84,46 @@ Tensor<float> to_float32(NpyArray array, std::string_view arg) {
   return Tensor<float>(shape, std::move(values));
 }
 
+Tensor<double> to_float64(NpyArray array, std::string_view arg) {
+  const Shape shape = shape_of(array, arg);
+  if (array.dtype == DType::float64) {
+    return Tensor<double>(shape, std::move(std::get<std::vector<double>>(array.values)));
+  }
+  if (array.dtype != DType::float32) wrong_dtype(array, arg, kFloatDtypes);
+  const auto& source = std::get<std::vector<float>>(array.values);
+  return Tensor<double>(shape, std::vector<double>(source.begin(), source.end()));
+}
+
 Tensor<uint8_t> to_bool(NpyArray array, std::string_view arg) {
   const Shape shape = shape_of(array, arg);
-  if (array.dtype != DType::boolean) wrong_dtype(array, arg, "bool");
-  return Tensor<uint8_t>(shape, std::move(std::get<std::vector<uint8_t>>(array.values)));
+  if (array.dtype == DType::boolean) {
+    return Tensor<uint8_t>(shape, std::move(std::get<std::vector<uint8_t>>(array.values)));
+  }
+  if (array.dtype != DType::int64) wrong_dtype(array, arg, "bool or int64");
+  const auto& source = std::get<std::vector<int64_t>>(array.values);
+  std::vector<uint8_t> values(source.size());
+  std::ranges::transform(source, values.begin(), [](int64_t x) { return static_cast<uint8_t>(x != 0); });
+  return Tensor<uint8_t>(shape, std::move(values));
 }
 
 Tensor<float> load_float32(const std::filesystem::path& path, std::string_view arg) {
-  return to_float32(read_input(path, arg), arg);
+  return to_float32(read_input(path, arg, kFloatDtypes), arg);
 }
 
-void check_finite(TensorView<const float> values, std::string_view arg, NonFinite rule) {
-  const TensorView<const float> v4 = as_rank4(values);
+template <class T>
+void check_finite(TensorView<const T> values, std::string_view arg, NonFinite rule) {
+  const TensorView<const T> v4 = as_rank4(values);
   int64_t count = 0;
   int64_t first = -1;
-  float first_value = 0.0f;
+  T first_value = 0;
   int64_t flat = 0;
   for (int64_t a = 0; a < v4.shape[0]; ++a)
     for (int64_t b = 0; b < v4.shape[1]; ++b)
       for (int64_t c = 0; c < v4.shape[2]; ++c)
         for (int64_t d = 0; d < v4.shape[3]; ++d, ++flat) {
-          const float x = v4(a, b, c, d);
+          const T x = v4(a, b, c, d);
           if (std::isfinite(x)) continue;
-          if (rule == NonFinite::minus_infinity_allowed && x == -std::numeric_limits<float>::infinity()) continue;
+          if (rule == NonFinite::minus_infinity_allowed && x == -std::numeric_limits<T>::infinity()) continue;
           if (count++ == 0) {
             first = flat;
             first_value = x;
@@ -110,20 +138,33 @@ void check_finite(TensorView<const float> values, std::string_view arg, NonFinit
                   arg, allowed, count, count == 1 ? "" : "s", first_value, index_str(values.shape, first)));
 }
 
-Tensor<float> allocate_output(const Shape& shape, std::string_view what) {
-  double bytes = sizeof(float);
+template void check_finite(TensorView<const float>, std::string_view, NonFinite);
+template void check_finite(TensorView<const double>, std::string_view, NonFinite);
+
+template <class T>
+Tensor<T> allocate_output(const Shape& shape, std::string_view what) {
+  double bytes = sizeof(T);
   for (const int64_t dim : shape.dims()) bytes *= static_cast<double>(dim);
   // The tensor, and the file image that writing builds before it goes to disk.
-  check_allocation_fits(2.0 * bytes,
-                        fmt::format("{} (a float32 array of shape {}, kept and then written)", what, shape.str()));
-  return Tensor<float>(shape);
+  check_allocation_fits(2.0 * bytes, fmt::format("{} (a {} array of shape {}, kept and then written)", what,
+                                                 sizeof(T) == sizeof(float) ? "float32" : "float64", shape.str()));
+  return Tensor<T>(shape);
 }
+
+template Tensor<float> allocate_output(const Shape&, std::string_view);
+template Tensor<double> allocate_output(const Shape&, std::string_view);
 
 // ---- OutputFiles ----------------------------------------------------------------------------
 
 void OutputFiles::plan(std::string_view arg, const std::filesystem::path& path) {
   namespace fs = std::filesystem;
   if (path.empty()) throw IoError(fmt::format("{}: expected a file path, got an empty string", arg));
+  if (path == "-") {
+    throw IoError(
+        fmt::format("{}: expected a file path, got - (binary arrays and pictures are not written to standard "
+                    "output; write ./- for a file named -)",
+                    arg));
+  }
   const auto refuse = [&](std::string_view why) {
     throw IoError(fmt::format("{}: cannot write {}: {}", arg, path.string(), why));
   };
@@ -155,6 +196,11 @@ void OutputFiles::set(std::string_view arg, Tensor<float> values) {
   if (file != files_.end()) file->contents = std::move(values);
 }
 
+void OutputFiles::set(std::string_view arg, Tensor<double> values) {
+  const auto file = std::ranges::find(files_, arg, &File::arg);
+  if (file != files_.end()) file->contents = std::move(values);
+}
+
 void OutputFiles::set(std::string_view arg, std::string bytes) {
   const auto file = std::ranges::find(files_, arg, &File::arg);
   if (file != files_.end()) file->contents = std::move(bytes);
@@ -169,8 +215,15 @@ void OutputFiles::commit() {
   StagedFiles staged;
   for (const File& file : files_) {
     try {
-      const auto* values = std::get_if<Tensor<float>>(&file.contents);
-      staged.stage(file.path, values ? encode_npy(values->cview()) : std::get<std::string>(file.contents));
+      std::string bytes;
+      if (const auto* values = std::get_if<Tensor<float>>(&file.contents)) {
+        bytes = encode_npy(values->cview());
+      } else if (const auto* wide = std::get_if<Tensor<double>>(&file.contents)) {
+        bytes = encode_npy(wide->cview());
+      } else {
+        bytes = std::get<std::string>(file.contents);
+      }
+      staged.stage(file.path, bytes);
     } catch (const IoError& e) {
       throw IoError(fmt::format("{}: cannot write {}: staging it beside the target failed: {}", file.arg,
                                 file.path.string(), e.what()));
@@ -181,6 +234,42 @@ void OutputFiles::commit() {
   } catch (const IoError& e) {
     throw IoError(fmt::format("outputs: {}", e.what()));
   }
+}
+
+std::optional<std::string> closest_name(std::string_view name, const std::vector<std::string>& candidates) {
+  // Levenshtein distance, one row at a time.
+  const auto distance = [name](std::string_view other) {
+    std::vector<size_t> row(other.size() + 1);
+    for (size_t j = 0; j < row.size(); ++j) row[j] = j;
+    for (size_t i = 1; i <= name.size(); ++i) {
+      size_t diagonal = row[0];
+      row[0] = i;
+      for (size_t j = 1; j <= other.size(); ++j) {
+        const size_t substitute = diagonal + (name[i - 1] == other[j - 1] ? 0 : 1);
+        diagonal = row[j];
+        row[j] = std::min({substitute, row[j] + 1, row[j - 1] + 1});
+      }
+    }
+    return row.back();
+  };
+  std::optional<std::string> best;
+  size_t best_distance = std::max<size_t>(2, name.size() / 3) + 1;
+  for (const std::string& candidate : candidates) {
+    const size_t d = distance(candidate);
+    if (d < best_distance) {
+      best = candidate;
+      best_distance = d;
+    }
+  }
+  return best;
+}
+
+std::string uint64_error(const std::string& text) {
+  uint64_t value = 0;
+  const char* end = text.data() + text.size();
+  const auto [ptr, ec] = std::from_chars(text.data(), end, value);
+  if (ec == std::errc() && ptr == end && !text.empty()) return "";
+  return fmt::format("expected an integer from 0 to {}, got {}", std::numeric_limits<uint64_t>::max(), text);
 }
 
 TerminalColor terminal_color(std::string_view when) {

@@ -22,16 +22,28 @@ namespace qkv::cli {
 
 // ---- Inputs ---------------------------------------------------------------------------------
 
-// Reads the .npy file given to option `arg`. A missing, unreadable or malformed file raises
-// IoError "`arg`: <path>: <what is wrong>".
-NpyArray read_input(const std::filesystem::path& path, std::string_view arg);
+// The dtypes an option reading floats takes, as its messages list them.
+inline constexpr std::string_view kFloatDtypes = "float32 or float64";
+
+// Reads the .npy file given to option `arg`, which takes the dtypes `accepted` ("float32 or
+// float64"). A missing, unreadable or malformed file raises IoError "`arg`: <path>: <what is
+// wrong>"; a dtype the reader cannot read at all says also what `arg` takes, since the reader's
+// own list is wider than most options'.
+// "-" is refused rather than read as a file of that name: it would look like standard input,
+// which a binary .npy is never read from.
+NpyArray read_input(const std::filesystem::path& path, std::string_view arg, std::string_view accepted);
 
 // The array as a float32 tensor of rank 0 to 4. float32 is taken as is and float64 is rounded;
 // any other dtype is a ShapeError, and a finite float64 value beyond float32's range is a
 // ValueError (it would turn into an infinity that was not in the file).
 Tensor<float> to_float32(NpyArray array, std::string_view arg);
 
-// The bool array as a tensor of 0/1 bytes, rank 0 to 4; any other dtype is a ShapeError.
+// The array as a float64 tensor of rank 0 to 4: float64 as is, float32 widened exactly; any other
+// dtype is a ShapeError.
+Tensor<double> to_float64(NpyArray array, std::string_view arg);
+
+// A bool or integer array as a tensor of 0/1 bytes (nonzero = 1), rank 0 to 4; any other dtype is
+// a ShapeError.
 Tensor<uint8_t> to_bool(NpyArray array, std::string_view arg);
 
 // read_input then to_float32: the usual way to take a float operand.
@@ -46,23 +58,26 @@ enum class NonFinite {
 // Throws ValueError "`arg`: expected finite values, got 3 non-finite values (the first: nan at
 // [0, 2, 1]); ..." when `values` holds a NaN or an infinity that `rule` does not allow. The message
 // suggests --allow-nonfinite, so a subcommand calling this offers that flag.
-void check_finite(TensorView<const float> values, std::string_view arg, NonFinite rule = NonFinite::refused);
+template <class T>
+void check_finite(TensorView<const T> values, std::string_view arg, NonFinite rule = NonFinite::refused);
 
 // "[0, 2, 1]": the index of element `flat` of a C-order array of `shape`.
 std::string index_str(const Shape& shape, int64_t flat);
 
 // ---- Outputs --------------------------------------------------------------------------------
 
-// A zero-filled float32 tensor for output `what`, refused first (ResourceError naming `what`) when
+// A zero-filled float32 or float64 tensor for output `what`, refused first (ResourceError naming `what`) when
 // it and the file image that writing it needs would not fit in the memory available.
-Tensor<float> allocate_output(const Shape& shape, std::string_view what);
+template <class T = float>
+Tensor<T> allocate_output(const Shape& shape, std::string_view what);
 
 // The files one run writes. Paths are checked when planned, before any work; values are handed
 // over once computed; commit() writes them all. A run that throws before commit() returns writes
 // nothing, and commit() itself either writes every file or none.
 class OutputFiles {
  public:
-  // Plans output `arg` at `path`. Throws IoError naming `arg` when the path is empty, is a
+  // Plans output `arg` at `path`. Throws IoError naming `arg` when the path is empty or "-" (which
+  // would look like standard output, where no binary file goes), is a
   // directory, lies in a directory that does not exist or is not writable, or names the same file
   // as an output planned before.
   void plan(std::string_view arg, const std::filesystem::path& path);
@@ -70,10 +85,11 @@ class OutputFiles {
   bool empty() const { return files_.empty(); }
   bool planned(std::string_view arg) const;
 
-  // The contents of planned output `arg`: an array, written as a float32 .npy, or the bytes of a
+  // The contents of planned output `arg`: an array, written as a .npy of its dtype, or the bytes of a
   // file (a picture). Contents for an output not planned are dropped, so that callers can hand
   // over everything they computed.
   void set(std::string_view arg, Tensor<float> values);
+  void set(std::string_view arg, Tensor<double> values);
   void set(std::string_view arg, std::string bytes);
 
   // Writes every planned output, all or nothing (qkv::StagedFiles). IoError names the output whose
@@ -84,10 +100,20 @@ class OutputFiles {
   struct File {
     std::string arg;
     std::filesystem::path path;
-    std::variant<std::monostate, Tensor<float>, std::string> contents;
+    std::variant<std::monostate, Tensor<float>, Tensor<double>, std::string> contents;
   };
   std::vector<File> files_;
 };
+
+// ---- Names and numbers ----------------------------------------------------------------------
+
+// The name of `candidates` that `name` is most likely a typo of (the fewest edits, at most a third
+// of the name's length and at least 2), or nothing when none is that close.
+std::optional<std::string> closest_name(std::string_view name, const std::vector<std::string>& candidates);
+
+// Why `text` is not a decimal integer from 0 to 2^64 - 1, or "" when it is: a CLI11 check for the
+// uint64 options (--seed), whose conversion would wrap -1 and saturate what is too large.
+std::string uint64_error(const std::string& text);
 
 // ---- The terminal ---------------------------------------------------------------------------
 

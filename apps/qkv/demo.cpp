@@ -246,6 +246,7 @@ void register_demo(CLI::App& app) {
   CLI::App* cmd = app.add_subcommand(
       "demo", "the worked example: self-attention over 6 tokens (d = 32), α printed and drawn as a heatmap");
   cmd->add_option("--seed", options->seed, "seed of X and of W_Q, W_K, W_V; a seed reproduces the output exactly")
+      ->check(CLI::Validator(uint64_error, "0..2^64-1"))
       ->capture_default_str();
   options->tokens_option =
       cmd->add_option("--tokens", options->tokens,

@@ -15,10 +15,12 @@
 #include <filesystem>
 #include <fstream>
 #include <memory>
+#include <optional>
 #include <string>
 #include <system_error>
 #include <vector>
 
+#include "cli_io.hpp"
 #include "commands.hpp"
 #include "experiments/experiments.hpp"
 #include "qkv/core/error.hpp"
@@ -50,7 +52,11 @@ Experiment find_experiment(const std::string& name) {
   for (const Experiment& e : all_experiments()) {
     if (e.name == name) return e;
   }
-  throw ValueError(fmt::format("NAME: expected one of {}, got \"{}\"", known_names(), name));
+  std::vector<std::string> names;
+  for (const Experiment& e : all_experiments()) names.emplace_back(e.name);
+  const std::optional<std::string> near = closest_name(name, names);
+  throw ValueError(fmt::format("NAME: expected one of {}, got \"{}\"{}", known_names(), name,
+                               near ? fmt::format(" (did you mean {}?)", *near) : ""));
 }
 
 void check_options(const Experiment& experiment, const ExperimentOptions& options) {
@@ -165,6 +171,7 @@ void register_experiment(CLI::App& app) {
   cmd->add_flag("--quick", options->experiment.quick, "a small run that finishes in well under a minute");
   cmd->add_option("--out", options->out, "results go to DIR/NAME/")->type_name("DIR")->capture_default_str();
   cmd->add_option("--seed", options->experiment.seed, "seed of every random draw; a seed reproduces the numbers")
+      ->check(CLI::Validator(uint64_error, "0..2^64-1"))
       ->capture_default_str();
   cmd->add_option("--sizes", options->experiment.sizes, "the swept sizes, comma-separated (see below)")
       ->delimiter(',')

@@ -5,8 +5,11 @@
 #include <CLI/CLI.hpp>
 #include <cstdio>
 #include <exception>
+#include <optional>
 #include <string>
+#include <vector>
 
+#include "cli_io.hpp"
 #include "commands.hpp"
 #include "qkv/core/error.hpp"
 #include "qkv/core/simd_target.hpp"
@@ -34,6 +37,21 @@ void use_simd_target_option(const std::string& target) {
   }
 }
 
+// What to say when no subcommand was recognised: the first word left over is a subcommand
+// misspelt, or there was none.
+std::string missing_subcommand(const CLI::App& app) {
+  std::vector<std::string> names;
+  for (const CLI::App* sub : app.get_subcommands({})) names.push_back(sub->get_name());
+  const std::string known = fmt::format("{}", fmt::join(names, ", "));
+  for (const std::string& word : app.remaining()) {
+    if (word.starts_with('-')) continue;
+    const std::optional<std::string> near = qkv::cli::closest_name(word, names);
+    return fmt::format("SUBCOMMAND: expected one of {}, got \"{}\"{}", known, word,
+                       near ? fmt::format(" (did you mean {}?)", *near) : "");
+  }
+  return fmt::format("SUBCOMMAND: expected one of {}, got none (see --help)", known);
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -57,8 +75,19 @@ int main(int argc, char** argv) {
   qkv::cli::register_translate(app);
   qkv::cli::register_bench(app);
 
+  if (argc == 1) {
+    fmt::print("{}", app.help());
+    return 0;
+  }
   try {
     app.parse(argc, argv);
+  } catch (const CLI::RequiredError& e) {
+    if (!app.get_subcommands().empty()) {
+      fmt::print(stderr, "qkv: error: {} (see --help)\n", e.what());
+      return kExitBadInput;
+    }
+    fmt::print(stderr, "qkv: error: {}\n", missing_subcommand(app));
+    return kExitBadInput;
   } catch (const CLI::CallForHelp& e) {
     return app.exit(e);
   } catch (const CLI::CallForAllHelp& e) {

@@ -78,9 +78,10 @@ def main():
         t.save("q_i64.npy", np.ones((B, H, Tq, Dk), dtype=np.int64))
         t.refuse("int64 Q", ["attend", "--q", "q_i64.npy", "--k", "k.npy", "--v", "v.npy", "-o", "o.npy"],
                  "--q:", "int64", "float32")
-        t.save("q_big.npy", np.full((Tq, Dk), 1e300))
-        t.refuse("float64 beyond float32's range",
-                 ["attend", "--q", "q_big.npy", "--k", "k.npy", "--v", "v.npy", "-o", "o.npy"], "--q:", "range")
+        # A float32 run rounds a float64 mask: a value beyond float32's range would become an infinity.
+        t.save("bias_big.npy", np.full((Tq, Tk), 1e300))
+        t.refuse("float64 beyond float32's range", [*attend, "--mask", "bias_big.npy", "-o", "o.npy"],
+                 "--mask:", "range")
 
         # ---- Shapes that do not fit together.
         t.save("k_dk3.npy", np.ones((B, H, Tk, 3), dtype=f32))
@@ -136,8 +137,13 @@ def main():
                  "--mask:", str([B, H, Tq, Tk]), str([Tq, 3]))
         t.save("mask_h2.npy", np.zeros((2, Tq, Tk), dtype=f32))
         t.refuse("float mask with the wrong heads", [*attend, "--mask", "mask_h2.npy", "-o", "o.npy"], "--mask:")
-        t.save("mask_i64.npy", np.ones((Tq, Tk), dtype=np.int64))
-        t.refuse("int64 mask", [*attend, "--mask", "mask_i64.npy", "-o", "o.npy"], "--mask:", "int64", "bool")
+        # The reader has no uint8: the refusal says what each option takes, not the reader's whole list.
+        t.save("mask_u8.npy", np.ones((Tq, Tk), dtype=np.uint8))
+        t.refuse("uint8 mask", [*attend, "--mask", "mask_u8.npy", "-o", "o.npy"],
+                 "--mask:", "u1", "--mask takes bool or int64 (nonzero = may attend) or float32/float64")
+        t.save("q_u8.npy", np.ones((B, H, Tq, Dk), dtype=np.uint8))
+        t.refuse("uint8 Q", ["attend", "--q", "q_u8.npy", "--k", "k.npy", "--v", "v.npy", "-o", "o.npy"],
+                 "--q:", "u1", "--q takes float32 or float64")
 
         # ---- Options that do not fit together.
         t.refuse("--score additive without --wq", [*attend, "--score", "additive", "--wk", "wk.npy", "--ww", "ww.npy",
@@ -157,6 +163,15 @@ def main():
         t.refuse("--scale with --score additive", [*attend, *additive, "--scale", "0.5", "-o", "o.npy"], "--scale")
         t.refuse("unknown --impl", [*attend, "--impl", "fast", "-o", "o.npy"], "--impl")
         t.refuse("unknown --score", [*attend, "--score", "cosine", "-o", "o.npy"], "--score")
+        # An explicit --impl is honoured or refused, never swapped for another implementation.
+        t.refuse("--impl fused with --weights", [*attend, "--impl", "fused", "-o", "o.npy", "--weights", "a.npy"],
+                 "--weights:", "fused", "weights")
+        t.refuse("--impl fused with --heatmap", [*attend, "--impl", "fused", "-o", "o.npy", "--heatmap", "a.svg"],
+                 "--heatmap:", "fused")
+        t.refuse("--impl fused with --score additive", [*attend, *additive, "--impl", "fused", "-o", "o.npy"],
+                 "--impl:", "fused", "additive", "reference")
+        t.refuse("backward --impl fused with --score additive",
+                 [*backward, *additive, "--impl", "fused", "--dq", "dq.npy"], "--impl:", "fused", "additive")
         t.refuse("missing --q", ["attend", "--k", "k.npy", "--v", "v.npy", "-o", "o.npy"], "--q")
         t.refuse("missing -o", [*attend], "--out")
 
@@ -166,6 +181,15 @@ def main():
                  "--weights:", "missing")
         t.refuse("third output is a directory", [*attend, "-o", "o.npy", "--weights", "a.npy", "--lse", "outdir"],
                  "--lse:", "directory")
+        # "-" is never a file name nor standard input or output: binary arrays only go to files.
+        t.refuse("-o -", [*attend, "-o", "-"], "-o:", "got -", "standard output", "./-")
+        t.refuse("--lse -", [*attend, "-o", "o.npy", "--lse", "-"], "--lse:", "standard output")
+        t.refuse("backward --dq -", [*backward, "--dq", "-"], "--dq:", "standard output")
+        t.refuse("--q -", ["attend", "--q", "-", "--k", "k.npy", "--v", "v.npy", "-o", "o.npy"],
+                 "--q:", "got -", "standard input", "./-")
+        t.succeed("-o ./- writes a file named -", [*attend, "-o", "./-"],
+                  lambda _: None if np.load(t.path("-")).shape == (B, H, Tq, Dv) else "no array in the file -")
+        os.remove(t.path("-"))
         t.refuse("two outputs name one file", [*attend, "-o", "o.npy", "--weights", "./o.npy"], "--weights:", "-o")
         # Under a file-size limit that -o (848 bytes) fits and --weights (968) does not, the second
         # output fails while being written, after the first was, and neither may remain.
@@ -234,9 +258,54 @@ def main():
                                                            "--weights", "outdir/a.npy", "--lse", "outdir/l.npy"],
                   check_forward)
         t.save("q64.npy", q.astype(np.float64))
+        # A float64 operand makes the run float64 end to end: outputs float64, at float64 accuracy.
+        q64, k64, v64 = (rng.standard_normal(a.shape) for a in (q, k, v))
+        for name, a in (("qd.npy", q64), ("kd.npy", k64), ("vd.npy", v64)):
+            t.save(name, a)
+        want64, want_p64 = softmax_attention(q64, k64, v64, 1 / np.sqrt(Dk))
+
+        def float64_close(names_wants):
+            def check(_):
+                for name, want in names_wants:
+                    got = np.load(t.path(name))
+                    if got.dtype != np.float64:
+                        return f"{name}: dtype {got.dtype}, expected float64"
+                    if np.abs(got - want).max() > 1e-12:
+                        return f"{name}: differs from numpy's float64 by {np.abs(got - want).max():.3g}"
+                return None
+            return check
+        for impl in ("reference", "auto", "fused"):
+            extra = ["--weights", "a64.npy"] if impl != "fused" else []
+            t.succeed(f"float64 in, float64 out (--impl {impl})",
+                      ["attend", "--q", "qd.npy", "--k", "kd.npy", "--v", "vd.npy", "--impl", impl, "-o", "o64d.npy",
+                       *extra],
+                      float64_close([("o64d.npy", want64)] + ([("a64.npy", want_p64)] if extra else [])))
+        t.save("doutd.npy", np.ones((B, H, Tq, Dv)))
+        # With dO all ones, dV_j is the sum of the weights of key j over the queries.
+        t.succeed("attend-backward: float64 in, float64 out",
+                  ["attend-backward", "--q", "qd.npy", "--k", "kd.npy", "--v", "vd.npy", "--dout", "doutd.npy",
+                   "--dv", "dv64.npy"], float64_close([("dv64.npy", want_p64.sum(axis=-2)[..., None]
+                                                        * np.ones((1, 1, 1, Dv)))]))
+        t.succeed("--score additive with float64 inputs runs in float32",
+                  ["attend", "--q", "qd.npy", "--k", "kd.npy", "--v", "vd.npy", *additive, "-o", "oadd64.npy"],
+                  lambda _: None if np.load(t.path("oadd64.npy")).dtype == np.float32 else "not float32")
+        t.succeed("float64 Q with float32 K and V runs in float64",
+                  ["attend", "--q", "qd.npy", "--k", "k.npy", "--v", "v.npy", "-o", "omix.npy"],
+                  lambda _: None if np.load(t.path("omix.npy")).dtype == np.float64 else "not float64")
         t.succeed("float64 input", ["attend", "--q", "q64.npy", "--k", "k.npy", "--v", "v.npy", "--causal",
                                     "--mask", "allowed.npy", "--impl", "reference", "-o", "o64.npy"],
                   lambda _: None if np.isfinite(np.load(t.path("o64.npy"))).all() else "non-finite output")
+        # An integer mask means what a bool mask does: nonzero may attend.
+        allowed = np.load(t.path("allowed.npy"))
+        mask_i64 = np.where(allowed, np.array([1, -3, 7, 2, 9, 5, 4])[:Tk], 0).astype(np.int64)
+        t.save("mask_i64.npy", mask_i64)
+        def check_int_mask(_):
+            want, _ = softmax_attention(q, k, v, 1 / np.sqrt(Dk), np.where(allowed, 0.0, -np.inf))
+            got = np.load(t.path("o_i64.npy"))
+            error = np.abs(got - want).max()
+            return None if error <= 1e-5 else f"differs from numpy with the bool mask by {error:.3g}"
+        t.succeed("int64 mask, nonzero = may attend", [*attend, "--mask", "mask_i64.npy", "-o", "o_i64.npy"],
+                  check_int_mask)
         bias_ninf = np.zeros((Tq, Tk), dtype=f32)
         bias_ninf[:, 1:] = -np.inf
         t.save("bias_ninf.npy", bias_ninf)
@@ -279,6 +348,10 @@ def main():
         t.succeed("qkv --help lists the subcommands", ["--help"], help_mentions("attend", "attend-backward"))
         t.succeed("attend --help", ["attend", "--help"],
                   help_mentions("[..., Tq, Dk]", "i + Tk - Tq", "true = visible", "-inf", "Example"))
+        t.succeed("attend --help says what - means", ["attend", "--help"],
+                  help_mentions("- is not standard input or output"))
+        t.succeed("attend --help says which runs are float64", ["attend", "--help"],
+                  help_mentions("When Q, K or V is float64", "--score additive runs in float32 only"))
         t.succeed("attend-backward --help", ["attend-backward", "--help"],
                   help_mentions("--dout", "i + Tk - Tq", "--dbias", "Example"))
 
