@@ -56,6 +56,7 @@ int main(int argc, char** argv) {
   qkv::cli::register_experiment(app);
   qkv::cli::register_translate(app);
   qkv::cli::register_bench(app);
+  qkv::cli::register_soak(app);
 
   try {
     app.parse(argc, argv);
