@@ -13,5 +13,6 @@ void register_heatmap(CLI::App& app);
 void register_experiment(CLI::App& app);
 void register_translate(CLI::App& app);
 void register_bench(CLI::App& app);
+void register_soak(CLI::App& app);
 
 }  // namespace qkv::cli

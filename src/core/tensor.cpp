@@ -32,11 +32,25 @@ Shape::Shape(std::span<const int64_t> dims) {
     dims_[i] = dims[i];
   }
   rank_ = static_cast<int>(dims.size());
+  // Strides are products of trailing dims and a zero dim does not make them small, so a shape is
+  // refused whenever the product of its non-zero dims overflows, empty or not.
+  int64_t product = 1;
+  for (const int64_t dim : this->dims()) {
+    if (dim != 0 && __builtin_mul_overflow(product, dim, &product)) {
+      throw ShapeError(fmt::format("shape {}: the product of its non-zero dims does not fit in 64 bits", str()));
+    }
+  }
 }
 
 int64_t Shape::numel() const {
   int64_t n = 1;
-  for (int i = 0; i < rank_; ++i) n *= dims_[static_cast<size_t>(i)];
+  for (const int64_t dim : dims()) {
+    if (dim == 0) return 0;
+    // Reachable only through the mutable operator[], past the constructor's check.
+    if (__builtin_mul_overflow(n, dim, &n)) {
+      throw ShapeError(fmt::format("shape {} has more elements than fit in 64 bits", str()));
+    }
+  }
   return n;
 }
 
@@ -55,7 +69,11 @@ Strides contiguous_strides(const Shape& shape) {
   int64_t stride = 1;
   for (int i = shape.rank() - 1; i >= 0; --i) {
     strides[static_cast<size_t>(i)] = stride;
-    stride *= shape[i];
+    // Shape's mutable operator[] can grow a dim after the constructor checked it. The product
+    // with the first dim is no stride, so it is not formed.
+    if (i > 0 && __builtin_mul_overflow(stride, shape[i], &stride)) {
+      throw ShapeError(fmt::format("shape {}: its contiguous strides do not fit in 64 bits", shape.str()));
+    }
   }
   return strides;
 }

@@ -2,6 +2,7 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <array>
 #include <bit>
 #include <charconv>
@@ -95,21 +96,36 @@ Tensor<float> read_tensor(Reader& in, const std::string& source, const std::stri
     throw IoError(fmt::format("{}: tensor \"{}\": expected rank 0 to {}, got {}", source, name, kMaxRank, rank));
   }
   std::vector<int64_t> dims;
-  uint64_t numel = 1;
   for (int axis = 0; axis < rank; ++axis) {
     const auto dim = in.get<uint64_t>(fmt::format("tensor \"{}\" dim {}", name, axis));
-    // Each partial product stays within the bytes left, so that the next one cannot overflow.
-    const uint64_t capacity = in.left() / sizeof(float);
-    if (dim > capacity || (dim > 0 && numel > capacity / dim)) {
+    if (dim > static_cast<uint64_t>(std::numeric_limits<int64_t>::max())) {
+      throw IoError(
+          fmt::format("{}: tensor \"{}\": dim {} is {}, more than fits in an int64", source, name, axis, dim));
+    }
+    dims.push_back(static_cast<int64_t>(dim));
+  }
+  const bool empty = std::ranges::find(dims, 0) != dims.end();
+  // The values follow the dims, so only a non-empty tensor's dims are bounded by the bytes left;
+  // each partial product stays within them, so that the next one cannot overflow.
+  uint64_t numel = empty ? 0 : 1;
+  const uint64_t capacity = in.left() / sizeof(float);
+  for (size_t axis = 0; axis < dims.size() && !empty; ++axis) {
+    const auto dim = static_cast<uint64_t>(dims[axis]);
+    if (dim > capacity || numel > capacity / dim) {
       throw IoError(fmt::format("{}: tensor \"{}\": dim {} is {}, more values than the {} bytes left can hold", source,
                                 name, axis, dim, in.left()));
     }
-    dims.push_back(static_cast<int64_t>(dim));
     numel *= dim;
   }
   in.need(numel * sizeof(float), fmt::format("tensor \"{}\" values", name));
-  Tensor<float> tensor{Shape(std::span<const int64_t>(dims))};
-  std::memcpy(tensor.data(), in.rest(numel * sizeof(float)).data(), numel * sizeof(float));
+  Tensor<float> tensor;
+  try {
+    tensor = Tensor<float>(Shape(std::span<const int64_t>(dims)));
+  } catch (const ShapeError& e) {
+    throw IoError(fmt::format("{}: tensor \"{}\": {}", source, name, e.what()));
+  }
+  // memcpy takes no null pointer, even for zero bytes, and an empty tensor's data() may be null.
+  if (numel > 0) std::memcpy(tensor.data(), in.rest(numel * sizeof(float)).data(), numel * sizeof(float));
   in.skip(numel * sizeof(float));
   for (int64_t i = 0; i < tensor.numel(); ++i) {
     if (!std::isfinite(tensor[i])) {
@@ -202,7 +218,9 @@ std::string encode_model_file(const ModelFile& model) {
     put(payload, kFloat32);
     put(payload, static_cast<uint8_t>(tensor.shape().rank()));
     for (const int64_t dim : tensor.shape().dims()) put(payload, static_cast<uint64_t>(dim));
-    payload.append(reinterpret_cast<const char*>(tensor.data()), static_cast<size_t>(tensor.numel()) * sizeof(float));
+    if (tensor.numel() > 0) {
+      payload.append(reinterpret_cast<const char*>(tensor.data()), static_cast<size_t>(tensor.numel()) * sizeof(float));
+    }
   }
   std::string bytes(kModelFileMagic);
   put(bytes, kModelFileVersion);

@@ -285,16 +285,15 @@ Header parse_header(const std::filesystem::path& path, std::string_view text) {
     if (dim < 0)
       fail(path, fmt::format("malformed header: shape {} has a negative dimension", tuple_str(header.shape)));
   }
-  // A zero dim makes the array empty however large the others are, as numpy's unbounded ints see it.
-  if (std::ranges::find(header.shape, 0) != header.shape.end()) {
-    header.numel = 0;
-  } else {
-    for (const int64_t dim : header.shape) {
-      if (__builtin_mul_overflow(header.numel, dim, &header.numel)) {
-        fail(path, fmt::format("shape {} has more elements than fit in 64 bits", tuple_str(header.shape)));
-      }
+  // numpy refuses a shape whose non-zero dims multiply past int64 even when a zero dim makes it
+  // empty, and so does qkv: the strides of such a shape overflow.
+  for (const int64_t dim : header.shape) {
+    if (dim != 0 && __builtin_mul_overflow(header.numel, dim, &header.numel)) {
+      fail(path,
+           fmt::format("shape {}: the product of its non-zero dims does not fit in 64 bits", tuple_str(header.shape)));
     }
   }
+  if (std::ranges::find(header.shape, 0) != header.shape.end()) header.numel = 0;
   if (__builtin_mul_overflow(header.numel, item_size(header.dtype), &header.data_bytes)) {
     fail(path, fmt::format("shape {} of {} needs more bytes than fit in 64 bits", tuple_str(header.shape),
                            dtype_name(header.dtype)));

@@ -75,6 +75,13 @@ def main():
             t.write_bytes("truncated.npy", f.read()[:-10])
         t.refuse("truncated npy", ["attend", "--q", "truncated.npy", "--k", "k.npy", "--v", "v.npy", "-o", "o.npy"],
                  "--q:", "truncated")
+        # numpy refuses to make this shape (its strides overflow int64), so the 128 bytes are written by hand.
+        header = b"{'descr': '<f4', 'fortran_order': False, 'shape': (4294967296, 4294967296, 0), }"
+        header += b" " * (128 - 10 - len(header) - 1) + b"\n"
+        t.write_bytes("huge_empty.npy", b"\x93NUMPY\x01\x00" + len(header).to_bytes(2, "little") + header)
+        t.refuse("empty npy whose dims overflow int64",
+                 ["attend", "--q", "huge_empty.npy", "--k", "k.npy", "--v", "v.npy", "-o", "o.npy"],
+                 "--q:", "huge_empty.npy", "(4294967296, 4294967296, 0)")
         t.save("q_i64.npy", np.ones((B, H, Tq, Dk), dtype=np.int64))
         t.refuse("int64 Q", ["attend", "--q", "q_i64.npy", "--k", "k.npy", "--v", "v.npy", "-o", "o.npy"],
                  "--q:", "int64", "float32")

@@ -13,11 +13,11 @@
 #include <string>
 #include <vector>
 
-#include "attention_cases.hpp"
 #include "qkv/core/error.hpp"
 #include "qkv/core/rng.hpp"
 #include "qkv/ops/attention.hpp"
 #include "qkv/ops/linear.hpp"
+#include "support/attention_problems.hpp"
 #include "testing.hpp"
 
 namespace qkv {

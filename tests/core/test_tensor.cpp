@@ -3,10 +3,12 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstdint>
 
 #include "qkv/core/error.hpp"
 #include "qkv/core/rng.hpp"
 #include "qkv/core/tensor.hpp"
+#include "testing.hpp"
 
 namespace qkv {
 namespace {
@@ -21,6 +23,37 @@ TEST(Shape, NumelStringAndEquality) {
   EXPECT_FALSE(Shape({1, 2}) == Shape({1, 2, 1}));
   EXPECT_THROW(Shape({1, 2, 3, 4, 5}), ShapeError);
   EXPECT_THROW(Shape({-1}), ShapeError);
+}
+
+// A zero dim makes a shape empty but leaves its strides the products of the other dims, so a shape
+// is refused when those overflow int64, before any caller forms a stride or a numel.
+TEST(Shape, RefusesDimsWhoseProductOverflows) {
+  using qkv::testing::throws_naming;
+  EXPECT_TRUE(throws_naming<ShapeError>(
+      [] {
+        Shape({0, 2100000, 2100000, 2100000});
+      },
+      {"[0, 2100000, 2100000, 2100000]", "64 bits"}));
+  EXPECT_TRUE(throws_naming<ShapeError>(
+      [] {
+        Shape({int64_t{1} << 32, int64_t{1} << 32, 0});
+      },
+      {"[4294967296, 4294967296, 0]", "64 bits"}));
+  EXPECT_TRUE(throws_naming<ShapeError>(
+      [] {
+        Tensor<float>(Shape({int64_t{1} << 40, int64_t{1} << 40}));
+      },
+      {"[1099511627776, 1099511627776]", "64 bits"}));
+  EXPECT_EQ(Shape({0, int64_t{1} << 31, int64_t{1} << 31}).numel(), 0);
+  EXPECT_EQ(Shape({INT64_MAX}).numel(), INT64_MAX);
+  EXPECT_EQ(contiguous_strides(Shape({2, 0, 3})), (Strides{0, 3, 1, 0}));
+
+  // Shape's dims can be assigned after construction; strides and numel still refuse an overflow.
+  Shape grown({0, 2, 2, 2});
+  for (int axis = 1; axis < 4; ++axis) grown[axis] = 2100000;
+  EXPECT_TRUE(throws_naming<ShapeError>([&] { contiguous_strides(grown); }, {"[0, 2100000, 2100000, 2100000]"}));
+  grown[0] = 1;
+  EXPECT_TRUE(throws_naming<ShapeError>([&] { (void)grown.numel(); }, {"[1, 2100000, 2100000, 2100000]"}));
 }
 
 TEST(TensorView, ContiguousIndexing) {

@@ -88,6 +88,42 @@ TEST(ModelFile, RoundTripKeepsEntriesAndEveryBit) {
   EXPECT_EQ(back.tensor("scalar")[0], 2.5F);
 }
 
+// Empty tensors hold no value bytes, so their dims are bounded by nothing the file holds; one last
+// in the file sees 0 bytes left. Their zero-byte copies must not pass data() (null) to memcpy.
+TEST(ModelFile, EmptyTensorsRoundTripAnywhereInTheFile) {
+  Rng rng(3);
+  ModelFile model;
+  model.kind = "toy";
+  model.tensors.emplace_back("first", Tensor<float>(Shape{0}));
+  model.tensors.emplace_back("middle", Tensor<float>(Shape{2, 0, 1000000}));
+  model.tensors.emplace_back("values", random_tensor<float>(Shape{2, 3}, rng));
+  model.tensors.emplace_back("last", Tensor<float>(Shape{0, 3}));
+  const ModelFile back = decode_model_file(encode_model_file(model), "e.qkvm");
+  ASSERT_EQ(back.tensors.size(), model.tensors.size());
+  for (size_t i = 0; i < model.tensors.size(); ++i) {
+    EXPECT_EQ(back.tensors[i].first, model.tensors[i].first);
+    EXPECT_EQ(back.tensors[i].second.shape(), model.tensors[i].second.shape());
+    EXPECT_EQ(back.tensors[i].second.values(), model.tensors[i].second.values());
+  }
+}
+
+// An empty tensor whose other dims multiply past int64: its strides would overflow, so the file is
+// refused rather than decoded to a shape that no Tensor can hold.
+TEST(ModelFile, EmptyTensorWithOverflowingDimsIsRefused) {
+  std::string payload;
+  put_string(payload, "toy");
+  put_u32(payload, 0);
+  put_u32(payload, 1);
+  put_string(payload, "wide");
+  payload += '\x01';  // float32
+  payload += '\x04';  // rank 4
+  for (const uint64_t dim : {uint64_t{0}, uint64_t{2100000}, uint64_t{2100000}, uint64_t{2100000}}) {
+    payload.append(reinterpret_cast<const char*>(&dim), 8);
+  }
+  EXPECT_TRUE(throws_naming<IoError>([&] { decode_model_file(file_with_payload(payload), "w.qkvm"); },
+                                     {"w.qkvm", "tensor \"wide\"", "[0, 2100000, 2100000, 2100000]", "64 bits"}));
+}
+
 TEST(ModelFile, HeaderLayoutIsAsDocumented) {
   const std::string bytes = encode_model_file(sample_model());
   EXPECT_EQ(bytes.substr(0, 8), "QKVMODEL");

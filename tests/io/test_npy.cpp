@@ -416,7 +416,14 @@ TEST_F(Npy, RefusesShapesThatCannotBeAllocated) {
   EXPECT_TRUE(refused(npy_bytes("{'descr': '<f4', 'fortran_order': False, 'shape': (2, -3)}", ""),
                       {"malformed header", "shape (2, -3) has a negative dimension"}));
   EXPECT_TRUE(refused(npy_bytes("{'descr': '<f4', 'fortran_order': False, 'shape': (4294967296, 4294967296)}", ""),
-                      {"shape (4294967296, 4294967296) has more elements than fit in 64 bits"}));
+                      {"shape (4294967296, 4294967296): the product of its non-zero dims does not fit in 64 bits"}));
+  // numpy refuses this shape too: empty, but its strides overflow, and so would any product of its dims.
+  const std::string empty_but_huge =
+      npy_bytes("{'descr': '<f4', 'fortran_order': False, 'shape': (4294967296, 4294967296, 0), }", "");
+  EXPECT_TRUE(refused(empty_but_huge,
+                      {"shape (4294967296, 4294967296, 0): the product of its non-zero dims does not fit in 64 bits"}));
+  EXPECT_TRUE(refused(npy_bytes("{'descr': '<f4', 'fortran_order': False, 'shape': (0, 4294967296, 4294967296)}", ""),
+                      {"shape (0, 4294967296, 4294967296)", "does not fit in 64 bits"}));
   EXPECT_TRUE(refused(npy_bytes("{'descr': '<f8', 'fortran_order': False, 'shape': (4611686018427387904,)}", ""),
                       {"shape (4611686018427387904,) of float64 needs more bytes than fit in 64 bits"}));
   // Fits in 64 bits but not in the file: refused from the sizes, before any allocation.

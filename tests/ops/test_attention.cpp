@@ -9,9 +9,9 @@
 #include <numeric>
 #include <vector>
 
-#include "attention_cases.hpp"
 #include "qkv/core/error.hpp"
 #include "qkv/ops/attention.hpp"
+#include "support/attention_problems.hpp"
 #include "testing.hpp"
 
 namespace qkv {

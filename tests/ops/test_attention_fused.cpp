@@ -14,11 +14,11 @@
 #include <string>
 #include <vector>
 
-#include "attention_cases.hpp"
 #include "qkv/core/error.hpp"
 #include "qkv/core/parallel.hpp"
 #include "qkv/core/simd_target.hpp"
 #include "qkv/ops/attention.hpp"
+#include "support/attention_problems.hpp"
 #include "testing.hpp"
 
 namespace qkv {
@@ -26,6 +26,8 @@ namespace {
 
 using testing::all_close;
 using testing::cast;
+using testing::lse_rounding;
+using testing::max_abs;
 using testing::random_dout;
 using testing::random_mask;
 using testing::random_problem;
@@ -82,25 +84,6 @@ Forward reference_forward(const Problem& p) { return run_forward<double>(p, Atte
 
 Grads reference_backward(const Problem& p, const Tensor<double>& dout) {
   return run_backward<double>(p, dout, AttentionImpl::reference, false);
-}
-
-double max_abs(const Tensor<double>& t) {
-  double m = 0;
-  for (int64_t i = 0; i < t.numel(); ++i) m = std::max(m, std::abs(t[i]));
-  return m;
-}
-
-// Half an ulp of the largest finite lse in float: the relative error that rounding lse to float
-// puts on every P recomputed from it (the same factor along a row).
-double lse_rounding(const Tensor<double>& lse) {
-  double rho = 0;
-  for (int64_t i = 0; i < lse.numel(); ++i) {
-    if (!std::isfinite(lse[i])) continue;
-    const auto f = static_cast<float>(lse[i]);
-    rho = std::max(rho, 0.5 * static_cast<double>(std::nextafter(std::abs(f), std::numeric_limits<float>::infinity()) -
-                                                  std::abs(f)));
-  }
-  return rho;
 }
 
 // Runs `body` once on every SIMD target this CPU runs, the target named in any failure.

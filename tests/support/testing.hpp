@@ -1,6 +1,7 @@
 #pragma once
-// Test helpers shared by every qkv test: random tensors, comparisons that report where they
-// fail, tolerances derived from the naive same-precision error, central finite differences.
+// Test helpers shared by every qkv test: comparisons that report where they fail, central finite
+// differences; random tensors and the tolerance rule come from support/attention_problems.hpp,
+// which `qkv soak` shares.
 
 #include <fmt/format.h>
 #include <gtest/gtest.h>
@@ -16,22 +17,9 @@
 #include "qkv/core/rng.hpp"
 #include "qkv/core/simd_target.hpp"
 #include "qkv/core/tensor.hpp"
+#include "support/attention_problems.hpp"
 
 namespace qkv::testing {
-
-template <class T>
-Tensor<T> random_tensor(const Shape& shape, Rng& rng, double stddev = 1.0) {
-  Tensor<T> t(shape);
-  rng.fill_normal(t.view(), 0.0, stddev);
-  return t;
-}
-
-template <class To, class From>
-Tensor<To> cast(const Tensor<From>& t) {
-  Tensor<To> result(t.shape());
-  for (int64_t i = 0; i < t.numel(); ++i) result[i] = static_cast<To>(t[i]);
-  return result;
-}
 
 // "[b, h, i, j]" for a flat index into a contiguous tensor of `shape`.
 inline std::string index_str(const Shape& shape, int64_t flat) {
@@ -42,40 +30,6 @@ inline std::string index_str(const Shape& shape, int64_t flat) {
     flat /= size;
   }
   return "[" + s;
-}
-
-struct ErrorStats {
-  double max_abs = 0.0;
-  double mean_abs = 0.0;
-  int64_t worst = -1;  // flat index of max_abs; -1 when the tensors are empty
-  bool non_finite = false;
-};
-
-// |actual − expected| element-wise. Equal infinities count as no error; a NaN, or an infinity
-// where the other side differs, is reported as non-finite.
-template <class A, class E>
-ErrorStats error_stats(const Tensor<A>& actual, const Tensor<E>& expected) {
-  ErrorStats stats;
-  double sum = 0.0;
-  for (int64_t i = 0; i < actual.numel(); ++i) {
-    const double a = static_cast<double>(actual[i]);
-    const double e = static_cast<double>(expected[i]);
-    if (a == e) continue;
-    const double err = std::abs(a - e);
-    if (!std::isfinite(err)) {
-      stats.non_finite = true;
-      stats.worst = i;
-      stats.max_abs = std::numeric_limits<double>::infinity();
-      continue;
-    }
-    sum += err;
-    if (err > stats.max_abs) {
-      stats.max_abs = err;
-      stats.worst = i;
-    }
-  }
-  if (actual.numel() > 0) stats.mean_abs = sum / static_cast<double>(actual.numel());
-  return stats;
 }
 
 // Passes when every |actual − expected| <= tolerance; the failure message gives the max and
@@ -93,21 +47,6 @@ template <class A, class E>
              "{}: max error {:.3e} > tolerance {:.3e} (mean error {:.3e}); worst at {}: got {:.9g}, expected {:.9g}",
              what, stats.max_abs, tolerance, stats.mean_abs, index_str(actual.shape(), stats.worst),
              static_cast<double>(actual[stats.worst]), static_cast<double>(expected[stats.worst]));
-}
-
-// The tolerance rule of the tests: a result must be within `factor` times the error that the
-// same computation, done naively in float32, makes against float64. The floor keeps a case in
-// which the naive error happens to be 0 from demanding bit-exactness: a few float32 ulps of the
-// largest expected magnitude.
-template <class E>
-double tolerance_from_naive(const Tensor<float>& naive, const Tensor<E>& exact, double factor = 2.0) {
-  double magnitude = 0.0;
-  for (int64_t i = 0; i < exact.numel(); ++i) {
-    if (std::isfinite(static_cast<double>(exact[i])))
-      magnitude = std::max(magnitude, std::abs(static_cast<double>(exact[i])));
-  }
-  const double floor = 4.0 * std::numeric_limits<float>::epsilon() * std::max(magnitude, 1.0);
-  return std::max(factor * error_stats(naive, exact).max_abs, floor);
 }
 
 // Central finite differences of a scalar loss with respect to every element of a contiguous view x,

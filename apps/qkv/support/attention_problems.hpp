@@ -1,7 +1,9 @@
 #pragma once
-// Attention problems shared by the reference and fused attention tests: a case's sizes, its random
-// float64 tensors and masks, the views a call takes, and the formula computed as it reads (in
-// float64 for the exact answer, in float32 for the naive error the tolerance rule is a multiple of).
+// Random attention problems and the tolerance rule that judges an implementation on them, shared by
+// the tests (tests/support/testing.hpp) and `qkv soak`, so that the soak holds the fused kernels to
+// exactly the rule the suite does: a case's sizes, its random float64 tensors and masks, the views a
+// call takes, the formula computed as it reads (in float64 for the exact answer, in float32 for the
+// naive error the tolerance is a multiple of), and the tolerance itself. No test framework here.
 
 #include <algorithm>
 #include <cmath>
@@ -13,9 +15,90 @@
 #include "qkv/core/rng.hpp"
 #include "qkv/core/tensor.hpp"
 #include "qkv/ops/attention.hpp"
-#include "testing.hpp"
 
 namespace qkv::testing {
+
+template <class T>
+Tensor<T> random_tensor(const Shape& shape, Rng& rng, double stddev = 1.0) {
+  Tensor<T> t(shape);
+  rng.fill_normal(t.view(), 0.0, stddev);
+  return t;
+}
+
+template <class To, class From>
+Tensor<To> cast(const Tensor<From>& t) {
+  Tensor<To> result(t.shape());
+  for (int64_t i = 0; i < t.numel(); ++i) result[i] = static_cast<To>(t[i]);
+  return result;
+}
+
+struct ErrorStats {
+  double max_abs = 0.0;
+  double mean_abs = 0.0;
+  int64_t worst = -1;  // flat index of max_abs; -1 when the tensors are empty
+  bool non_finite = false;
+};
+
+// |actual − expected| element-wise. Equal infinities count as no error; a NaN, or an infinity
+// where the other side differs, is reported as non-finite.
+template <class A, class E>
+ErrorStats error_stats(const Tensor<A>& actual, const Tensor<E>& expected) {
+  ErrorStats stats;
+  double sum = 0.0;
+  for (int64_t i = 0; i < actual.numel(); ++i) {
+    const double a = static_cast<double>(actual[i]);
+    const double e = static_cast<double>(expected[i]);
+    if (a == e) continue;
+    const double err = std::abs(a - e);
+    if (!std::isfinite(err)) {
+      stats.non_finite = true;
+      stats.worst = i;
+      stats.max_abs = std::numeric_limits<double>::infinity();
+      continue;
+    }
+    sum += err;
+    if (err > stats.max_abs) {
+      stats.max_abs = err;
+      stats.worst = i;
+    }
+  }
+  if (actual.numel() > 0) stats.mean_abs = sum / static_cast<double>(actual.numel());
+  return stats;
+}
+
+// The tolerance rule of the tests: a result must be within `factor` times the error that the
+// same computation, done naively in float32, makes against float64. The floor keeps a case in
+// which the naive error happens to be 0 from demanding bit-exactness: a few float32 ulps of the
+// largest expected magnitude.
+template <class E>
+double tolerance_from_naive(const Tensor<float>& naive, const Tensor<E>& exact, double factor = 2.0) {
+  double magnitude = 0.0;
+  for (int64_t i = 0; i < exact.numel(); ++i) {
+    if (std::isfinite(static_cast<double>(exact[i])))
+      magnitude = std::max(magnitude, std::abs(static_cast<double>(exact[i])));
+  }
+  const double floor = 4.0 * std::numeric_limits<float>::epsilon() * std::max(magnitude, 1.0);
+  return std::max(factor * error_stats(naive, exact).max_abs, floor);
+}
+
+inline double max_abs(const Tensor<double>& t) {
+  double m = 0;
+  for (int64_t i = 0; i < t.numel(); ++i) m = std::max(m, std::abs(t[i]));
+  return m;
+}
+
+// Half an ulp of the largest finite lse in float: the relative error that rounding lse to float
+// puts on every P recomputed from it (the same factor along a row).
+inline double lse_rounding(const Tensor<double>& lse) {
+  double rho = 0;
+  for (int64_t i = 0; i < lse.numel(); ++i) {
+    if (!std::isfinite(lse[i])) continue;
+    const auto f = static_cast<float>(lse[i]);
+    rho = std::max(rho, 0.5 * static_cast<double>(std::nextafter(std::abs(f), std::numeric_limits<float>::infinity()) -
+                                                  std::abs(f)));
+  }
+  return rho;
+}
 
 // The sizes of one problem: q [B, H, Tq, Dk], k [B, H, Tk, Dk], v [B, H, Tk, Dv].
 struct AttentionCase {

@@ -1,0 +1,408 @@
+// qkv soak: random problems of the fused dot-product attention against the float64 reference, on
+// every SIMD target this CPU runs and several thread counts, until the time is up or a case fails.
+//
+//   qkv soak --seconds 600 --seed 7          # ten minutes of cases 0, 1, 2, ... of seed 7
+//   qkv soak --seed 7 --case 1234            # case 1234 of seed 7 alone, as a failure prints it
+//
+// A case is drawn from (seed, case number) alone, so any case can be rerun without those before it.
+// It mixes what the kernels treat apart: sizes 0, 1, primes and sizes around multiples of the tile
+// and vector widths (8, 16, 64); Tq ≠ Tk; causal, boolean masks and float biases with −inf, alone
+// and combined, in broadcast shapes; scales from 0 to 10; logits up to 1e4; q, k and v strided
+// (their rows padded, so no leading dim is contiguous). Forward (out, lse) and backward (dq, dk,
+// dv, dbias; recomputing the forward and from the saved lse) are held to the suite's rule
+// (support/attention_problems.hpp): within twice the error of the naive float32 computation, plus
+// for the saved lse the effect of rounding it to float32. A case both implementations refuse with
+// a qkv::Error counts as refused; one that only one of them refuses is a failure.
+//
+// Progress goes to stderr; the counts to stdout. The first failure prints the command that repeats
+// it and the case, and exits 1; with --keep-going every failing case is reported and counted, and
+// the exit is 1 at the end.
+
+#include <fmt/format.h>
+
+#include <CLI/CLI.hpp>
+#include <array>
+#include <chrono>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <limits>
+#include <map>
+#include <memory>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "commands.hpp"
+#include "qkv/core/error.hpp"
+#include "qkv/core/parallel.hpp"
+#include "qkv/core/rng.hpp"
+#include "qkv/core/simd_target.hpp"
+#include "qkv/core/tensor.hpp"
+#include "qkv/ops/attention.hpp"
+#include "support/attention_problems.hpp"
+
+namespace qkv::cli {
+namespace {
+
+using testing::AttentionOperands;
+using testing::AttentionProblem;
+using testing::cast;
+using testing::error_stats;
+using testing::tolerance_from_naive;
+
+// A soak failure is a finding about the kernels, not bad input: exit 1, apart from main's 2.
+constexpr int kExitFailure = 1;
+constexpr double kProgressSeconds = 10.0;
+constexpr double kInf = std::numeric_limits<double>::infinity();
+
+struct SoakOptions {
+  double seconds = 60.0;
+  uint64_t seed = 1;
+  std::optional<uint64_t> only_case;
+  std::vector<int> threads{1, 2};
+  bool keep_going = false;
+};
+
+// One drawn case: the problem in float64, which of q, k and v the fused call sees strided, and
+// the words that describe it in a failure report.
+struct SoakCase {
+  AttentionProblem problem;
+  std::array<bool, 3> strided{};
+  std::string description;
+};
+
+int64_t pick(Rng& rng, std::initializer_list<int64_t> choices) {
+  const auto index = static_cast<size_t>(rng.uniform() * static_cast<double>(choices.size()));
+  return *(choices.begin() + std::min(index, choices.size() - 1));
+}
+
+bool chance(Rng& rng, double p) { return rng.uniform() < p; }
+
+// Sizes the kernels split on: 0 and 1, primes, and one off multiples of the widths they tile by.
+int64_t draw_size(Rng& rng, int64_t max_multiple) {
+  const double kind = rng.uniform();
+  if (kind < 0.15) return pick(rng, {0, 1, 1, 2});
+  if (kind < 0.4) return pick(rng, {3, 5, 7, 11, 13, 17, 31, 37, 61, 67, 113, 127, 131});
+  const int64_t width = pick(rng, {8, 16, 64});
+  const int64_t multiple = 1 + static_cast<int64_t>(rng.uniform() * static_cast<double>(max_multiple));
+  return std::max<int64_t>(0, width * multiple + pick(rng, {-1, 0, 0, 1}));
+}
+
+// A shape that broadcasts to [B, H, Tq, Tk], the full one included.
+Shape draw_mask_shape(Rng& rng, int64_t b, int64_t h, int64_t tq, int64_t tk) {
+  switch (pick(rng, {0, 1, 2, 3, 4, 5})) {
+    case 0:
+      return {tq, tk};
+    case 1:
+      return {1, 1, tq, tk};
+    case 2:
+      return {1, h, 1, tk};
+    case 3:
+      return {tk};
+    case 4:
+      return {b, 1, tq, 1};
+    default:
+      return {b, h, tq, tk};
+  }
+}
+
+SoakCase draw_case(uint64_t seed, uint64_t number) {
+  Rng rng(seed * 0x9E3779B97F4A7C15ULL + number);  // the golden-ratio step spreads seeds apart
+  // Most cases are small, so that many run; a few are large enough to be split among threads.
+  const bool large = chance(rng, 0.08);
+  const int64_t b = pick(rng, {1, 1, 1, 2, 3, 0});
+  const int64_t h = pick(rng, {1, 1, 2, 3});
+  int64_t tq = draw_size(rng, large ? 9 : 3);
+  int64_t tk = chance(rng, 0.2) ? tq : draw_size(rng, large ? 9 : 3);
+  if (chance(rng, 0.05)) tq = 1;
+  if (large && chance(rng, 0.3)) tk = 1000 + pick(rng, {23, 24, 25, 88});
+  const int64_t dk = std::max<int64_t>(1, draw_size(rng, 2));
+  const int64_t dv = chance(rng, 0.5) ? dk : std::max<int64_t>(1, draw_size(rng, 2));
+
+  SoakCase c;
+  AttentionProblem& p = c.problem;
+  const double logit = static_cast<double>(pick(rng, {1, 1, 10, 100, 1000, 10000}));
+  p.causal = chance(rng, 0.4);
+  if (chance(rng, 0.6)) {
+    p.scale = chance(rng, 0.15) ? 0.0 : chance(rng, 0.3) ? static_cast<double>(pick(rng, {1, 10})) : rng.uniform(0, 10);
+  }
+  const double scale = p.scale.value_or(default_scale(dk));
+  // q·k of N(0, σ²) entries has a spread of σ²·sqrt(Dk): σ is chosen for logits of about `logit`.
+  const double sigma = scale > 0 ? std::sqrt(logit / (scale * std::sqrt(static_cast<double>(dk)))) : std::sqrt(logit);
+  p.q = testing::random_tensor<double>({b, h, tq, dk}, rng, sigma);
+  p.k = testing::random_tensor<double>({b, h, tk, dk}, rng, sigma);
+  p.v = testing::random_tensor<double>({b, h, tk, dv}, rng);
+  std::string masks;
+  if (chance(rng, 0.35)) {
+    const Shape shape = draw_mask_shape(rng, b, h, tq, tk);
+    const double keep = static_cast<double>(pick(rng, {0, 5, 50, 90, 100})) / 100.0;
+    p.allowed = Tensor<uint8_t>(shape);
+    for (int64_t i = 0; i < p.allowed->numel(); ++i) (*p.allowed)[i] = chance(rng, keep) ? 1 : 0;
+    masks += fmt::format(" allowed={} keep={}", shape.str(), keep);
+  }
+  if (chance(rng, 0.35)) {
+    const Shape shape = draw_mask_shape(rng, b, h, tq, tk);
+    const double spread = static_cast<double>(pick(rng, {1, 10, 1000, 10000}));
+    const double minus_inf = static_cast<double>(pick(rng, {0, 0, 10, 50, 100})) / 100.0;
+    p.bias = testing::random_tensor<double>(shape, rng, spread);
+    for (int64_t i = 0; i < p.bias->numel(); ++i) {
+      if (chance(rng, minus_inf)) (*p.bias)[i] = -kInf;
+    }
+    masks += fmt::format(" bias={} spread={} minus_inf={}", shape.str(), spread, minus_inf);
+  }
+  std::string strided;
+  for (size_t operand = 0; operand < 3; ++operand) {
+    c.strided[operand] = chance(rng, 0.4);
+    if (c.strided[operand]) strided += std::string(1, "qkv"[operand]);
+  }
+  c.description = fmt::format("B={} H={} Tq={} Tk={} Dk={} Dv={} causal={} scale={}{} logits~{} strided={}", b, h, tq,
+                              tk, dk, dv, p.causal, p.scale ? fmt::format("{}", *p.scale) : "default", masks, logit,
+                              strided.empty() ? "none" : strided);
+  return c;
+}
+
+// `values` copied into rows padded by a few floats: every dim but the last is strided.
+struct PaddedCopy {
+  Tensor<float> storage;
+  TensorView<const float> view;
+};
+
+PaddedCopy padded_copy(const Tensor<double>& values, bool strided) {
+  const Shape& s = values.shape();
+  const int64_t pad = strided ? 3 : 0;
+  PaddedCopy copy{Tensor<float>(Shape{s[0], s[1], s[2], s[3] + pad}), {}};
+  const TensorView<float> full = copy.storage.view();
+  const TensorView<float> inner{full.data, s, full.strides};
+  const TensorView<const double> from = values.view();
+  for (int64_t a = 0; a < s[0]; ++a)
+    for (int64_t h = 0; h < s[1]; ++h)
+      for (int64_t t = 0; t < s[2]; ++t)
+        for (int64_t d = 0; d < s[3]; ++d) inner(a, h, t, d) = static_cast<float>(from(a, h, t, d));
+  copy.view = inner;
+  return copy;
+}
+
+struct Results {
+  Tensor<double> out, lse, dq, dk, dv, dbias;
+};
+
+// Forward, then the backward of L = <dout, out>, either recomputing the forward or from the saved
+// out and lse.
+Results run_fused(const SoakCase& c, const Tensor<double>& dout_d, bool from_saved) {
+  const AttentionProblem& p = c.problem;
+  const PaddedCopy q = padded_copy(p.q, c.strided[0]), k = padded_copy(p.k, c.strided[1]),
+                   v = padded_copy(p.v, c.strided[2]);
+  const std::optional<Tensor<float>> bias = p.bias ? std::optional(cast<float>(*p.bias)) : std::nullopt;
+  AttentionParams<float> params{.q = q.view, .k = k.view, .v = v.view, .scale = p.scale, .mask = {}};
+  params.mask.causal = p.causal;
+  if (p.allowed) params.mask.allowed = p.allowed->view();
+  if (bias) params.mask.bias = bias->view();
+  const Shape& s = p.q.shape();
+  Tensor<float> out({s[0], s[1], s[2], p.v.shape()[3]}), lse({s[0], s[1], s[2]});
+  attention_forward_fused(params, AttentionOutputs<float>{.out = out.view(), .weights = {}, .lse = lse.view()});
+  const Tensor<float> dout = cast<float>(dout_d);
+  Tensor<float> dq(p.q.shape()), dk(p.k.shape()), dv(p.v.shape());
+  Tensor<float> dbias = p.bias ? Tensor<float>(p.bias->shape()) : Tensor<float>();
+  AttentionGradients<float> grads{.dq = dq.view(), .dk = dk.view(), .dv = dv.view(), .dbias = {}};
+  if (p.bias) grads.dbias = dbias.view();
+  std::optional<AttentionSaved<float>> saved;
+  if (from_saved) saved = AttentionSaved<float>{.out = out.cview(), .lse = lse.cview()};
+  attention_backward_fused(params, dout.cview(), grads, saved);
+  return {cast<double>(out), cast<double>(lse), cast<double>(dq),
+          cast<double>(dk),  cast<double>(dv),  cast<double>(dbias)};
+}
+
+Results run_reference(const AttentionProblem& p, const Tensor<double>& dout) {
+  const AttentionOperands<double> ops(p);
+  const Shape& s = p.q.shape();
+  Results r{Tensor<double>({s[0], s[1], s[2], p.v.shape()[3]}),
+            Tensor<double>({s[0], s[1], s[2]}),
+            Tensor<double>(p.q.shape()),
+            Tensor<double>(p.k.shape()),
+            Tensor<double>(p.v.shape()),
+            p.bias ? Tensor<double>(p.bias->shape()) : Tensor<double>()};
+  attention_forward_reference(ops.params(),
+                              AttentionOutputs<double>{.out = r.out.view(), .weights = {}, .lse = r.lse.view()});
+  AttentionGradients<double> grads{.dq = r.dq.view(), .dk = r.dk.view(), .dv = r.dv.view(), .dbias = {}};
+  if (p.bias) grads.dbias = r.dbias.view();
+  attention_backward_reference(ops.params(), dout.cview(), grads);
+  return r;
+}
+
+// What the reference and naive computations of a case give, computed once for all its runs.
+struct Expected {
+  Results exact;
+  testing::NaiveAttention<float> naive;
+  testing::NaiveAttention<double> absolute;
+  double rho = 0;
+};
+
+// The first tensor of `got` outside its tolerance, described; nullopt when all are within.
+std::optional<std::string> first_mismatch(const Results& got, const Expected& want, bool from_saved, bool with_bias) {
+  struct Check {
+    const char* name;
+    const Tensor<double>& actual;
+    const Tensor<double>& exact;
+    const Tensor<float>& naive;
+    const Tensor<double>* absolute;
+  };
+  const Check checks[] = {{"out", got.out, want.exact.out, want.naive.out, nullptr},
+                          {"lse", got.lse, want.exact.lse, want.naive.lse, nullptr},
+                          {"dq", got.dq, want.exact.dq, want.naive.dq, &want.absolute.dq},
+                          {"dk", got.dk, want.exact.dk, want.naive.dk, &want.absolute.dk},
+                          {"dv", got.dv, want.exact.dv, want.naive.dv, &want.absolute.dv},
+                          {"dbias", got.dbias, want.exact.dbias, want.naive.dbias, &want.absolute.dbias}};
+  for (const Check& check : checks) {
+    // Without a bias there is no dbias: the default Tensor it is left as is a rank-0 one of 1 value.
+    if (!with_bias && std::string_view(check.name) == "dbias") continue;
+    // The saved lse is rounded to float32, which moves every P recomputed from it by up to ρ.
+    const double tolerance = tolerance_from_naive(check.naive, check.exact) +
+                             (from_saved && check.absolute ? want.rho * testing::max_abs(*check.absolute) : 0.0);
+    const testing::ErrorStats stats = error_stats(check.actual, check.exact);
+    if (stats.non_finite || stats.max_abs > tolerance) {
+      return fmt::format("{}: max error {:.3e} > tolerance {:.3e} at flat index {} (got {:.9g}, expected {:.9g})",
+                         check.name, stats.max_abs, tolerance, stats.worst,
+                         stats.worst >= 0 ? check.actual[stats.worst] : 0.0,
+                         stats.worst >= 0 ? check.exact[stats.worst] : 0.0);
+    }
+  }
+  return std::nullopt;
+}
+
+struct Tally {
+  int64_t cases = 0;
+  int64_t refused = 0;
+  int64_t failed = 0;
+  std::map<std::string, int64_t> per_target;  // runs: a case on one target at one thread count
+};
+
+void report_failure(const SoakOptions& o, uint64_t number, const SoakCase& c, const std::string& where,
+                    const std::string& what) {
+  fmt::print(stderr,
+             "qkv soak: FAILED case {} of seed {} ({})\n  case: {}\n  {}\n  repeat it with: qkv soak --seed {} "
+             "--case {}{}\n",
+             number, o.seed, where, c.description, what, o.seed, number,
+             o.threads == std::vector<int>{1, 2} ? "" : fmt::format(" --threads {}", fmt::join(o.threads, ",")));
+  std::fflush(stderr);
+}
+
+// Runs case `number` on every target and thread count; false, after reporting it, at its first
+// mismatch.
+bool run_case(const SoakOptions& o, uint64_t number, Tally& tally) {
+  const SoakCase c = draw_case(o.seed, number);
+  const AttentionProblem& p = c.problem;
+  const Tensor<double> dout =
+      testing::random_dout(p, (o.seed * 0x9E3779B97F4A7C15ULL + number) ^ 0xD1B54A32D192ED03ULL);
+  std::optional<Expected> want;
+  std::string reference_refusal;
+  try {
+    want = Expected{run_reference(p, dout), testing::naive_attention<float>(p, dout),
+                    testing::naive_attention<double>(p, dout, true), 0.0};
+    want->rho = testing::lse_rounding(want->exact.lse);
+  } catch (const Error& e) {
+    reference_refusal = e.what();
+  }
+  ++tally.cases;
+  if (!want) ++tally.refused;
+  for (const std::string& target : simd_targets()) {
+    use_simd_target(target);
+    for (const int threads : o.threads) {
+      set_max_workers(threads);
+      const std::string where = fmt::format("target {}, {} thread{}", target, threads, threads == 1 ? "" : "s");
+      for (const bool from_saved : {false, true}) {
+        const std::string run =
+            fmt::format("{}, backward {}", where, from_saved ? "from the saved lse" : "recomputing");
+        std::optional<Results> got;
+        try {
+          got = run_fused(c, dout, from_saved);
+        } catch (const Error& e) {
+          if (!want) continue;
+          report_failure(o, number, c, run, fmt::format("the fused kernels refused it: {}", e.what()));
+          use_simd_target("");
+          return false;
+        }
+        std::optional<std::string> mismatch;
+        if (!want) {
+          mismatch = fmt::format("the reference refused it ({}) but the fused kernels ran it", reference_refusal);
+        } else {
+          mismatch = first_mismatch(*got, *want, from_saved, p.bias.has_value());
+        }
+        if (mismatch) {
+          report_failure(o, number, c, run, *mismatch);
+          use_simd_target("");
+          return false;
+        }
+      }
+      ++tally.per_target[target];
+    }
+  }
+  use_simd_target("");
+  return true;
+}
+
+void run_soak(const SoakOptions& o) {
+  if (!(o.seconds >= 0)) throw ValueError(fmt::format("--seconds: expected >= 0, got {}", o.seconds));
+  for (const int threads : o.threads) {
+    if (threads < 1) throw ValueError(fmt::format("--threads: expected counts >= 1, got {}", threads));
+  }
+  const int saved_workers = max_workers();
+  Tally tally;
+  using Clock = std::chrono::steady_clock;
+  const Clock::time_point start = Clock::now();
+  const auto elapsed = [&] { return std::chrono::duration<double>(Clock::now() - start).count(); };
+  double next_progress = kProgressSeconds;
+  const auto run_one = [&](uint64_t number) {
+    if (run_case(o, number, tally)) return;
+    ++tally.failed;
+    if (!o.keep_going) std::exit(kExitFailure);
+  };
+  if (o.only_case) {
+    run_one(*o.only_case);
+  } else {
+    for (uint64_t number = 0; elapsed() < o.seconds; ++number) {
+      run_one(number);
+      if (elapsed() >= next_progress) {
+        fmt::print(stderr, "qkv soak: {} cases in {:.0f} s (through case {}), {} failed\n", tally.cases, elapsed(),
+                   number, tally.failed);
+        next_progress += kProgressSeconds;
+      }
+    }
+  }
+  set_max_workers(saved_workers);
+  fmt::print("soak: seed {}, {} cases in {:.1f} s, {} failed ({} refused by both implementations)\n", o.seed,
+             tally.cases, elapsed(), tally.failed, tally.refused);
+  for (const auto& [target, runs] : tally.per_target) {
+    fmt::print("  {}: {} cases × {} thread counts ({} runs)\n", target, runs / static_cast<int64_t>(o.threads.size()),
+               o.threads.size(), runs);
+  }
+  std::fflush(stdout);
+  if (tally.failed > 0) std::exit(kExitFailure);
+}
+
+}  // namespace
+
+void register_soak(CLI::App& app) {
+  auto o = std::make_shared<SoakOptions>();
+  CLI::App* cmd =
+      app.add_subcommand("soak", "random fused-attention problems against the float64 reference, until a failure");
+  cmd->add_option("--seconds", o->seconds, "how long to draw new cases (a case started is finished)")
+      ->capture_default_str();
+  cmd->add_option("--seed", o->seed, "seed of the cases: case K of seed S is the same on every run")
+      ->capture_default_str();
+  cmd->add_option_function<uint64_t>(
+         "--case", [o](uint64_t number) { o->only_case = number; },
+         "run this case alone (as a failure's report names it)")
+      ->type_name("K");
+  cmd->add_option("--threads", o->threads, "thread counts to run every case with, comma-separated")
+      ->delimiter(',')
+      ->type_name("N,...")
+      ->capture_default_str();
+  cmd->add_flag("--keep-going", o->keep_going,
+                "report every failing case and go on; exit 1 at the end when any failed (counts include them)");
+  cmd->callback([o] { run_soak(*o); });
+}
+
+}  // namespace qkv::cli
