@@ -147,9 +147,7 @@ struct Operands {
   int64_t tq = 0, tk = 0, dv = 0;
 
   Shape with_leading(std::initializer_list<int64_t> tail) const {
-    std::vector<int64_t> dims(leading.dims().begin(), leading.dims().end());
-    dims.insert(dims.end(), tail.begin(), tail.end());
-    return Shape(std::span<const int64_t>(dims));
+    return leading_dims_with(leading, leading.rank(), tail);
   }
 
   AttentionMask<T> mask() const {
@@ -280,7 +278,7 @@ Operands<T> load_operands(const InputOptions& o, InputArrays in) {
 
   x.q = to_tensor<T>(std::move(in.q), "--q");
   const TensorView<const T> q4 = as_bhtd(x.q.cview(), "--q");
-  x.leading = Shape(std::span<const int64_t>(x.q.shape().dims().data(), static_cast<size_t>(x.q.shape().rank() - 2)));
+  x.leading = leading_dims_with(x.q.shape(), x.q.shape().rank() - 2);
   x.tq = q4.shape[2];
   const int64_t dq = q4.shape[3];
   if (x.score == Score::dot && dq == 0) {
@@ -332,8 +330,7 @@ Operands<T> load_operands(const InputOptions& o, InputArrays in) {
 }
 
 template <class T>
-void attend(const AttendOptions& o, const Operands<T>& x, const std::optional<HeatmapFormat>& heatmap,
-            OutputFiles& files);
+void attend(const Operands<T>& x, const std::optional<HeatmapFormat>& heatmap, OutputFiles& files);
 
 void run_attend(const AttendOptions& o) {
   OutputFiles files;
@@ -359,15 +356,14 @@ void run_attend(const AttendOptions& o) {
   check_input_options(o.in);
   InputArrays in = read_inputs(o.in);
   if (runs_in_float64(o.in, in)) {
-    attend<double>(o, load_operands<double>(o.in, std::move(in)), heatmap, files);
+    attend<double>(load_operands<double>(o.in, std::move(in)), heatmap, files);
   } else {
-    attend<float>(o, load_operands<float>(o.in, std::move(in)), heatmap, files);
+    attend<float>(load_operands<float>(o.in, std::move(in)), heatmap, files);
   }
 }
 
 template <class T>
-void attend(const AttendOptions& o, const Operands<T>& x, const std::optional<HeatmapFormat>& heatmap,
-            OutputFiles& files) {
+void attend(const Operands<T>& x, const std::optional<HeatmapFormat>& heatmap, OutputFiles& files) {
   Tensor<T> out = allocate_output<T>(x.with_leading({x.tq, x.dv}), "-o");
   std::optional<Tensor<T>> weights;
   std::optional<Tensor<T>> lse;

@@ -39,7 +39,9 @@ void check_tensor(TensorView<T> view, std::string_view name, const Shape& expect
 
 template <class T>
 Problem<T> check_params(const AdditiveAttentionParams<T>& params) {
-  Problem<T> p{detail::make_attention_operands(params.q, params.k, params.v, params.mask, detail::KeyDim::any)};
+  Problem<T> p;
+  static_cast<detail::AttentionOperands<T>&>(p) =
+      detail::make_attention_operands(params.q, params.k, params.v, params.mask, detail::KeyDim::any);
   if (params.w_q.rank() != 2 || params.w_q.shape[1] != p.dq()) {
     throw ShapeError(fmt::format("w_q: expected shape [A, {}] ([A, Dq]), got {}", p.dq(), params.w_q.shape.str()));
   }

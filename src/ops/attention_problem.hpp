@@ -26,8 +26,8 @@ struct AttentionOperands {
   std::optional<TensorView<const uint8_t>> allowed;  // [B, H, Tq, Tk]
   std::optional<TensorView<const T>> bias;           // [B, H, Tq, Tk]
   bool causal = false;
-  Shape leading;  // the leading dims of q as given (rank 0 to 2), for output shapes
-  // The arguments' shapes as given, which their gradients must have.
+  // The arguments' shapes as given, which their gradients must have; q's leading dims (rank 0 to
+  // 2) are those of every output.
   Shape q_shape, k_shape, v_shape;
   std::optional<Shape> bias_shape;
 
@@ -40,9 +40,9 @@ struct AttentionOperands {
   int64_t dv() const { return v.shape[3]; }
   Shape scores() const { return {batch(), heads(), tq(), tk()}; }
 
-  // The shape `leading` + tail, e.g. with_leading({Tq, Dv}) for the output.
+  // q's leading dims + tail, e.g. with_leading({Tq, Dv}) for the output.
   Shape with_leading(std::initializer_list<int64_t> tail) const {
-    return leading_dims_with(leading, leading.rank(), tail);
+    return leading_dims_with(q_shape, q_shape.rank() - 2, tail);
   }
 
   // Whether query i of head (b, h) may see key j, before any additive bias.
@@ -77,7 +77,7 @@ AttentionOperands<T> make_attention_operands(TensorView<const T> q, TensorView<c
   AttentionOperands<T> p;
   p.q = as_bhtd(q, "q");
   check_dims_not_negative(q, "q");
-  p.leading = leading_dims_with(q.shape, q.rank() - 2);
+  p.q_shape = q.shape;
   const int64_t dq = q.shape.from_back(1);
   if (key_dim == KeyDim::same_as_query && dq == 0) {
     throw ShapeError(fmt::format("q: d_k must be at least 1, got shape {}", q.shape.str()));
@@ -96,7 +96,6 @@ AttentionOperands<T> make_attention_operands(TensorView<const T> q, TensorView<c
   p.k = as_bhtd(k, "k");
   p.v = as_bhtd(v, "v");
 
-  p.q_shape = q.shape;
   p.k_shape = k.shape;
   p.v_shape = v.shape;
 

@@ -50,32 +50,41 @@ Shape row_shape(const Shape& shape) { return leading_dims_with(shape, shape.rank
 // The one softmax of a row of n scores, in float64: x(j) reads score j, y(j, value) stores weight
 // j, and the row's log-sum-exp is returned. A row of −inf (every key masked) or an empty row gets
 // weights 0 and lse −inf, never NaN.
+// The max of a row and Σ_j exp(x_j − max); the sum is 0 for a row of −inf or an empty row.
+struct RowStats {
+  double max = kNegInf;
+  double sum = 0.0;
+  double lse() const { return max == kNegInf ? kNegInf : max + std::log(sum); }
+};
+
+template <class Load>
+RowStats row_stats(int64_t n, Load&& x) {
+  RowStats stats;
+  for (int64_t j = 0; j < n; ++j) stats.max = std::max(stats.max, static_cast<double>(x(j)));
+  if (stats.max == kNegInf) return stats;  // guards −inf − (−inf) below
+  for (int64_t j = 0; j < n; ++j) stats.sum += std::exp(static_cast<double>(x(j)) - stats.max);
+  return stats;
+}
+
 template <class Load, class Store>
 double softmax_of_row(int64_t n, Load&& x, Store&& y) {
-  double max = kNegInf;
-  for (int64_t j = 0; j < n; ++j) max = std::max(max, static_cast<double>(x(j)));
-  if (max == kNegInf) {  // guards −inf − (−inf) below
+  const RowStats stats = row_stats(n, x);
+  const double max = stats.max, sum = stats.sum;
+  if (max == kNegInf) {
     for (int64_t j = 0; j < n; ++j) y(j, 0.0);
     return kNegInf;
   }
-  double sum = 0.0;
-  for (int64_t j = 0; j < n; ++j) sum += std::exp(static_cast<double>(x(j)) - max);
   // exp(x − max) / Σ rather than exp(x − lse): lse carries an absolute error of ε·|lse|, which for
   // large scores would become a relative error of every weight.
   for (int64_t j = 0; j < n; ++j) y(j, std::exp(static_cast<double>(x(j)) - max) / sum);
-  return max + std::log(sum);
+  return stats.lse();
 }
 
 }  // namespace
 
 template <class T>
 double logsumexp(std::span<const T> row) {
-  double max = kNegInf;
-  for (const T x : row) max = std::max(max, static_cast<double>(x));
-  if (max == kNegInf) return kNegInf;
-  double sum = 0.0;
-  for (const T x : row) sum += std::exp(static_cast<double>(x) - max);
-  return max + std::log(sum);
+  return row_stats(static_cast<int64_t>(row.size()), [&](int64_t j) { return row[static_cast<size_t>(j)]; }).lse();
 }
 
 template <class T>
