@@ -9,6 +9,7 @@ function(qkv_layer name)
   cmake_parse_arguments(LAYER "" "" "DEPENDS;LIBRARIES" ${ARGN})
   file(GLOB sources CONFIGURE_DEPENDS ${CMAKE_CURRENT_SOURCE_DIR}/*.cpp)
   add_library(qkv_${name} OBJECT ${sources})
+  set_property(GLOBAL APPEND PROPERTY QKV_LAYERS ${name})
   set(root ${PROJECT_BINARY_DIR}/layers/${name})
   file(MAKE_DIRECTORY ${root}/qkv)
   file(CREATE_LINK ${PROJECT_SOURCE_DIR}/include/qkv/${name} ${root}/qkv/${name} SYMBOLIC)
@@ -29,4 +30,15 @@ function(qkv_layer name)
   # SSSE3-only CPUs are rare enough not to be worth the compile time; they run the portable build.
   target_compile_definitions(qkv_${name} PRIVATE HWY_DISABLED_TARGETS=HWY_SSSE3)
   set_target_properties(qkv_${name} PROPERTIES POSITION_INDEPENDENT_CODE ON)
+endfunction()
+
+# qkv_link_layers(TARGET): links the objects of every layer declared so far into TARGET, with what
+# they need (their include roots, fmt, Highway, OpenMP, cairo, ...). libqkv is made so, and so is
+# the Python module, which carries the library inside it: an installed package needs no libqkv.
+function(qkv_link_layers target)
+  get_property(layers GLOBAL PROPERTY QKV_LAYERS)
+  foreach(layer ${layers})
+    target_sources(${target} PRIVATE $<TARGET_OBJECTS:qkv_${layer}>)
+    target_link_libraries(${target} PRIVATE $<BUILD_INTERFACE:qkv_${layer}>)
+  endforeach()
 endfunction()

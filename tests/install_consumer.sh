@@ -17,7 +17,7 @@ trap 'rm -rf "$work"' EXIT
 if [[ $mode == without-viz ]]; then
   build_dir=$work/build
   cmake -S "$source_dir" -B "$build_dir" -G Ninja -DCMAKE_BUILD_TYPE=Release -DQKV_WITH_VIZ=OFF \
-    -DQKV_BUILD_APPS=OFF -DQKV_BUILD_TESTS=OFF -DQKV_BUILD_BENCH=OFF > "$work/qkv-configure.log"
+    -DQKV_BUILD_APPS=OFF -DQKV_BUILD_TESTS=OFF -DQKV_BUILD_BENCH=OFF -DQKV_BUILD_PYTHON=OFF > "$work/qkv-configure.log"
   cmake --build "$build_dir" > "$work/qkv-build.log"
 fi
 

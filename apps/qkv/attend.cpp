@@ -316,14 +316,14 @@ Operands<T> load_operands(const InputOptions& o, InputArrays in) {
   }
 
   if (!o.allow_nonfinite) {
-    check_finite(x.q.cview(), "--q");
-    check_finite(x.k.cview(), "--k");
-    check_finite(x.v.cview(), "--v");
-    if (x.bias) check_finite(x.bias->cview(), "--mask", NonFinite::minus_infinity_allowed);
+    check_input_finite(x.q.cview(), "--q");
+    check_input_finite(x.k.cview(), "--k");
+    check_input_finite(x.v.cview(), "--v");
+    if (x.bias) check_input_finite(x.bias->cview(), "--mask", NonFinite::minus_infinity_allowed);
     if (x.score == Score::additive) {
-      check_finite(x.w_q.cview(), "--wq");
-      check_finite(x.w_k.cview(), "--wk");
-      check_finite(x.w.cview(), "--ww");
+      check_input_finite(x.w_q.cview(), "--wq");
+      check_input_finite(x.w_k.cview(), "--wk");
+      check_input_finite(x.w.cview(), "--ww");
     }
   }
   return x;
@@ -425,7 +425,7 @@ void attend_backward(const BackwardOptions& o, const Operands<T>& x, OutputFiles
   Tensor<T> dout = to_tensor<T>(read_input(o.dout, "--dout", kFloatDtypes), "--dout");
   expect_shape("--dout", dout.shape(), x.with_leading({x.tq, x.dv}),
                "[..., Tq, Dv]: the shape of the attention output");
-  if (!o.in.allow_nonfinite) check_finite(dout.cview(), "--dout");
+  if (!o.in.allow_nonfinite) check_input_finite(dout.cview(), "--dout");
 
   // The library computes dq, dk and dv whether or not they are written.
   Tensor<T> dq = allocate_output<T>(x.q.shape(), "--dq");

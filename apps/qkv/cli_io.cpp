@@ -37,16 +37,6 @@ Shape shape_of(const NpyArray& array, std::string_view arg) {
 
 }  // namespace
 
-std::string index_str(const Shape& shape, int64_t flat) {
-  std::vector<int64_t> index(static_cast<size_t>(shape.rank()));
-  for (int axis = shape.rank() - 1; axis >= 0; --axis) {
-    const int64_t size = std::max<int64_t>(shape[axis], 1);
-    index[static_cast<size_t>(axis)] = flat % size;
-    flat /= size;
-  }
-  return fmt::format("[{}]", fmt::join(index, ", "));
-}
-
 NpyArray read_input(const std::filesystem::path& path, std::string_view arg, std::string_view accepted) {
   if (path == "-") {
     throw IoError(
@@ -110,36 +100,6 @@ Tensor<float> load_float32(const std::filesystem::path& path, std::string_view a
   return to_float32(read_input(path, arg, kFloatDtypes), arg);
 }
 
-template <class T>
-void check_finite(TensorView<const T> values, std::string_view arg, NonFinite rule) {
-  const TensorView<const T> v4 = as_rank4(values);
-  int64_t count = 0;
-  int64_t first = -1;
-  T first_value = 0;
-  int64_t flat = 0;
-  for (int64_t a = 0; a < v4.shape[0]; ++a)
-    for (int64_t b = 0; b < v4.shape[1]; ++b)
-      for (int64_t c = 0; c < v4.shape[2]; ++c)
-        for (int64_t d = 0; d < v4.shape[3]; ++d, ++flat) {
-          const T x = v4(a, b, c, d);
-          if (std::isfinite(x)) continue;
-          if (rule == NonFinite::minus_infinity_allowed && x == -std::numeric_limits<T>::infinity()) continue;
-          if (count++ == 0) {
-            first = flat;
-            first_value = x;
-          }
-        }
-  if (count == 0) return;
-  const std::string_view allowed =
-      rule == NonFinite::minus_infinity_allowed ? "finite values or -inf" : "finite values";
-  throw ValueError(
-      fmt::format("{}: expected {}, got {} non-finite value{} (the first: {} at {}); pass "
-                  "--allow-nonfinite to accept them",
-                  arg, allowed, count, count == 1 ? "" : "s", first_value, index_str(values.shape, first)));
-}
-
-template void check_finite(TensorView<const float>, std::string_view, NonFinite);
-template void check_finite(TensorView<const double>, std::string_view, NonFinite);
 
 template <class T>
 Tensor<T> allocate_output(const Shape& shape, std::string_view what) {

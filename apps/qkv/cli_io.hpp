@@ -49,20 +49,12 @@ Tensor<uint8_t> to_bool(NpyArray array, std::string_view arg);
 // read_input then to_float32: the usual way to take a float operand.
 Tensor<float> load_float32(const std::filesystem::path& path, std::string_view arg);
 
-// Which non-finite values an input may hold.
-enum class NonFinite {
-  refused,
-  minus_infinity_allowed,  // an additive mask bias, where −inf means "masked"
-};
-
-// Throws ValueError "`arg`: expected finite values, got 3 non-finite values (the first: nan at
-// [0, 2, 1]); ..." when `values` holds a NaN or an infinity that `rule` does not allow. The message
-// suggests --allow-nonfinite, so a subcommand calling this offers that flag.
+// check_finite (qkv/core/tensor.hpp) with the CLI's remedy: the message suggests
+// --allow-nonfinite, so a subcommand calling this offers that flag.
 template <class T>
-void check_finite(TensorView<const T> values, std::string_view arg, NonFinite rule = NonFinite::refused);
-
-// "[0, 2, 1]": the index of element `flat` of a C-order array of `shape`.
-std::string index_str(const Shape& shape, int64_t flat);
+void check_input_finite(TensorView<const T> values, std::string_view arg, NonFinite rule = NonFinite::refused) {
+  check_finite(values, arg, rule, "pass --allow-nonfinite to accept them");
+}
 
 // ---- Outputs --------------------------------------------------------------------------------
 

@@ -1,8 +1,12 @@
 #include "qkv/core/tensor.hpp"
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
+#include <cmath>
 #include <cstdint>
+#include <limits>
+#include <vector>
 
 #include "qkv/core/error.hpp"
 
@@ -159,6 +163,46 @@ void check_last_dim_contiguous(TensorView<T> view, std::string_view name) {
                                  view.strides[static_cast<size_t>(view.rank() - 1)]));
   }
 }
+
+std::string index_str(const Shape& shape, int64_t flat) {
+  std::vector<int64_t> index(static_cast<size_t>(shape.rank()));
+  for (int axis = shape.rank() - 1; axis >= 0; --axis) {
+    const int64_t size = std::max<int64_t>(shape[axis], 1);
+    index[static_cast<size_t>(axis)] = flat % size;
+    flat /= size;
+  }
+  return fmt::format("[{}]", fmt::join(index, ", "));
+}
+
+template <class T>
+void check_finite(TensorView<const T> values, std::string_view name, NonFinite rule, std::string_view remedy) {
+  const TensorView<const T> v4 = as_rank4(values);
+  int64_t count = 0;
+  int64_t first = -1;
+  T first_value = 0;
+  int64_t flat = 0;
+  for (int64_t a = 0; a < v4.shape[0]; ++a)
+    for (int64_t b = 0; b < v4.shape[1]; ++b)
+      for (int64_t c = 0; c < v4.shape[2]; ++c)
+        for (int64_t d = 0; d < v4.shape[3]; ++d, ++flat) {
+          const T x = v4(a, b, c, d);
+          if (std::isfinite(x)) continue;
+          if (rule == NonFinite::minus_infinity_allowed && x == -std::numeric_limits<T>::infinity()) continue;
+          if (count++ == 0) {
+            first = flat;
+            first_value = x;
+          }
+        }
+  if (count == 0) return;
+  const std::string_view allowed =
+      rule == NonFinite::minus_infinity_allowed ? "finite values or -inf" : "finite values";
+  throw ValueError(fmt::format("{}: expected {}, got {} non-finite value{} (the first: {} at {}){}{}", name, allowed,
+                               count, count == 1 ? "" : "s", first_value, index_str(values.shape, first),
+                               remedy.empty() ? "" : "; ", remedy));
+}
+
+template void check_finite(TensorView<const float>, std::string_view, NonFinite, std::string_view);
+template void check_finite(TensorView<const double>, std::string_view, NonFinite, std::string_view);
 
 #define QKV_INSTANTIATE_VIEW(T)                                                                   \
   template struct TensorView<T>;                                                                  \

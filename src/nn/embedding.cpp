@@ -12,16 +12,6 @@
 namespace qkv {
 namespace {
 
-// "[i, j]": the position of element `flat` of a contiguous tensor of `shape`.
-std::string index_str(const Shape& shape, int64_t flat) {
-  std::vector<int64_t> index(static_cast<size_t>(shape.rank()));
-  for (int axis = shape.rank() - 1; axis >= 0; --axis) {
-    index[static_cast<size_t>(axis)] = flat % shape[axis];
-    flat /= shape[axis];
-  }
-  return fmt::format("[{}]", fmt::join(index, ", "));
-}
-
 // ids' shape followed by D.
 Shape output_shape(const Shape& ids, int64_t dim) {
   std::vector<int64_t> dims(ids.dims().begin(), ids.dims().end());

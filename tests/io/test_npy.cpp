@@ -187,7 +187,7 @@ template <class T>
     const T got = (*values)[static_cast<size_t>(i)];
     using Bits = std::array<unsigned char, sizeof(T)>;
     if (std::bit_cast<Bits>(got) != std::bit_cast<Bits>(expected[i])) {
-      return ::testing::AssertionFailure() << "element " << testing::index_str(expected.shape(), i) << ": got " << +got
+      return ::testing::AssertionFailure() << "element " << index_str(expected.shape(), i) << ": got " << +got
                                            << ", expected " << +expected[i];
     }
   }

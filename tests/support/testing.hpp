@@ -21,17 +21,6 @@
 
 namespace qkv::testing {
 
-// "[b, h, i, j]" for a flat index into a contiguous tensor of `shape`.
-inline std::string index_str(const Shape& shape, int64_t flat) {
-  std::string s = "]";
-  for (int axis = shape.rank() - 1; axis >= 0; --axis) {
-    const int64_t size = std::max<int64_t>(shape[axis], 1);
-    s = fmt::format("{}{}", flat % size, axis == shape.rank() - 1 ? "" : ", ") + s;
-    flat /= size;
-  }
-  return "[" + s;
-}
-
 // Passes when every |actual − expected| <= tolerance; the failure message gives the max and
 // mean error, the worst index and the two values there.
 template <class A, class E>

@@ -129,4 +129,20 @@ void check_shape(std::string_view name, const Shape& actual, const Shape& expect
 template <class T>
 void check_last_dim_contiguous(TensorView<T> view, std::string_view name);
 
+// "[0, 2, 1]": the index of element `flat` of a C-order array of `shape`.
+std::string index_str(const Shape& shape, int64_t flat);
+
+// Which non-finite values an input may hold.
+enum class NonFinite {
+  refused,
+  minus_infinity_allowed,  // an additive mask bias, where −inf means "masked"
+};
+
+// Throws ValueError "`name`: expected finite values, got 3 non-finite values (the first: nan at
+// [0, 2, 1])" when `values` holds a NaN or an infinity that `rule` does not allow; `remedy`, when
+// given, is appended after a semicolon ("pass --allow-nonfinite to accept them").
+template <class T>
+void check_finite(TensorView<const T> values, std::string_view name, NonFinite rule = NonFinite::refused,
+                  std::string_view remedy = {});
+
 }  // namespace qkv

@@ -1,0 +1,216 @@
+"""qkv for PyTorch: differentiable attention on CPU tensors, without linking libtorch.
+
+    import torch, qkv.torch
+    out = qkv.torch.scaled_dot_product_attention(q, k, v, is_causal=True)   # like F.sdpa
+    out.sum().backward()                                                    # through qkv's backward
+
+Tensors reach qkv's kernels over DLPack without a copy (np.from_dlpack), the results come back
+with torch.from_numpy, also without a copy. The autograd function keeps q, k, v, out and lse for
+the backward, never the Tq x Tk weights.
+
+The op is registered with PyTorch too, as torch.ops.qkv.attention_forward(q, k, v, attn_mask,
+is_causal, scale) -> (out, lse): with torch.library.custom_op, register_fake and
+register_autograd where PyTorch has them (2.4 and later, so torch.compile can trace it), and with
+torch.library.Library("qkv", "DEF") before that (Debian 12's torch 1.13). Its is_causal is qkv's
+bottom-right one.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional, Tuple
+
+import numpy as np
+import torch
+
+from . import _qkv
+
+__all__ = ["SelfAttention", "scaled_dot_product_attention"]
+
+_CAUSAL_ALIGNMENTS = ("top_left", "bottom_right")
+
+
+def _array(tensor: torch.Tensor, name: str) -> np.ndarray:
+    """The tensor as a numpy array over the same memory."""
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(tensor).__name__}")
+    if tensor.device.type != "cpu":
+        raise ValueError(f"{name}: expected a CPU tensor, got one on {tensor.device}")
+    tensor = tensor.detach()
+    if tensor.dtype == torch.bool:
+        # DLPack in torch 1.13 has no bool; the bytes are the same 0/1 that qkv reads.
+        tensor = tensor.view(torch.uint8)
+    return np.from_dlpack(tensor)
+
+
+def _mask_array(mask: Optional[torch.Tensor]) -> Optional[np.ndarray]:
+    return None if mask is None else _array(mask, "attn_mask")
+
+
+def _forward(q, k, v, attn_mask, is_causal: bool, scale: Optional[float]) -> Tuple[torch.Tensor, torch.Tensor]:
+    out, lse = _qkv.attention(_array(q, "query"), _array(k, "key"), _array(v, "value"), scale=scale,
+                              causal=is_causal, mask=_mask_array(attn_mask), return_lse=True)
+    return torch.from_numpy(out), torch.from_numpy(lse)
+
+
+def _backward(q, k, v, attn_mask, is_causal, scale, out, lse, dout):
+    grads = _qkv.attention_backward(_array(q, "query"), _array(k, "key"), _array(v, "value"), _array(dout, "dout"),
+                                    out=_array(out, "out"), lse=_array(lse, "lse"), scale=scale, causal=is_causal,
+                                    mask=_mask_array(attn_mask))
+    dq, dk, dv = (torch.from_numpy(g) for g in grads[:3])
+    dmask = torch.from_numpy(grads[3]) if len(grads) == 4 else None
+    return dq, dk, dv, dmask
+
+
+class _Attention(torch.autograd.Function):
+    """(out, lse) of qkv's fused attention; the backward reads the saved out and lse."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, attn_mask, is_causal, scale):
+        out, lse = _forward(q, k, v, attn_mask, is_causal, scale)
+        ctx.save_for_backward(q, k, v, attn_mask, out, lse)
+        ctx.is_causal, ctx.scale = is_causal, scale
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, dout, _dlse):
+        q, k, v, attn_mask, out, lse = ctx.saved_tensors
+        dq, dk, dv, dmask = _backward(q, k, v, attn_mask, ctx.is_causal, ctx.scale, out, lse, dout)
+        if not ctx.needs_input_grad[3]:
+            dmask = None
+        return dq, dk, dv, dmask, None, None
+
+
+def _register_op():
+    """Registers qkv::attention_forward with PyTorch's dispatcher; returns the callable to use."""
+    if hasattr(torch.library, "custom_op") and hasattr(torch.library, "register_fake"):
+        @torch.library.custom_op("qkv::attention_forward", mutates_args=())
+        def attention_forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                              attn_mask: Optional[torch.Tensor], is_causal: bool,
+                              scale: Optional[float]) -> Tuple[torch.Tensor, torch.Tensor]:
+            return _forward(query, key, value, attn_mask, is_causal, scale)
+
+        @attention_forward.register_fake
+        def _(query, key, value, attn_mask, is_causal, scale):
+            return (query.new_empty(query.shape[:-1] + value.shape[-1:]), query.new_empty(query.shape[:-1]))
+
+        @torch.library.custom_op("qkv::attention_backward", mutates_args=())
+        def attention_backward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                               attn_mask: Optional[torch.Tensor], is_causal: bool, scale: Optional[float],
+                               out: torch.Tensor, lse: torch.Tensor,
+                               dout: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+            dq, dk, dv, dmask = _backward(query, key, value, attn_mask, is_causal, scale, out, lse, dout)
+            return dq, dk, dv, dmask if dmask is not None else query.new_empty(0)
+
+        @attention_backward.register_fake
+        def _(query, key, value, attn_mask, is_causal, scale, out, lse, dout):
+            float_mask = attn_mask is not None and attn_mask.is_floating_point()
+            return (torch.empty_like(query), torch.empty_like(key), torch.empty_like(value),
+                    torch.empty_like(attn_mask) if float_mask else query.new_empty(0))
+
+        def setup_context(ctx, inputs, output):
+            query, key, value, attn_mask, is_causal, scale = inputs
+            ctx.save_for_backward(query, key, value, attn_mask, *output)
+            ctx.is_causal, ctx.scale = is_causal, scale
+
+        def backward(ctx, dout, _dlse):
+            query, key, value, attn_mask, out, lse = ctx.saved_tensors
+            dq, dk, dv, dmask = torch.ops.qkv.attention_backward(query, key, value, attn_mask, ctx.is_causal,
+                                                                 ctx.scale, out, lse, dout)
+            float_mask = attn_mask is not None and attn_mask.is_floating_point()
+            return dq, dk, dv, dmask if float_mask else None, None, None
+
+        attention_forward.register_autograd(backward, setup_context=setup_context)
+        return torch.ops.qkv.attention_forward
+
+    library = torch.library.Library("qkv", "DEF")
+    library.define("attention_forward(Tensor query, Tensor key, Tensor value, Tensor? attn_mask, bool is_causal, "
+                   "float? scale) -> (Tensor, Tensor)")
+    # The autograd function is the implementation for every dispatch key, so the op is differentiable.
+    library.impl("attention_forward", _Attention.apply, "CompositeImplicitAutograd")
+    _register_op.library = library  # a Library unregisters its ops when collected
+    return _Attention.apply
+
+
+_attention_forward = _register_op()
+
+
+def _top_left_causal(tq: int, tk: int) -> torch.Tensor:
+    return torch.ones(tq, tk, dtype=torch.bool).tril()
+
+
+def scaled_dot_product_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                                 attn_mask: Optional[torch.Tensor] = None, dropout_p: float = 0.0,
+                                 is_causal: bool = False, scale: Optional[float] = None, *,
+                                 causal_alignment: str = "top_left") -> torch.Tensor:
+    """torch.nn.functional.scaled_dot_product_attention, computed by qkv and differentiable.
+
+    query [B, H, Tq, E], key [B, H, Tk, E], value [B, H, Tk, Ev] -> [B, H, Tq, Ev], float32
+    (the fused kernel) or float64 (the float64 reference); B, or B and H, may be left out.
+    attn_mask: broadcastable to [B, H, Tq, Tk]; bool (True = may attend) or a float bias added to
+        the scores (its gradient is computed when it requires grad). It combines with is_causal.
+    is_causal: with causal_alignment="top_left" (PyTorch's convention) query i sees keys j <= i;
+        with "bottom_right" (qkv's, and FlashAttention's) j <= i + Tk - Tq, so that with a KV
+        cache the last query sees every key. The two agree when Tq == Tk.
+    scale: 1/sqrt(E) when None.
+
+    Differs from PyTorch's: a query whose every key is masked gives 0 (and zero gradients), not
+    NaN. dropout_p > 0 is refused: qkv has no dropout yet.
+    """
+    if dropout_p != 0.0:
+        raise ValueError(f"dropout_p: expected 0.0 (qkv has no attention dropout yet), got {dropout_p}")
+    if causal_alignment not in _CAUSAL_ALIGNMENTS:
+        raise ValueError(f"causal_alignment: expected \"top_left\" or \"bottom_right\", got {causal_alignment!r}")
+    if scale is not None and not math.isfinite(scale):
+        raise ValueError(f"scale: expected a finite number, got {scale}")
+    tq, tk = query.shape[-2] if query.dim() >= 2 else 0, key.shape[-2] if key.dim() >= 2 else 0
+    causal = is_causal
+    if is_causal and causal_alignment == "top_left" and tq != tk:
+        # qkv's causal flag is bottom-right; PyTorch's triangle comes as an explicit mask.
+        causal = False
+        triangle = _top_left_causal(tq, tk)
+        if attn_mask is None:
+            attn_mask = triangle
+        elif attn_mask.dtype == torch.bool:
+            attn_mask = attn_mask & triangle
+        else:
+            attn_mask = attn_mask.masked_fill(~triangle, float("-inf"))
+    return _attention_forward(query, key, value, attn_mask, causal, scale)[0]
+
+
+class SelfAttention(torch.nn.Module):
+    """Multi-head self-attention whose attention runs on qkv: a drop-in for the textbook block.
+
+        x [B, T, d_model] or [T, d_model] -> y of x's shape
+        Q, K, V = q_proj(x), k_proj(x), v_proj(x)   (torch.nn.Linear(d_model, d_model, bias))
+        y = out_proj(concat_h attention(Q_h, K_h, V_h))   (without out_proj: output_projection=False)
+
+    forward(x, attn_mask=None, is_causal=False): attn_mask and is_causal as in
+    scaled_dot_product_attention, broadcastable to [B, n_heads, T, T].
+    """
+
+    def __init__(self, d_model: int, n_heads: int = 1, bias: bool = True, output_projection: bool = True,
+                 device=None, dtype=None):
+        super().__init__()
+        if n_heads < 1 or d_model < 1 or d_model % n_heads != 0:
+            raise ValueError(f"d_model, n_heads: expected n_heads >= 1 dividing d_model >= 1, got d_model={d_model}, "
+                             f"n_heads={n_heads}")
+        self.d_model, self.n_heads = d_model, n_heads
+        factory = {"device": device, "dtype": dtype}
+        self.q_proj = torch.nn.Linear(d_model, d_model, bias=bias, **factory)
+        self.k_proj = torch.nn.Linear(d_model, d_model, bias=bias, **factory)
+        self.v_proj = torch.nn.Linear(d_model, d_model, bias=bias, **factory)
+        self.out_proj = torch.nn.Linear(d_model, d_model, bias=bias, **factory) if output_projection else None
+
+    def _heads(self, x: torch.Tensor) -> torch.Tensor:
+        # [..., T, d_model] -> [..., H, T, Dh]: a strided view, which qkv reads in place.
+        return x.unflatten(-1, (self.n_heads, self.d_model // self.n_heads)).transpose(-3, -2)
+
+    def forward(self, x: torch.Tensor, attn_mask: Optional[torch.Tensor] = None,
+                is_causal: bool = False) -> torch.Tensor:
+        q, k, v = self._heads(self.q_proj(x)), self._heads(self.k_proj(x)), self._heads(self.v_proj(x))
+        context = scaled_dot_product_attention(q, k, v, attn_mask, is_causal=is_causal)
+        context = context.transpose(-3, -2).flatten(-2)
+        return self.out_proj(context) if self.out_proj is not None else context

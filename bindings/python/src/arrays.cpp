@@ -1,0 +1,211 @@
+#include "arrays.hpp"
+
+#include <fmt/format.h>
+#include <pybind11/pybind11.h>
+
+#include <atomic>
+#include <csignal>
+#include <cstring>
+
+#include "qkv/core/cancel.hpp"
+#include "qkv/core/error.hpp"
+#include "qkv/core/memory.hpp"
+
+namespace qkv::python {
+namespace {
+
+std::string dtype_str(const py::array& array) { return py::str(array.dtype()).cast<std::string>(); }
+
+bool is_float(const py::array& array, size_t itemsize) {
+  return array.dtype().kind() == 'f' && static_cast<size_t>(array.itemsize()) == itemsize;
+}
+
+std::string shape_str(const py::array& array) {
+  std::vector<int64_t> dims(array.shape(), array.shape() + array.ndim());
+  return fmt::format("[{}]", fmt::join(dims, ", "));
+}
+
+// Whether the kernels can read `array` where it is: strides that are non-negative multiples of the
+// item size, a contiguous last dim, aligned data in native byte order of exactly type T.
+template <class T>
+bool viewable(const py::array& array) {
+  if (!array.dtype().is(py::dtype::of<T>()) && !array.dtype().equal(py::dtype::of<T>())) return false;
+  if (!(array.flags() & py::detail::npy_api::NPY_ARRAY_ALIGNED_)) return false;
+  for (py::ssize_t axis = 0; axis < array.ndim(); ++axis) {
+    const py::ssize_t stride = array.strides(axis);
+    if (stride < 0 || stride % static_cast<py::ssize_t>(sizeof(T)) != 0) return false;
+  }
+  const py::ssize_t last = array.ndim() - 1;
+  return array.ndim() == 0 || array.shape(last) <= 1 || array.strides(last) == static_cast<py::ssize_t>(sizeof(T));
+}
+
+template <class T>
+TensorView<const T> view_as(const py::array& array) {
+  std::vector<int64_t> dims(array.shape(), array.shape() + array.ndim());
+  TensorView<const T> view{static_cast<const T*>(array.data()), Shape(std::span<const int64_t>(dims)), {}};
+  for (py::ssize_t axis = 0; axis < array.ndim(); ++axis) {
+    view.strides[static_cast<size_t>(axis)] = array.strides(axis) / static_cast<py::ssize_t>(sizeof(T));
+  }
+  return view;
+}
+
+py::array as_array(const py::object& operand) { return py::array::ensure(operand); }
+
+// qkv's tensors have rank 0 to 4; the ops check the ranks they take within that.
+void check_rank_fits(const py::array& array, std::string_view name) {
+  if (array.ndim() > kMaxRank) {
+    throw ShapeError(fmt::format("{}: expected rank at most {}, got shape {}", name, kMaxRank, shape_str(array)));
+  }
+}
+
+// Set by the SIGINT handler that run_without_gil installs; lock-free, so the handler may write it.
+std::atomic<bool> sigint_pending{false};
+static_assert(std::atomic<bool>::is_always_lock_free);
+
+extern "C" void on_sigint(int) { sigint_pending.store(true, std::memory_order_relaxed); }
+
+bool cancel_requested() { return sigint_pending.load(std::memory_order_relaxed); }
+
+bool on_main_thread() {
+  static const unsigned long main_thread =
+      py::module_::import("threading").attr("main_thread")().attr("ident").cast<unsigned long>();
+  return PyThread_get_thread_ident() == main_thread;
+}
+
+}  // namespace
+
+std::string_view precision_name(Precision precision) {
+  return precision == Precision::float32 ? "float32" : "float64";
+}
+
+Precision precision_of(const py::object& operand, std::string_view name) {
+  const py::array array = as_array(operand);
+  if (is_float(array, 4)) return Precision::float32;
+  if (is_float(array, 8)) return Precision::float64;
+  throw ShapeError(fmt::format("{}: expected dtype float32 or float64, got {}", name, dtype_str(array)));
+}
+
+py::array Inputs::hold(py::array array) {
+  held_.push_back(array);
+  return array;
+}
+
+template <class T>
+TensorView<const T> Inputs::floats(const py::object& operand, std::string_view name, std::string_view of_dtype_of,
+                                   bool allow_nonfinite, NonFinite rule) {
+  py::array array = as_array(operand);
+  const std::string_view wanted = sizeof(T) == 4 ? "float32" : "float64";
+  if (!is_float(array, sizeof(T))) {
+    if (of_dtype_of.empty()) {
+      throw ShapeError(fmt::format("{}: expected dtype {}, got {}", name, wanted, dtype_str(array)));
+    }
+    throw ShapeError(
+        fmt::format("{}: expected dtype {} (the dtype of {}), got {}", name, wanted, of_dtype_of, dtype_str(array)));
+  }
+  check_rank_fits(array, name);
+  if (!viewable<T>(array)) array = py::array_t<T, py::array::c_style | py::array::forcecast>::ensure(array);
+  const TensorView<const T> view = view_as<T>(hold(array));
+  if (!allow_nonfinite) check_finite(view, name, rule, "pass allow_nonfinite=True to accept them");
+  return view;
+}
+
+template <class T>
+AttentionMask<T> Inputs::mask(const py::object& mask, bool causal, bool allow_nonfinite) {
+  AttentionMask<T> result;
+  result.causal = causal;
+  if (mask.is_none()) return result;
+  py::array array = as_array(mask);
+  check_rank_fits(array, "mask");
+  const char kind = array.dtype().kind();
+  if (kind == 'b' || kind == 'i' || kind == 'u') {
+    // bool and uint8 hold what the kernels read (nonzero = may attend) as they are.
+    if (!(kind != 'i' && array.itemsize() == 1 && viewable<uint8_t>(array.view("uint8")))) {
+      array = py::array_t<uint8_t, py::array::c_style>::ensure(
+          py::module_::import("numpy").attr("not_equal")(array, 0).attr("astype")("uint8"));
+    } else {
+      array = array.view("uint8");
+    }
+    result.allowed = view_as<uint8_t>(hold(array));
+    return result;
+  }
+  if (kind != 'f' || (array.itemsize() != 4 && array.itemsize() != 8) ||
+      static_cast<size_t>(array.itemsize()) > sizeof(T)) {
+    throw ShapeError(fmt::format(
+        "mask: expected dtype bool or an integer type (nonzero = may attend), or {} (a bias added to the "
+        "scores{}), got {}",
+        sizeof(T) == 4 ? "float32" : "float64 or float32", sizeof(T) == 4 ? "; the dtype of q" : "", dtype_str(array)));
+  }
+  if (static_cast<size_t>(array.itemsize()) < sizeof(T)) array = array.attr("astype")(py::dtype::of<T>());
+  result.bias = floats<T>(array, "mask", "", allow_nonfinite, NonFinite::minus_infinity_allowed);
+  return result;
+}
+
+template <class T>
+py::array_t<T> new_array(const Shape& shape, std::string_view what, bool zeroed) {
+  check_allocation_fits(static_cast<double>(shape.numel()) * sizeof(T), what);
+  py::array_t<T> array(std::vector<py::ssize_t>(shape.dims().begin(), shape.dims().end()));
+  if (zeroed && shape.numel() > 0) std::memset(array.mutable_data(), 0, static_cast<size_t>(shape.numel()) * sizeof(T));
+  return array;
+}
+
+template <class T>
+TensorView<T> view_of(py::array_t<T>& array) {
+  std::vector<int64_t> dims(array.shape(), array.shape() + array.ndim());
+  return make_view(array.mutable_data(), Shape(std::span<const int64_t>(dims)));
+}
+
+void run_without_gil(const std::function<void()>& compute) {
+  if (!on_main_thread()) {
+    py::gil_scoped_release release;
+    compute();
+    return;
+  }
+  struct sigaction action {};
+  struct sigaction previous {};
+  action.sa_handler = on_sigint;
+  sigemptyset(&action.sa_mask);
+  action.sa_flags = SA_RESTART;
+  sigint_pending.store(false, std::memory_order_relaxed);
+  sigaction(SIGINT, &action, &previous);
+  bool cancelled = false;
+  try {
+    py::gil_scoped_release release;
+    const CancelScope scope(cancel_requested);
+    compute();
+  } catch (const Cancelled&) {
+    cancelled = true;
+  } catch (...) {
+    sigaction(SIGINT, &previous, nullptr);
+    // The error is raised; Python's handler sees the signal at its next check.
+    if (sigint_pending.load(std::memory_order_relaxed)) std::raise(SIGINT);
+    throw;
+  }
+  sigaction(SIGINT, &previous, nullptr);
+  if (!sigint_pending.load(std::memory_order_relaxed)) return;
+  // Hand the signal to Python's own handler, which runs once asked below.
+  std::raise(SIGINT);
+  if (PyErr_CheckSignals() != 0) throw py::error_already_set();
+  if (cancelled) {
+    PyErr_SetString(PyExc_KeyboardInterrupt, "qkv: the call was interrupted and its results discarded");
+    throw py::error_already_set();
+  }
+}
+
+AttentionImpl impl_of(std::string_view impl) {
+  if (impl == "auto") return AttentionImpl::automatic;
+  if (impl == "fused") return AttentionImpl::fused;
+  if (impl == "reference") return AttentionImpl::reference;
+  throw ValueError(fmt::format("impl: expected \"auto\", \"fused\" or \"reference\", got \"{}\"", impl));
+}
+
+#define QKV_PYTHON_INSTANTIATE(T)                                                                              \
+  template TensorView<const T> Inputs::floats(const py::object&, std::string_view, std::string_view, bool,    \
+                                              NonFinite);                                                      \
+  template AttentionMask<T> Inputs::mask(const py::object&, bool, bool);                                       \
+  template py::array_t<T> new_array(const Shape&, std::string_view, bool);                                     \
+  template TensorView<T> view_of(py::array_t<T>&);
+QKV_PYTHON_INSTANTIATE(float)
+QKV_PYTHON_INSTANTIATE(double)
+#undef QKV_PYTHON_INSTANTIATE
+
+}  // namespace qkv::python

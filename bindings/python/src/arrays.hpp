@@ -1,0 +1,73 @@
+#pragma once
+// numpy arrays in and out of qkv's views, and the one way the module runs a computation.
+//
+// Inputs: an array whose dtype is the one wanted (native byte order), whose strides are
+// non-negative multiples of its item size, whose last dim is contiguous and whose data is aligned
+// is viewed without a copy; anything else (array-likes, transposed last dims, big-endian or
+// unaligned data) is copied once into a C-contiguous array, which the Inputs object keeps alive.
+
+#include <pybind11/numpy.h>
+#include <pybind11/pybind11.h>
+
+#include <cstdint>
+#include <functional>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "qkv/core/tensor.hpp"
+#include "qkv/ops/attention.hpp"
+
+namespace qkv::python {
+
+namespace py = pybind11;
+
+// The element types the kernels take.
+enum class Precision { float32, float64 };
+
+// "float32" / "float64"
+std::string_view precision_name(Precision precision);
+
+// The precision of operand `name` (the first float operand, q): float32 or float64; anything else
+// is a ShapeError naming the argument, the dtypes taken and the dtype given.
+Precision precision_of(const py::object& operand, std::string_view name);
+
+// Keeps the arrays that back the views handed to a kernel, copies included.
+class Inputs {
+ public:
+  // `operand` as a view of T, rank 2 to 4 unless `rank` names another range. `name` is the
+  // argument's name in errors ("q"); `of_dtype_of` names the argument whose dtype it must have.
+  // Non-finite values are refused (ValueError) unless `nonfinite` allows them.
+  template <class T>
+  TensorView<const T> floats(const py::object& operand, std::string_view name, std::string_view of_dtype_of,
+                             bool allow_nonfinite, NonFinite rule = NonFinite::refused);
+
+  // A mask: bool or integer arrays (nonzero = may attend) as `allowed`, float arrays of T's dtype
+  // as `bias` (−inf masks a key; float32 is widened for float64 operands, the other way is refused).
+  template <class T>
+  AttentionMask<T> mask(const py::object& mask, bool causal, bool allow_nonfinite);
+
+ private:
+  py::array hold(py::array array);
+  std::vector<py::array> held_;
+};
+
+// A new C-contiguous array of `shape` (zero-filled when `zeroed`), refused first with MemoryError
+// (ResourceError) naming `what` when it would not fit in the memory available.
+template <class T>
+py::array_t<T> new_array(const Shape& shape, std::string_view what, bool zeroed = false);
+
+// A writable view of an array that new_array made.
+template <class T>
+TensorView<T> view_of(py::array_t<T>& array);
+
+// Runs `compute` with the GIL released, so that other Python threads run meanwhile. On the main
+// thread, Ctrl-C stops it at the kernels' next task and raises KeyboardInterrupt (or whatever
+// Python's SIGINT handler raises) once the GIL is back.
+void run_without_gil(const std::function<void()>& compute);
+
+// "auto", "fused" or "reference" → the implementation; ValueError naming `impl` otherwise.
+AttentionImpl impl_of(std::string_view impl);
+
+}  // namespace qkv::python

@@ -1,0 +1,290 @@
+// qkv.attention, qkv.attention_backward, qkv.additive_attention and its backward: numpy arrays
+// through the C++ ops of qkv/ops/attention.hpp and qkv/ops/additive_attention.hpp.
+
+#include <fmt/format.h>
+#include <pybind11/numpy.h>
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <optional>
+#include <string>
+
+#include "arrays.hpp"
+#include "module.hpp"
+#include "qkv/core/error.hpp"
+#include "qkv/ops/additive_attention.hpp"
+#include "qkv/ops/attention.hpp"
+
+namespace qkv::python {
+namespace {
+
+using namespace pybind11::literals;
+
+struct ForwardRequest {
+  std::optional<double> scale;
+  bool causal = false;
+  py::object mask;
+  std::string impl;
+  bool return_lse = false;
+  bool return_weights = false;
+  bool allow_nonfinite = false;
+};
+
+// float64 runs the plain-loop reference unless told otherwise: its float64 accumulation is what a
+// float64 caller (gradcheck, a reference computation) wants.
+AttentionImpl impl_for(std::string_view impl, Precision precision) {
+  const AttentionImpl chosen = impl_of(impl);
+  if (chosen == AttentionImpl::automatic && precision == Precision::float64) return AttentionImpl::reference;
+  return chosen;
+}
+
+// The [B, H, T, D] reading of q, k and v, checked here only so that the outputs can be shaped; the
+// op checks everything else.
+template <class T>
+struct Dims {
+  Shape q_shape;
+  int64_t tq, tk, dv;
+  Dims(TensorView<const T> q, TensorView<const T> k, TensorView<const T> v)
+      : q_shape(q.shape),
+        tq(as_bhtd(q, "q").shape[2]),
+        tk(as_bhtd(k, "k").shape[2]),
+        dv(as_bhtd(v, "v").shape[3]) {}
+  int leading() const { return q_shape.rank() - 2; }
+};
+
+template <class T>
+py::object forward_outputs(py::array_t<T>& out, std::optional<py::array_t<T>>& lse,
+                           std::optional<py::array_t<T>>& weights) {
+  if (!lse && !weights) return std::move(out);
+  py::list results;
+  results.append(out);
+  if (lse) results.append(*lse);
+  if (weights) results.append(*weights);
+  return py::tuple(results);
+}
+
+template <class T>
+AttentionOutputs<T> outputs_of(py::array_t<T>& out, std::optional<py::array_t<T>>& lse,
+                               std::optional<py::array_t<T>>& weights) {
+  AttentionOutputs<T> outputs{view_of(out), std::nullopt, std::nullopt};
+  if (lse) outputs.lse = view_of(*lse);
+  if (weights) outputs.weights = view_of(*weights);
+  return outputs;
+}
+
+template <class T>
+py::object attention_as(const py::object& q, const py::object& k, const py::object& v, const ForwardRequest& r) {
+  Inputs in;
+  AttentionParams<T> p{in.floats<T>(q, "q", "", r.allow_nonfinite), in.floats<T>(k, "k", "q", r.allow_nonfinite),
+                       in.floats<T>(v, "v", "q", r.allow_nonfinite), r.scale,
+                       in.mask<T>(r.mask, r.causal, r.allow_nonfinite)};
+  const AttentionImpl impl = impl_for(r.impl, sizeof(T) == 4 ? Precision::float32 : Precision::float64);
+  const Dims<T> dims(p.q, p.k, p.v);
+  auto out = new_array<T>(leading_dims_with(dims.q_shape, dims.leading(), {dims.tq, dims.dv}), "out");
+  std::optional<py::array_t<T>> lse, weights;
+  if (r.return_lse) lse = new_array<T>(leading_dims_with(dims.q_shape, dims.leading(), {dims.tq}), "lse");
+  if (r.return_weights) {
+    weights = new_array<T>(leading_dims_with(dims.q_shape, dims.leading(), {dims.tq, dims.tk}), "weights");
+  }
+  const AttentionOutputs<T> outputs = outputs_of(out, lse, weights);
+  run_without_gil([&] { attention_forward(p, outputs, impl); });
+  return forward_outputs(out, lse, weights);
+}
+
+py::object attention(const py::object& q, const py::object& k, const py::object& v, std::optional<double> scale,
+                     bool causal, const py::object& mask, const std::string& impl, bool return_lse,
+                     bool return_weights, bool allow_nonfinite) {
+  const ForwardRequest r{scale, causal, mask, impl, return_lse, return_weights, allow_nonfinite};
+  if (precision_of(q, "q") == Precision::float32) return attention_as<float>(q, k, v, r);
+  return attention_as<double>(q, k, v, r);
+}
+
+template <class T>
+py::tuple attention_backward_as(const py::object& q, const py::object& k, const py::object& v, const py::object& dout,
+                                const py::object& out, const py::object& lse, const ForwardRequest& r) {
+  if (out.is_none() != lse.is_none()) {
+    throw ValueError(fmt::format("out, lse: expected both (what attention(..., return_lse=True) returns) or neither, "
+                                 "got only {}",
+                                 out.is_none() ? "lse" : "out"));
+  }
+  Inputs in;
+  AttentionParams<T> p{in.floats<T>(q, "q", "", r.allow_nonfinite), in.floats<T>(k, "k", "q", r.allow_nonfinite),
+                       in.floats<T>(v, "v", "q", r.allow_nonfinite), r.scale,
+                       in.mask<T>(r.mask, r.causal, r.allow_nonfinite)};
+  const TensorView<const T> dout_view = in.floats<T>(dout, "dout", "q", r.allow_nonfinite);
+  std::optional<AttentionSaved<T>> saved;
+  if (!out.is_none()) {
+    saved = AttentionSaved<T>{in.floats<T>(out, "out", "q", r.allow_nonfinite),
+                              in.floats<T>(lse, "lse", "q", true)};
+  }
+  const AttentionImpl impl = impl_for(r.impl, sizeof(T) == 4 ? Precision::float32 : Precision::float64);
+  const Dims<T> dims(p.q, p.k, p.v);
+  auto dq = new_array<T>(p.q.shape, "dq", true);
+  auto dk = new_array<T>(p.k.shape, "dk", true);
+  auto dv = new_array<T>(p.v.shape, "dv", true);
+  std::optional<py::array_t<T>> dbias;
+  AttentionGradients<T> grads{view_of(dq), view_of(dk), view_of(dv), std::nullopt};
+  if (p.mask.bias) {
+    dbias = new_array<T>(p.mask.bias->shape, "dbias", true);
+    grads.dbias = view_of(*dbias);
+  }
+  run_without_gil([&] { attention_backward(p, dout_view, grads, saved, impl); });
+  if (dbias) return py::make_tuple(dq, dk, dv, *dbias);
+  return py::make_tuple(dq, dk, dv);
+}
+
+py::tuple attention_backward(const py::object& q, const py::object& k, const py::object& v, const py::object& dout,
+                             const py::object& out, const py::object& lse, std::optional<double> scale, bool causal,
+                             const py::object& mask, const std::string& impl, bool allow_nonfinite) {
+  const ForwardRequest r{scale, causal, mask, impl, false, false, allow_nonfinite};
+  if (precision_of(q, "q") == Precision::float32) return attention_backward_as<float>(q, k, v, dout, out, lse, r);
+  return attention_backward_as<double>(q, k, v, dout, out, lse, r);
+}
+
+template <class T>
+AdditiveAttentionParams<T> additive_params(Inputs& in, const py::object& q, const py::object& k, const py::object& v,
+                                           const py::object& w_q, const py::object& w_k, const py::object& w,
+                                           const ForwardRequest& r) {
+  return {in.floats<T>(q, "q", "", r.allow_nonfinite),   in.floats<T>(k, "k", "q", r.allow_nonfinite),
+          in.floats<T>(v, "v", "q", r.allow_nonfinite),   in.floats<T>(w_q, "w_q", "q", r.allow_nonfinite),
+          in.floats<T>(w_k, "w_k", "q", r.allow_nonfinite), in.floats<T>(w, "w", "q", r.allow_nonfinite),
+          in.mask<T>(r.mask, r.causal, r.allow_nonfinite)};
+}
+
+template <class T>
+py::object additive_as(const py::object& q, const py::object& k, const py::object& v, const py::object& w_q,
+                       const py::object& w_k, const py::object& w, const ForwardRequest& r) {
+  Inputs in;
+  const AdditiveAttentionParams<T> p = additive_params<T>(in, q, k, v, w_q, w_k, w, r);
+  const Dims<T> dims(p.q, p.k, p.v);
+  auto out = new_array<T>(leading_dims_with(dims.q_shape, dims.leading(), {dims.tq, dims.dv}), "out");
+  std::optional<py::array_t<T>> lse, weights;
+  if (r.return_lse) lse = new_array<T>(leading_dims_with(dims.q_shape, dims.leading(), {dims.tq}), "lse");
+  if (r.return_weights) {
+    weights = new_array<T>(leading_dims_with(dims.q_shape, dims.leading(), {dims.tq, dims.tk}), "weights");
+  }
+  const AttentionOutputs<T> outputs = outputs_of(out, lse, weights);
+  run_without_gil([&] { additive_attention_forward(p, outputs); });
+  return forward_outputs(out, lse, weights);
+}
+
+py::object additive_attention(const py::object& q, const py::object& k, const py::object& v, const py::object& w_q,
+                              const py::object& w_k, const py::object& w, bool causal, const py::object& mask,
+                              bool return_lse, bool return_weights, bool allow_nonfinite) {
+  const ForwardRequest r{std::nullopt, causal, mask, "reference", return_lse, return_weights, allow_nonfinite};
+  if (precision_of(q, "q") == Precision::float32) return additive_as<float>(q, k, v, w_q, w_k, w, r);
+  return additive_as<double>(q, k, v, w_q, w_k, w, r);
+}
+
+template <class T>
+py::tuple additive_backward_as(const py::object& q, const py::object& k, const py::object& v, const py::object& w_q,
+                               const py::object& w_k, const py::object& w, const py::object& dout,
+                               const ForwardRequest& r) {
+  Inputs in;
+  const AdditiveAttentionParams<T> p = additive_params<T>(in, q, k, v, w_q, w_k, w, r);
+  const TensorView<const T> dout_view = in.floats<T>(dout, "dout", "q", r.allow_nonfinite);
+  auto dq = new_array<T>(p.q.shape, "dq", true);
+  auto dk = new_array<T>(p.k.shape, "dk", true);
+  auto dv = new_array<T>(p.v.shape, "dv", true);
+  auto dw_q = new_array<T>(p.w_q.shape, "dw_q", true);
+  auto dw_k = new_array<T>(p.w_k.shape, "dw_k", true);
+  auto dw = new_array<T>(p.w.shape, "dw", true);
+  std::optional<py::array_t<T>> dbias;
+  AdditiveAttentionGradients<T> grads{view_of(dq),   view_of(dk),   view_of(dv), view_of(dw_q),
+                                      view_of(dw_k), view_of(dw), std::nullopt};
+  if (p.mask.bias) {
+    dbias = new_array<T>(p.mask.bias->shape, "dbias", true);
+    grads.dbias = view_of(*dbias);
+  }
+  run_without_gil([&] { additive_attention_backward(p, dout_view, grads); });
+  if (dbias) return py::make_tuple(dq, dk, dv, dw_q, dw_k, dw, *dbias);
+  return py::make_tuple(dq, dk, dv, dw_q, dw_k, dw);
+}
+
+py::tuple additive_attention_backward(const py::object& q, const py::object& k, const py::object& v,
+                                      const py::object& w_q, const py::object& w_k, const py::object& w,
+                                      const py::object& dout, bool causal, const py::object& mask,
+                                      bool allow_nonfinite) {
+  const ForwardRequest r{std::nullopt, causal, mask, "reference", false, false, allow_nonfinite};
+  if (precision_of(q, "q") == Precision::float32) return additive_backward_as<float>(q, k, v, w_q, w_k, w, dout, r);
+  return additive_backward_as<double>(q, k, v, w_q, w_k, w, dout, r);
+}
+
+constexpr const char* kAttentionDoc = R"(Scaled dot-product attention: out = softmax(scale * q @ k^T + bias) @ v.
+
+Shapes (B batch, H heads, Tq queries, Tk keys, Dk and Dv feature widths):
+    q    [B, H, Tq, Dk]     out      [B, H, Tq, Dv]
+    k    [B, H, Tk, Dk]     lse      [B, H, Tq]       log sum_j exp(s_ij)
+    v    [B, H, Tk, Dv]     weights  [B, H, Tq, Tk]   alpha, each row sums to 1
+B and H may be left out together, or B alone: [Tq, Dk] and [H, Tq, Dk] work, and the outputs keep
+q's leading dims. q, k and v have the same leading dims.
+
+Arguments:
+    scale: multiplies q . k; 1/sqrt(Dk) when None.
+    causal: query i sees key j iff j <= i + Tk - Tq (aligned bottom-right: with Tq < Tk, as with a
+        KV cache, the last query sees every key; with Tq == Tk the usual lower triangle).
+    mask: broadcastable to [B, H, Tq, Tk]. bool or integer: nonzero = may attend. float (q's dtype,
+        or float32 for float64 q): a bias added to the scaled scores, -inf masks a key. It combines
+        with causal.
+    impl: "auto" (the fused kernel for float32, the float64 reference for float64, the reference
+        whenever weights are asked for), "fused" (tiled FlashAttention-2 kernel: O(T) memory, SIMD,
+        threads; cannot return weights) or "reference" (plain loops accumulating in float64).
+    return_lse, return_weights: also return lse and weights, in that order: (out, lse, weights).
+    allow_nonfinite: accept NaN and infinities in q, k, v and the bias (refused otherwise).
+
+dtype: float32 or float64, the same for q, k and v; the outputs have it too. Other dtypes are
+refused (convert with .astype). C-contiguous arrays, and strided views whose last dim is
+contiguous, are read in place; anything else is copied once.
+
+A query whose every key is masked has out 0, lse -inf and a weights row of 0: never NaN.
+The GIL is released while it computes; Ctrl-C interrupts it (KeyboardInterrupt).
+Raises ValueError (qkv.ShapeError for shapes and dtypes) and MemoryError (qkv.ResourceError) when
+the outputs, or the reference's per-head scores, would not fit in memory.)";
+
+constexpr const char* kAttentionBackwardDoc = R"(Gradients of attention(q, k, v, ...): (dq, dk, dv), and dbias when mask is a float bias.
+
+dout [B, H, Tq, Dv] is the gradient of the loss with respect to out. The gradients are those of
+L = sum(dout * out) with respect to q [B, H, Tq, Dk], k [B, H, Tk, Dk], v [B, H, Tk, Dv] and the
+bias (dbias has the mask's shape, summed over the dims along which it was broadcast). Fully masked
+rows give zero gradients.
+
+Arguments as in attention(), plus:
+    out, lse: what attention(..., return_lse=True) returned, so that the fused kernel recomputes
+        the probabilities tile by tile instead of running the forward again. Both or neither.
+    impl: "auto" (fused for float32, the float64 reference for float64), "fused" or "reference".
+
+Deterministic: bit-identical results for any number of threads.)";
+
+constexpr const char* kAdditiveDoc = R"(Additive (Bahdanau) attention: e_ij = w . tanh(w_q @ q_i + w_k @ k_j) + bias_ij, out = softmax(e) @ v.
+
+Shapes (A is the hidden size of the score network):
+    q    [B, H, Tq, Dq]     w_q  [A, Dq]     out      [B, H, Tq, Dv]
+    k    [B, H, Tk, Dk]     w_k  [A, Dk]     lse      [B, H, Tq]
+    v    [B, H, Tk, Dv]     w    [A]         weights  [B, H, Tq, Tk]
+Leading dims as in attention(); queries and keys may have different widths. No scale: tanh bounds
+the scores. causal, mask, return_lse, return_weights and allow_nonfinite as in attention().
+Runs the reference implementation (float64 accumulation); float32 or float64 in and out.)";
+
+constexpr const char* kAdditiveBackwardDoc = R"(Gradients of additive_attention(q, k, v, w_q, w_k, w, ...): (dq, dk, dv, dw_q, dw_k, dw), and dbias when mask is a float bias.
+
+dout [B, H, Tq, Dv] is the gradient of the loss with respect to out. dw_q, dw_k and dw are summed
+over every batch and head. Arguments as in additive_attention().)";
+
+}  // namespace
+
+void add_attention(py::module_& m) {
+  m.def("attention", &attention, kAttentionDoc, "q"_a, "k"_a, "v"_a, py::kw_only(), "scale"_a = py::none(),
+        "causal"_a = false, "mask"_a = py::none(), "impl"_a = "auto", "return_lse"_a = false,
+        "return_weights"_a = false, "allow_nonfinite"_a = false);
+  m.def("attention_backward", &attention_backward, kAttentionBackwardDoc, "q"_a, "k"_a, "v"_a, "dout"_a,
+        py::kw_only(), "out"_a = py::none(), "lse"_a = py::none(), "scale"_a = py::none(), "causal"_a = false,
+        "mask"_a = py::none(), "impl"_a = "auto", "allow_nonfinite"_a = false);
+  m.def("additive_attention", &additive_attention, kAdditiveDoc, "q"_a, "k"_a, "v"_a, "w_q"_a, "w_k"_a, "w"_a,
+        py::kw_only(), "causal"_a = false, "mask"_a = py::none(), "return_lse"_a = false,
+        "return_weights"_a = false, "allow_nonfinite"_a = false);
+  m.def("additive_attention_backward", &additive_attention_backward, kAdditiveBackwardDoc, "q"_a, "k"_a, "v"_a,
+        "w_q"_a, "w_k"_a, "w"_a, "dout"_a, py::kw_only(), "causal"_a = false, "mask"_a = py::none(),
+        "allow_nonfinite"_a = false);
+}
+
+}  // namespace qkv::python
