@@ -1,7 +1,8 @@
-# The two commands of README.md. `demo` installs only what the library and the qkv command line
-# need (scripts/install-deps.sh demo), builds the qkv binary and runs the seed's example; `test`
-# installs everything the tests use as well (scripts/install-deps.sh test), builds it all and runs
-# every test through CTest. Both configure with the `release` CMake preset (Ninja).
+# The two commands of README.md. `demo` installs only what the library, the qkv command line and
+# the Python package need (scripts/install-deps.sh demo), builds the qkv binary and the Python
+# module (build/release/python) and runs the seed's example; `test` installs everything the tests
+# use as well (scripts/install-deps.sh test), builds it all and runs every test through CTest.
+# Both configure with the `release` CMake preset (Ninja).
 
 JOBS ?= $(shell nproc)
 BUILD_DIR := build/release
@@ -15,7 +16,7 @@ demo:
 	scripts/install-deps.sh demo
 	if [ -f $(BUILD_DIR)/CMakeCache.txt ]; then cmake --preset release; \
 	else cmake --preset release -DQKV_BUILD_TESTS=OFF -DQKV_BUILD_BENCH=OFF; fi
-	cmake --build --preset release -j $(JOBS) --target qkv_cli
+	cmake --build --preset release -j $(JOBS) --target qkv_cli qkv_python
 	$(QKV) demo
 
 test: build

@@ -22,13 +22,17 @@ packages=(
   libhwy-dev libcli11-dev libfmt-dev
   # heatmaps as images (cairo + pango, CJK glyphs for any token) and the experiments' line plots
   libcairo2-dev libpango1.0-dev fonts-noto-cjk libplplot-dev plplot-driver-cairo
+  # the Python package: the pybind11 module, numpy at run time, and what `pip install .` uses offline
+  python3-dev pybind11-dev python3-numpy python3-pip python3-setuptools python3-wheel python3-venv
 )
 if [[ "$mode" == test ]]; then
   packages+=(
     # tests and benchmarks
     libgtest-dev libgmock-dev libbenchmark-dev
     # the independent reference the tests compare against (never linked into the library)
-    python3 python3-numpy python3-torch
+    python3 python3-torch python3-pytest
+    # the tutorial notebook, executed headless
+    python3-nbconvert python3-ipykernel
     # PyTorch's BLAS for bench/compare_torch.py: without it Debian's torch falls back to the
     # reference BLAS (about 5 GFLOP/s here), which would make PyTorch a straw man
     libopenblas0-pthread

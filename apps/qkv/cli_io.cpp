@@ -100,7 +100,6 @@ Tensor<float> load_float32(const std::filesystem::path& path, std::string_view a
   return to_float32(read_input(path, arg, kFloatDtypes), arg);
 }
 
-
 template <class T>
 Tensor<T> allocate_output(const Shape& shape, std::string_view what) {
   double bytes = sizeof(T);

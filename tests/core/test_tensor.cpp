@@ -132,5 +132,34 @@ TEST(Rng, MomentsOfUniformAndNormal) {
   EXPECT_NEAR(sn2 / n, 1.0, 5 * std::sqrt(2.0 / n));
 }
 
+TEST(IndexStr, CountsInCOrder) {
+  EXPECT_EQ(index_str(Shape{2, 3, 4}, 0), "[0, 0, 0]");
+  EXPECT_EQ(index_str(Shape{2, 3, 4}, 23), "[1, 2, 3]");
+  EXPECT_EQ(index_str(Shape{}, 0), "[]");
+}
+
+TEST(CheckFinite, NamesTheArgumentTheCountAndTheFirstIndex) {
+  Tensor<float> x(Shape{2, 3});
+  x[4] = std::nanf("");
+  x[5] = INFINITY;
+  try {
+    check_finite(x.cview(), "q", NonFinite::refused, "pass allow_nonfinite=True to accept them");
+    FAIL() << "no error";
+  } catch (const ValueError& e) {
+    EXPECT_STREQ(e.what(),
+                 "q: expected finite values, got 2 non-finite values (the first: nan at [1, 1]); pass "
+                 "allow_nonfinite=True to accept them");
+  }
+}
+
+TEST(CheckFinite, MinusInfinityIsABiasMaskingAKey) {
+  Tensor<double> bias(Shape{2, 2});
+  bias[1] = -INFINITY;
+  EXPECT_NO_THROW(check_finite(bias.cview(), "mask", NonFinite::minus_infinity_allowed));
+  bias[2] = INFINITY;
+  EXPECT_THROW(check_finite(bias.cview(), "mask", NonFinite::minus_infinity_allowed), ValueError);
+  EXPECT_THROW(check_finite(bias.cview(), "mask"), ValueError);
+}
+
 }  // namespace
 }  // namespace qkv

@@ -187,8 +187,8 @@ template <class T>
     const T got = (*values)[static_cast<size_t>(i)];
     using Bits = std::array<unsigned char, sizeof(T)>;
     if (std::bit_cast<Bits>(got) != std::bit_cast<Bits>(expected[i])) {
-      return ::testing::AssertionFailure() << "element " << index_str(expected.shape(), i) << ": got " << +got
-                                           << ", expected " << +expected[i];
+      return ::testing::AssertionFailure()
+             << "element " << index_str(expected.shape(), i) << ": got " << +got << ", expected " << +expected[i];
     }
   }
   return ::testing::AssertionSuccess();

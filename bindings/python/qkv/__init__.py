@@ -75,6 +75,13 @@ class Heatmap:
     """
 
     def __init__(self, weights, options: dict):
+        shape = getattr(weights, "shape", None)
+        if shape is not None and len(shape) >= 2:
+            for key, count, axis in (("rows", shape[-2], "query"), ("cols", shape[-1], "key")):
+                given = len(options[key])
+                if given and given != count:
+                    raise ShapeError(f"{key}: expected {count} labels (one per {axis} of weights "
+                                     f"{list(shape)}), got {given}")
         self._weights = weights
         self._options = options
         _render_heatmap(weights, "png", options, check_only=True)

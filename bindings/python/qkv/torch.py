@@ -47,16 +47,34 @@ def _mask_array(mask: Optional[torch.Tensor]) -> Optional[np.ndarray]:
     return None if mask is None else _array(mask, "attn_mask")
 
 
+# The numpy API's argument names as PyTorch's signature spells them, for the errors qkv raises.
+_TORCH_NAMES = {"q": "query", "k": "key", "v": "value", "mask": "attn_mask"}
+
+
+def _renamed(error: Exception) -> Exception:
+    """The error with its leading argument name ("q: expected ...") in PyTorch's words."""
+    name, sep, rest = str(error).partition(": ")
+    if sep and name in _TORCH_NAMES:
+        return type(error)(f"{_TORCH_NAMES[name]}: {rest}")
+    return error
+
+
 def _forward(q, k, v, attn_mask, is_causal: bool, scale: Optional[float]) -> Tuple[torch.Tensor, torch.Tensor]:
-    out, lse = _qkv.attention(_array(q, "query"), _array(k, "key"), _array(v, "value"), scale=scale,
-                              causal=is_causal, mask=_mask_array(attn_mask), return_lse=True)
+    try:
+        out, lse = _qkv.attention(_array(q, "query"), _array(k, "key"), _array(v, "value"), scale=scale,
+                                  causal=is_causal, mask=_mask_array(attn_mask), return_lse=True)
+    except (_qkv.Error, _qkv.ResourceError) as e:
+        raise _renamed(e) from None
     return torch.from_numpy(out), torch.from_numpy(lse)
 
 
 def _backward(q, k, v, attn_mask, is_causal, scale, out, lse, dout):
-    grads = _qkv.attention_backward(_array(q, "query"), _array(k, "key"), _array(v, "value"), _array(dout, "dout"),
-                                    out=_array(out, "out"), lse=_array(lse, "lse"), scale=scale, causal=is_causal,
-                                    mask=_mask_array(attn_mask))
+    try:
+        grads = _qkv.attention_backward(_array(q, "query"), _array(k, "key"), _array(v, "value"),
+                                        _array(dout, "dout"), out=_array(out, "out"), lse=_array(lse, "lse"),
+                                        scale=scale, causal=is_causal, mask=_mask_array(attn_mask))
+    except (_qkv.Error, _qkv.ResourceError) as e:
+        raise _renamed(e) from None
     dq, dk, dv = (torch.from_numpy(g) for g in grads[:3])
     dmask = torch.from_numpy(grads[3]) if len(grads) == 4 else None
     return dq, dk, dv, dmask
@@ -165,7 +183,9 @@ def scaled_dot_product_attention(query: torch.Tensor, key: torch.Tensor, value: 
         raise ValueError(f"causal_alignment: expected \"top_left\" or \"bottom_right\", got {causal_alignment!r}")
     if scale is not None and not math.isfinite(scale):
         raise ValueError(f"scale: expected a finite number, got {scale}")
-    tq, tk = query.shape[-2] if query.dim() >= 2 else 0, key.shape[-2] if key.dim() >= 2 else 0
+    if attn_mask is not None and not attn_mask.is_floating_point() and attn_mask.dtype != torch.bool:
+        attn_mask = attn_mask != 0  # an integer mask reads as bool: nonzero = may attend
+    tq, tk = query.shape[-2] if query.ndim >= 2 else 0, key.shape[-2] if key.ndim >= 2 else 0
     causal = is_causal
     if is_causal and causal_alignment == "top_left" and tq != tk:
         # qkv's causal flag is bottom-right; PyTorch's triangle comes as an explicit mask.

@@ -74,9 +74,7 @@ bool on_main_thread() {
 
 }  // namespace
 
-std::string_view precision_name(Precision precision) {
-  return precision == Precision::float32 ? "float32" : "float64";
-}
+std::string_view precision_name(Precision precision) { return precision == Precision::float32 ? "float32" : "float64"; }
 
 Precision precision_of(const py::object& operand, std::string_view name) {
   const py::array array = as_array(operand);
@@ -198,11 +196,10 @@ AttentionImpl impl_of(std::string_view impl) {
   throw ValueError(fmt::format("impl: expected \"auto\", \"fused\" or \"reference\", got \"{}\"", impl));
 }
 
-#define QKV_PYTHON_INSTANTIATE(T)                                                                              \
-  template TensorView<const T> Inputs::floats(const py::object&, std::string_view, std::string_view, bool,    \
-                                              NonFinite);                                                      \
-  template AttentionMask<T> Inputs::mask(const py::object&, bool, bool);                                       \
-  template py::array_t<T> new_array(const Shape&, std::string_view, bool);                                     \
+#define QKV_PYTHON_INSTANTIATE(T)                                                                                      \
+  template TensorView<const T> Inputs::floats(const py::object&, std::string_view, std::string_view, bool, NonFinite); \
+  template AttentionMask<T> Inputs::mask(const py::object&, bool, bool);                                               \
+  template py::array_t<T> new_array(const Shape&, std::string_view, bool);                                             \
   template TensorView<T> view_of(py::array_t<T>&);
 QKV_PYTHON_INSTANTIATE(float)
 QKV_PYTHON_INSTANTIATE(double)

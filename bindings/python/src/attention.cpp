@@ -45,10 +45,7 @@ struct Dims {
   Shape q_shape;
   int64_t tq, tk, dv;
   Dims(TensorView<const T> q, TensorView<const T> k, TensorView<const T> v)
-      : q_shape(q.shape),
-        tq(as_bhtd(q, "q").shape[2]),
-        tk(as_bhtd(k, "k").shape[2]),
-        dv(as_bhtd(v, "v").shape[3]) {}
+      : q_shape(q.shape), tq(as_bhtd(q, "q").shape[2]), tk(as_bhtd(k, "k").shape[2]), dv(as_bhtd(v, "v").shape[3]) {}
   int leading() const { return q_shape.rank() - 2; }
 };
 
@@ -74,6 +71,11 @@ AttentionOutputs<T> outputs_of(py::array_t<T>& out, std::optional<py::array_t<T>
 
 template <class T>
 py::object attention_as(const py::object& q, const py::object& k, const py::object& v, const ForwardRequest& r) {
+  if (r.return_weights && impl_of(r.impl) == AttentionImpl::fused) {
+    throw ValueError(
+        "return_weights: impl=\"fused\" never materialises the Tq×Tk weights; use impl=\"auto\" or "
+        "\"reference\" to have them returned");
+  }
   Inputs in;
   AttentionParams<T> p{in.floats<T>(q, "q", "", r.allow_nonfinite), in.floats<T>(k, "k", "q", r.allow_nonfinite),
                        in.floats<T>(v, "v", "q", r.allow_nonfinite), r.scale,
@@ -92,8 +94,8 @@ py::object attention_as(const py::object& q, const py::object& k, const py::obje
 }
 
 py::object attention(const py::object& q, const py::object& k, const py::object& v, std::optional<double> scale,
-                     bool causal, const py::object& mask, const std::string& impl, bool return_lse,
-                     bool return_weights, bool allow_nonfinite) {
+                     bool causal, const py::object& mask, const std::string& impl, bool return_lse, bool return_weights,
+                     bool allow_nonfinite) {
   const ForwardRequest r{scale, causal, mask, impl, return_lse, return_weights, allow_nonfinite};
   if (precision_of(q, "q") == Precision::float32) return attention_as<float>(q, k, v, r);
   return attention_as<double>(q, k, v, r);
@@ -103,9 +105,10 @@ template <class T>
 py::tuple attention_backward_as(const py::object& q, const py::object& k, const py::object& v, const py::object& dout,
                                 const py::object& out, const py::object& lse, const ForwardRequest& r) {
   if (out.is_none() != lse.is_none()) {
-    throw ValueError(fmt::format("out, lse: expected both (what attention(..., return_lse=True) returns) or neither, "
-                                 "got only {}",
-                                 out.is_none() ? "lse" : "out"));
+    throw ValueError(
+        fmt::format("out, lse: expected both (what attention(..., return_lse=True) returns) or neither, "
+                    "got only {}",
+                    out.is_none() ? "lse" : "out"));
   }
   Inputs in;
   AttentionParams<T> p{in.floats<T>(q, "q", "", r.allow_nonfinite), in.floats<T>(k, "k", "q", r.allow_nonfinite),
@@ -114,8 +117,7 @@ py::tuple attention_backward_as(const py::object& q, const py::object& k, const 
   const TensorView<const T> dout_view = in.floats<T>(dout, "dout", "q", r.allow_nonfinite);
   std::optional<AttentionSaved<T>> saved;
   if (!out.is_none()) {
-    saved = AttentionSaved<T>{in.floats<T>(out, "out", "q", r.allow_nonfinite),
-                              in.floats<T>(lse, "lse", "q", true)};
+    saved = AttentionSaved<T>{in.floats<T>(out, "out", "q", r.allow_nonfinite), in.floats<T>(lse, "lse", "q", true)};
   }
   const AttentionImpl impl = impl_for(r.impl, sizeof(T) == 4 ? Precision::float32 : Precision::float64);
   const Dims<T> dims(p.q, p.k, p.v);
@@ -145,8 +147,8 @@ template <class T>
 AdditiveAttentionParams<T> additive_params(Inputs& in, const py::object& q, const py::object& k, const py::object& v,
                                            const py::object& w_q, const py::object& w_k, const py::object& w,
                                            const ForwardRequest& r) {
-  return {in.floats<T>(q, "q", "", r.allow_nonfinite),   in.floats<T>(k, "k", "q", r.allow_nonfinite),
-          in.floats<T>(v, "v", "q", r.allow_nonfinite),   in.floats<T>(w_q, "w_q", "q", r.allow_nonfinite),
+  return {in.floats<T>(q, "q", "", r.allow_nonfinite),      in.floats<T>(k, "k", "q", r.allow_nonfinite),
+          in.floats<T>(v, "v", "q", r.allow_nonfinite),     in.floats<T>(w_q, "w_q", "q", r.allow_nonfinite),
           in.floats<T>(w_k, "w_k", "q", r.allow_nonfinite), in.floats<T>(w, "w", "q", r.allow_nonfinite),
           in.mask<T>(r.mask, r.causal, r.allow_nonfinite)};
 }
@@ -190,7 +192,7 @@ py::tuple additive_backward_as(const py::object& q, const py::object& k, const p
   auto dw_k = new_array<T>(p.w_k.shape, "dw_k", true);
   auto dw = new_array<T>(p.w.shape, "dw", true);
   std::optional<py::array_t<T>> dbias;
-  AdditiveAttentionGradients<T> grads{view_of(dq),   view_of(dk),   view_of(dv), view_of(dw_q),
+  AdditiveAttentionGradients<T> grads{view_of(dq),   view_of(dk), view_of(dv), view_of(dw_q),
                                       view_of(dw_k), view_of(dw), std::nullopt};
   if (p.mask.bias) {
     dbias = new_array<T>(p.mask.bias->shape, "dbias", true);
@@ -241,7 +243,8 @@ The GIL is released while it computes; Ctrl-C interrupts it (KeyboardInterrupt).
 Raises ValueError (qkv.ShapeError for shapes and dtypes) and MemoryError (qkv.ResourceError) when
 the outputs, or the reference's per-head scores, would not fit in memory.)";
 
-constexpr const char* kAttentionBackwardDoc = R"(Gradients of attention(q, k, v, ...): (dq, dk, dv), and dbias when mask is a float bias.
+constexpr const char* kAttentionBackwardDoc =
+    R"(Gradients of attention(q, k, v, ...): (dq, dk, dv), and dbias when mask is a float bias.
 
 dout [B, H, Tq, Dv] is the gradient of the loss with respect to out. The gradients are those of
 L = sum(dout * out) with respect to q [B, H, Tq, Dk], k [B, H, Tk, Dk], v [B, H, Tk, Dv] and the
@@ -255,7 +258,8 @@ Arguments as in attention(), plus:
 
 Deterministic: bit-identical results for any number of threads.)";
 
-constexpr const char* kAdditiveDoc = R"(Additive (Bahdanau) attention: e_ij = w . tanh(w_q @ q_i + w_k @ k_j) + bias_ij, out = softmax(e) @ v.
+constexpr const char* kAdditiveDoc =
+    R"(Additive (Bahdanau) attention: e_ij = w . tanh(w_q @ q_i + w_k @ k_j) + bias_ij, out = softmax(e) @ v.
 
 Shapes (A is the hidden size of the score network):
     q    [B, H, Tq, Dq]     w_q  [A, Dq]     out      [B, H, Tq, Dv]
@@ -265,7 +269,8 @@ Leading dims as in attention(); queries and keys may have different widths. No s
 the scores. causal, mask, return_lse, return_weights and allow_nonfinite as in attention().
 Runs the reference implementation (float64 accumulation); float32 or float64 in and out.)";
 
-constexpr const char* kAdditiveBackwardDoc = R"(Gradients of additive_attention(q, k, v, w_q, w_k, w, ...): (dq, dk, dv, dw_q, dw_k, dw), and dbias when mask is a float bias.
+constexpr const char* kAdditiveBackwardDoc =
+    R"(Gradients of additive_attention(q, k, v, w_q, w_k, w, ...): (dq, dk, dv, dw_q, dw_k, dw), and dbias when mask is a float bias.
 
 dout [B, H, Tq, Dv] is the gradient of the loss with respect to out. dw_q, dw_k and dw are summed
 over every batch and head. Arguments as in additive_attention().)";
@@ -276,14 +281,14 @@ void add_attention(py::module_& m) {
   m.def("attention", &attention, kAttentionDoc, "q"_a, "k"_a, "v"_a, py::kw_only(), "scale"_a = py::none(),
         "causal"_a = false, "mask"_a = py::none(), "impl"_a = "auto", "return_lse"_a = false,
         "return_weights"_a = false, "allow_nonfinite"_a = false);
-  m.def("attention_backward", &attention_backward, kAttentionBackwardDoc, "q"_a, "k"_a, "v"_a, "dout"_a,
-        py::kw_only(), "out"_a = py::none(), "lse"_a = py::none(), "scale"_a = py::none(), "causal"_a = false,
-        "mask"_a = py::none(), "impl"_a = "auto", "allow_nonfinite"_a = false);
+  m.def("attention_backward", &attention_backward, kAttentionBackwardDoc, "q"_a, "k"_a, "v"_a, "dout"_a, py::kw_only(),
+        "out"_a = py::none(), "lse"_a = py::none(), "scale"_a = py::none(), "causal"_a = false, "mask"_a = py::none(),
+        "impl"_a = "auto", "allow_nonfinite"_a = false);
   m.def("additive_attention", &additive_attention, kAdditiveDoc, "q"_a, "k"_a, "v"_a, "w_q"_a, "w_k"_a, "w"_a,
-        py::kw_only(), "causal"_a = false, "mask"_a = py::none(), "return_lse"_a = false,
-        "return_weights"_a = false, "allow_nonfinite"_a = false);
-  m.def("additive_attention_backward", &additive_attention_backward, kAdditiveBackwardDoc, "q"_a, "k"_a, "v"_a,
-        "w_q"_a, "w_k"_a, "w"_a, "dout"_a, py::kw_only(), "causal"_a = false, "mask"_a = py::none(),
+        py::kw_only(), "causal"_a = false, "mask"_a = py::none(), "return_lse"_a = false, "return_weights"_a = false,
+        "allow_nonfinite"_a = false);
+  m.def("additive_attention_backward", &additive_attention_backward, kAdditiveBackwardDoc, "q"_a, "k"_a, "v"_a, "w_q"_a,
+        "w_k"_a, "w"_a, "dout"_a, py::kw_only(), "causal"_a = false, "mask"_a = py::none(),
         "allow_nonfinite"_a = false);
 }
 

@@ -35,7 +35,8 @@ HeatmapFormat format_of(const std::string& name) {
        {HeatmapFormat::png, HeatmapFormat::svg, HeatmapFormat::pdf, HeatmapFormat::html, HeatmapFormat::terminal}) {
     if (name == format_key(f)) return f;
   }
-  throw ValueError(fmt::format("format: expected \"png\", \"svg\", \"pdf\", \"html\" or \"terminal\", got \"{}\"", name));
+  throw ValueError(
+      fmt::format("format: expected \"png\", \"svg\", \"pdf\", \"html\" or \"terminal\", got \"{}\"", name));
 }
 
 HeatmapOptions options_of(const py::dict& o) {

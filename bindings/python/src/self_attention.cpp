@@ -81,7 +81,9 @@ class PySelfAttention {
   const SelfAttentionConfig& config() const {
     return std::visit([](auto& l) -> const SelfAttentionConfig& { return l->layer.config(); }, layer_);
   }
-  std::string dtype() const { return std::holds_alternative<std::unique_ptr<Layer<float>>>(layer_) ? "float32" : "float64"; }
+  std::string dtype() const {
+    return std::holds_alternative<std::unique_ptr<Layer<float>>>(layer_) ? "float32" : "float64";
+  }
 
  private:
   template <class T>
@@ -90,8 +92,8 @@ class PySelfAttention {
     const TensorView<const T> xv = in.floats<T>(x, "x", "the layer", false);
     const AttentionMask<T> m = in.mask<T>(mask, false, false);
     if (xv.rank() != 2 && xv.rank() != 3) {
-      throw ShapeError(fmt::format("x: expected rank 2 or 3 ([T, d_model] or [B, T, d_model]), got shape {}",
-                                   xv.shape.str()));
+      throw ShapeError(
+          fmt::format("x: expected rank 2 or 3 ([T, d_model] or [B, T, d_model]), got shape {}", xv.shape.str()));
     }
     const int64_t t = xv.shape.from_back(2), heads = l.layer.config().n_heads;
     std::optional<py::array_t<T>> weights;
@@ -125,7 +127,8 @@ class PySelfAttention {
   std::variant<std::unique_ptr<Layer<float>>, std::unique_ptr<Layer<double>>> layer_;
 };
 
-constexpr const char* kSelfAttentionDoc = R"(Multi-head self-attention as a layer with its own parameters (float32 or float64).
+constexpr const char* kSelfAttentionDoc =
+    R"(Multi-head self-attention as a layer with its own parameters (float32 or float64).
 
     x [B, T, d_model] or [T, d_model];  H = n_heads, Dh = d_model / H
     Q = x w_q^T + b_q,  K = x w_k^T + b_k,  V = x w_v^T + b_v, split into H heads of Dh features
@@ -142,9 +145,9 @@ return them as numpy arrays that share the layer's memory (write into them to lo
 
 void add_self_attention(py::module_& m) {
   py::class_<PySelfAttention>(m, "SelfAttention", kSelfAttentionDoc)
-      .def(py::init<int64_t, int64_t, bool, bool, bool, uint64_t, const std::string&>(), "d_model"_a,
-           "n_heads"_a = 1, py::kw_only(), "bias"_a = true, "output_projection"_a = true, "causal"_a = false,
-           "seed"_a = 0, "dtype"_a = "float32")
+      .def(py::init<int64_t, int64_t, bool, bool, bool, uint64_t, const std::string&>(), "d_model"_a, "n_heads"_a = 1,
+           py::kw_only(), "bias"_a = true, "output_projection"_a = true, "causal"_a = false, "seed"_a = 0,
+           "dtype"_a = "float32")
       .def("forward", &PySelfAttention::forward, "x"_a, py::kw_only(), "mask"_a = py::none(),
            "return_weights"_a = false,
            "x [B, T, d_model] or [T, d_model] -> y of x's shape (and the weights [B, H, T, T], or [H, T, T] for "
@@ -170,10 +173,11 @@ void add_self_attention(py::module_& m) {
       .def_property_readonly("dtype", &PySelfAttention::dtype)
       .def("__repr__", [](const PySelfAttention& l) {
         const SelfAttentionConfig& c = l.config();
-        return fmt::format("qkv.SelfAttention(d_model={}, n_heads={}, bias={}, output_projection={}, causal={}, "
-                           "dtype='{}')",
-                           c.d_model, c.n_heads, c.bias ? "True" : "False", c.output_projection ? "True" : "False",
-                           c.causal ? "True" : "False", l.dtype());
+        return fmt::format(
+            "qkv.SelfAttention(d_model={}, n_heads={}, bias={}, output_projection={}, causal={}, "
+            "dtype='{}')",
+            c.d_model, c.n_heads, c.bias ? "True" : "False", c.output_projection ? "True" : "False",
+            c.causal ? "True" : "False", l.dtype());
       });
 }
 
