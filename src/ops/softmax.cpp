@@ -60,7 +60,12 @@ struct RowStats {
 template <class Load>
 RowStats row_stats(int64_t n, Load&& x) {
   RowStats stats;
-  for (int64_t j = 0; j < n; ++j) stats.max = std::max(stats.max, static_cast<double>(x(j)));
+  // A NaN score makes the max NaN, so that it reaches every weight (as in the fused kernel) rather
+  // than leaving a row of NaN looking like a row of masked keys.
+  for (int64_t j = 0; j < n; ++j) {
+    const double xj = static_cast<double>(x(j));
+    if (xj > stats.max || std::isnan(xj)) stats.max = std::isnan(stats.max) ? stats.max : xj;
+  }
   if (stats.max == kNegInf) return stats;  // guards −inf − (−inf) below
   for (int64_t j = 0; j < n; ++j) stats.sum += std::exp(static_cast<double>(x(j)) - stats.max);
   return stats;

@@ -78,6 +78,17 @@ TEST(Softmax, NegativeInfinityMasksAndEmptyRowsGiveZero) {
   EXPECT_EQ(logsumexp<double>(std::span<const double>()), -kInf);
 }
 
+// NaN is not a mask: a row of NaN (or one NaN among masked keys) gives NaN weights and lse, as the
+// fused kernel does, never the zeros of a row that sees no key.
+TEST(Softmax, NaNReachesEveryWeightOfItsRow) {
+  const double nan = std::nan("");
+  const Tensor<double> x({3, 2}, {nan, nan, -kInf, nan, nan, 1.0});
+  Tensor<double> lse({3});
+  const Tensor<double> y = softmax_of(x, &lse);
+  for (int64_t i = 0; i < 6; ++i) EXPECT_TRUE(std::isnan(y[i])) << "weight " << i;
+  for (int64_t i = 0; i < 3; ++i) EXPECT_TRUE(std::isnan(lse[i])) << "row " << i;
+}
+
 TEST(Softmax, OneRowMatchesTheTensorFormInPlaceAndMasked) {
   Rng rng(7);
   const Tensor<float> x = random_tensor<float>({3, 5}, rng, 4.0);

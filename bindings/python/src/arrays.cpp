@@ -43,6 +43,8 @@ template <class T>
 TensorView<const T> view_as(const py::array& array) {
   std::vector<int64_t> dims(array.shape(), array.shape() + array.ndim());
   TensorView<const T> view{static_cast<const T*>(array.data()), Shape(std::span<const int64_t>(dims)), {}};
+  // numpy gives an empty array strides of 0, which no element is ever read through.
+  if (array.size() == 0) return make_view(view.data, view.shape);
   for (py::ssize_t axis = 0; axis < array.ndim(); ++axis) {
     view.strides[static_cast<size_t>(axis)] = array.strides(axis) / static_cast<py::ssize_t>(sizeof(T));
   }
