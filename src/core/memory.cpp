@@ -38,6 +38,10 @@ std::string format_bytes(double bytes) {
 }
 
 void check_allocation_fits(double bytes, std::string_view what) {
+  // Reading /proc/meminfo costs tens of microseconds, as much as a small attention call: a request
+  // this small is not worth it, since a machine that cannot give it fails everywhere else first.
+  constexpr double kAlwaysFits = 16.0 * 1024 * 1024;
+  if (bytes <= kAlwaysFits) return;
   const auto available = static_cast<double>(available_memory_bytes());
   if (bytes > available) {
     throw ResourceError(fmt::format("{} needs {}, but only {} of memory is available", what, format_bytes(bytes),

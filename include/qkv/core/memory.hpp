@@ -16,6 +16,7 @@ std::string format_bytes(double bytes);
 
 // Throws ResourceError "`what` needs <bytes>, only <available> is available" when `bytes` exceeds
 // what is available. `bytes` is a double so that a product of sizes cannot overflow first.
+// Requests of at most 16 MiB are taken as fitting without asking the system.
 void check_allocation_fits(double bytes, std::string_view what);
 
 }  // namespace qkv
