@@ -181,13 +181,42 @@ def sample_ms(fn):
             return elapsed / calls
 
 
+def torch_attention_variants(torch, d):
+    """PyTorch's own attention, as the comparisons take it: {name: fn(q, k, v)}, the textbook
+    formula and, where this torch has it, its fused F._scaled_dot_product_attention."""
+    import torch.nn.functional as F
+
+    scale = d ** -0.5
+    variants = {"softmax(q@k^T*s)@v": lambda q, k, v: torch.softmax(q @ k.transpose(-2, -1) * scale, dim=-1) @ v}
+    if hasattr(F, "_scaled_dot_product_attention"):
+        variants["_scaled_dot_product_attention"] = lambda q, k, v: F._scaled_dot_product_attention(
+            q, k, v, None, 0.0, False, False)[0]
+    return variants
+
+
+def attention_step(torch, mode, fn, inputs, dout):
+    """One call of fn(q, k, v) in `mode`: "forward" without autograd, or "forward+backward" of
+    dout through leaf copies of the inputs (their gradients cleared each time)."""
+    if mode == "forward":
+        def forward():
+            with torch.no_grad():
+                fn(*inputs)
+        return forward
+    leaves = [x.clone().requires_grad_(True) for x in inputs]
+
+    def forward_backward():
+        for x in leaves:
+            x.grad = None
+        fn(*leaves).backward(dout)
+    return forward_backward
+
+
 def torch_worker(config):
     """Runs inside the child process: warms up, says it is ready, then answers requests, one JSON
     line in and one out, until "quit" or the end of its stdin."""
     protocol = sys.stdout
     sys.stdout = sys.stderr  # nothing else may reach the parent's pipe
     import torch
-    import torch.nn.functional as F
 
     torch.set_num_threads(config["threads"])
     torch.manual_seed(0)
@@ -197,32 +226,10 @@ def torch_worker(config):
     def sgemm():
         torch.matmul(a, b)
 
-    scale = d ** -0.5
-
-    def naive(q, k, v):
-        return torch.softmax(q @ k.transpose(-2, -1) * scale, dim=-1) @ v
-
-    variants = {"softmax(q@k^T*s)@v": naive}
-    if hasattr(F, "_scaled_dot_product_attention"):
-        variants["_scaled_dot_product_attention"] = lambda q, k, v: F._scaled_dot_product_attention(
-            q, k, v, None, 0.0, False, False)[0]
+    variants = torch_attention_variants(torch, d)
     q, k, v, dout = (torch.randn(1, heads, t, d) for _ in range(4))
-    leaves = [x.clone().requires_grad_(True) for x in (q, k, v)]
-
-    def step(mode, fn):
-        if mode == "forward":
-            def forward():
-                with torch.no_grad():
-                    fn(q, k, v)
-            return forward
-
-        def forward_backward():
-            for x in leaves:
-                x.grad = None
-            fn(*leaves).backward(dout)
-        return forward_backward
-
-    steps = {mode: {name: step(mode, fn) for name, fn in variants.items()} for mode in MODES}
+    steps = {mode: {name: attention_step(torch, mode, fn, (q, k, v), dout) for name, fn in variants.items()}
+             for mode in MODES}
 
     sgemm()  # warm-ups, once: allocator, thread pools, BLAS buffers
     core = openblas_core()

@@ -31,8 +31,9 @@ import threading
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from compare_torch import (MIN_SAMPLE_MS, SETTLE_S, Figure, cpu_info, find_qkv, openblas_core,  # noqa: E402
-                           sample_ms, show, show_spread, torch_environment, verdict)
+from compare_torch import (MIN_SAMPLE_MS, SETTLE_S, Figure, attention_step, cpu_info, find_qkv,  # noqa: E402
+                           openblas_core, sample_ms, show, show_spread, torch_attention_variants, torch_environment,
+                           verdict)
 
 TARGETS = {
     "overhead_small": ("Python call overhead at T = 128 <= 10%", 0.10),
@@ -75,39 +76,17 @@ def overhead(qkv, np, qkv_bin, s, threads, t):
             "cli_ms": statistics.median(cli_ms)}
 
 
-def against_torch(qkv, torch, s):
+def against_torch(torch, s):
     import qkv.torch as qkv_torch
-    import torch.nn.functional as F
 
     t, heads, d = s["torch_T"], s["heads"], s["d"]
-    scale = d ** -0.5
     torch.manual_seed(0)
     q, k, v, dout = (torch.randn(1, heads, t, d) for _ in range(4))
-    leaves = [x.clone().requires_grad_(True) for x in (q, k, v)]
-    variants = {
-        "qkv.torch": qkv_torch.scaled_dot_product_attention,
-        "softmax(q@k^T*s)@v": lambda q, k, v: torch.softmax(q @ k.transpose(-2, -1) * scale, dim=-1) @ v,
-    }
-    if hasattr(F, "_scaled_dot_product_attention"):
-        variants["_scaled_dot_product_attention"] = lambda q, k, v: F._scaled_dot_product_attention(
-            q, k, v, None, 0.0, False, False)[0]
-
-    def step(mode, fn):
-        if mode == "forward":
-            def forward():
-                with torch.no_grad():
-                    fn(q, k, v)
-            return forward
-
-        def forward_backward():
-            for x in leaves:
-                x.grad = None
-            fn(*leaves).backward(dout)
-        return forward_backward
+    variants = {"qkv.torch": qkv_torch.scaled_dot_product_attention, **torch_attention_variants(torch, d)}
 
     results = {}
     for mode in ("forward", "forward+backward"):
-        steps = {name: step(mode, fn) for name, fn in variants.items()}
+        steps = {name: attention_step(torch, mode, fn, (q, k, v), dout) for name, fn in variants.items()}
         for fn in steps.values():
             fn()
         rounds = []
@@ -185,7 +164,7 @@ def main():
     print(f"CPU: {qkv.cpu_summary()}; SIMD target {qkv.simd_target()}; {args.threads} threads", flush=True)
     print(f"PyTorch {torch.__version__}, OpenBLAS core {core.get('core')} ({why}); qkv {qkv.__version__}", flush=True)
     calls = [overhead(qkv, np, qkv_bin, s, args.threads, t) for t in s["overhead_T"]]
-    versus = against_torch(qkv, torch, s)
+    versus = against_torch(torch, s)
     qkv.set_num_threads(args.threads)
     two_threads = gil(qkv, np, s)
 

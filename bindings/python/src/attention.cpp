@@ -49,24 +49,44 @@ struct Dims {
   int leading() const { return q_shape.rank() - 2; }
 };
 
+// The arrays a forward writes: out, and lse and weights when asked for; shaped from q, k and v.
 template <class T>
-py::object forward_outputs(py::array_t<T>& out, std::optional<py::array_t<T>>& lse,
-                           std::optional<py::array_t<T>>& weights) {
-  if (!lse && !weights) return std::move(out);
-  py::list results;
-  results.append(out);
-  if (lse) results.append(*lse);
-  if (weights) results.append(*weights);
-  return py::tuple(results);
-}
+struct ForwardArrays {
+  py::array_t<T> out;
+  std::optional<py::array_t<T>> lse, weights;
+
+  ForwardArrays(TensorView<const T> q, TensorView<const T> k, TensorView<const T> v, const ForwardRequest& r) {
+    const Dims<T> dims(q, k, v);
+    out = new_array<T>(leading_dims_with(dims.q_shape, dims.leading(), {dims.tq, dims.dv}), "out");
+    if (r.return_lse) lse = new_array<T>(leading_dims_with(dims.q_shape, dims.leading(), {dims.tq}), "lse");
+    if (r.return_weights) {
+      weights = new_array<T>(leading_dims_with(dims.q_shape, dims.leading(), {dims.tq, dims.tk}), "weights");
+    }
+  }
+
+  AttentionOutputs<T> views() {
+    AttentionOutputs<T> outputs{view_of(out), std::nullopt, std::nullopt};
+    if (lse) outputs.lse = view_of(*lse);
+    if (weights) outputs.weights = view_of(*weights);
+    return outputs;
+  }
+
+  // out alone, or (out, lse), (out, weights), (out, lse, weights).
+  py::object result() {
+    if (!lse && !weights) return std::move(out);
+    py::list results;
+    results.append(out);
+    if (lse) results.append(*lse);
+    if (weights) results.append(*weights);
+    return py::tuple(results);
+  }
+};
 
 template <class T>
-AttentionOutputs<T> outputs_of(py::array_t<T>& out, std::optional<py::array_t<T>>& lse,
-                               std::optional<py::array_t<T>>& weights) {
-  AttentionOutputs<T> outputs{view_of(out), std::nullopt, std::nullopt};
-  if (lse) outputs.lse = view_of(*lse);
-  if (weights) outputs.weights = view_of(*weights);
-  return outputs;
+AttentionParams<T> attention_params(Inputs& in, const py::object& q, const py::object& k, const py::object& v,
+                                    const ForwardRequest& r) {
+  return {in.floats<T>(q, "q", "", r.allow_nonfinite), in.floats<T>(k, "k", "q", r.allow_nonfinite),
+          in.floats<T>(v, "v", "q", r.allow_nonfinite), r.scale, in.mask<T>(r.mask, r.causal, r.allow_nonfinite)};
 }
 
 template <class T>
@@ -77,20 +97,12 @@ py::object attention_as(const py::object& q, const py::object& k, const py::obje
         "\"reference\" to have them returned");
   }
   Inputs in;
-  AttentionParams<T> p{in.floats<T>(q, "q", "", r.allow_nonfinite), in.floats<T>(k, "k", "q", r.allow_nonfinite),
-                       in.floats<T>(v, "v", "q", r.allow_nonfinite), r.scale,
-                       in.mask<T>(r.mask, r.causal, r.allow_nonfinite)};
+  const AttentionParams<T> p = attention_params<T>(in, q, k, v, r);
   const AttentionImpl impl = impl_for(r.impl, sizeof(T) == 4 ? Precision::float32 : Precision::float64);
-  const Dims<T> dims(p.q, p.k, p.v);
-  auto out = new_array<T>(leading_dims_with(dims.q_shape, dims.leading(), {dims.tq, dims.dv}), "out");
-  std::optional<py::array_t<T>> lse, weights;
-  if (r.return_lse) lse = new_array<T>(leading_dims_with(dims.q_shape, dims.leading(), {dims.tq}), "lse");
-  if (r.return_weights) {
-    weights = new_array<T>(leading_dims_with(dims.q_shape, dims.leading(), {dims.tq, dims.tk}), "weights");
-  }
-  const AttentionOutputs<T> outputs = outputs_of(out, lse, weights);
+  ForwardArrays<T> arrays(p.q, p.k, p.v, r);
+  const AttentionOutputs<T> outputs = arrays.views();
   run_without_gil([&] { attention_forward(p, outputs, impl); });
-  return forward_outputs(out, lse, weights);
+  return arrays.result();
 }
 
 py::object attention(const py::object& q, const py::object& k, const py::object& v, std::optional<double> scale,
@@ -111,16 +123,13 @@ py::tuple attention_backward_as(const py::object& q, const py::object& k, const 
                     out.is_none() ? "lse" : "out"));
   }
   Inputs in;
-  AttentionParams<T> p{in.floats<T>(q, "q", "", r.allow_nonfinite), in.floats<T>(k, "k", "q", r.allow_nonfinite),
-                       in.floats<T>(v, "v", "q", r.allow_nonfinite), r.scale,
-                       in.mask<T>(r.mask, r.causal, r.allow_nonfinite)};
+  const AttentionParams<T> p = attention_params<T>(in, q, k, v, r);
   const TensorView<const T> dout_view = in.floats<T>(dout, "dout", "q", r.allow_nonfinite);
   std::optional<AttentionSaved<T>> saved;
   if (!out.is_none()) {
     saved = AttentionSaved<T>{in.floats<T>(out, "out", "q", r.allow_nonfinite), in.floats<T>(lse, "lse", "q", true)};
   }
   const AttentionImpl impl = impl_for(r.impl, sizeof(T) == 4 ? Precision::float32 : Precision::float64);
-  const Dims<T> dims(p.q, p.k, p.v);
   auto dq = new_array<T>(p.q.shape, "dq", true);
   auto dk = new_array<T>(p.k.shape, "dk", true);
   auto dv = new_array<T>(p.v.shape, "dv", true);
@@ -158,16 +167,10 @@ py::object additive_as(const py::object& q, const py::object& k, const py::objec
                        const py::object& w_k, const py::object& w, const ForwardRequest& r) {
   Inputs in;
   const AdditiveAttentionParams<T> p = additive_params<T>(in, q, k, v, w_q, w_k, w, r);
-  const Dims<T> dims(p.q, p.k, p.v);
-  auto out = new_array<T>(leading_dims_with(dims.q_shape, dims.leading(), {dims.tq, dims.dv}), "out");
-  std::optional<py::array_t<T>> lse, weights;
-  if (r.return_lse) lse = new_array<T>(leading_dims_with(dims.q_shape, dims.leading(), {dims.tq}), "lse");
-  if (r.return_weights) {
-    weights = new_array<T>(leading_dims_with(dims.q_shape, dims.leading(), {dims.tq, dims.tk}), "weights");
-  }
-  const AttentionOutputs<T> outputs = outputs_of(out, lse, weights);
+  ForwardArrays<T> arrays(p.q, p.k, p.v, r);
+  const AttentionOutputs<T> outputs = arrays.views();
   run_without_gil([&] { additive_attention_forward(p, outputs); });
-  return forward_outputs(out, lse, weights);
+  return arrays.result();
 }
 
 py::object additive_attention(const py::object& q, const py::object& k, const py::object& v, const py::object& w_q,
