@@ -27,6 +27,7 @@ from ._qkv import (
     __version__,
     _format_for_path,
     _render_heatmap,
+    _time_fused_forward,
     _write_file_atomically,
     additive_attention,
     additive_attention_backward,

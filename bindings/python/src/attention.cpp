@@ -6,6 +6,7 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <chrono>
 #include <optional>
 #include <string>
 
@@ -215,6 +216,24 @@ py::tuple additive_attention_backward(const py::object& q, const py::object& k, 
   return additive_backward_as<double>(q, k, v, w_q, w_k, w, dout, r);
 }
 
+// bench/python_overhead.py's baseline: seconds per call of the float32 fused forward on q, k and v,
+// `calls` calls timed in C++ into outputs allocated once, with no Python between them.
+double time_fused_forward(const py::object& q, const py::object& k, const py::object& v, int64_t calls) {
+  if (calls < 1) throw ValueError(fmt::format("calls: expected at least 1, got {}", calls));
+  const ForwardRequest r{std::nullopt, false, py::none(), "fused", true, false, false};
+  Inputs in;
+  const AttentionParams<float> p = attention_params<float>(in, q, k, v, r);
+  ForwardArrays<float> arrays(p.q, p.k, p.v, r);
+  const AttentionOutputs<float> outputs = arrays.views();
+  double seconds = 0;
+  run_without_gil([&] {
+    const auto start = std::chrono::steady_clock::now();
+    for (int64_t i = 0; i < calls; ++i) attention_forward_fused(p, outputs);
+    seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  });
+  return seconds / static_cast<double>(calls);
+}
+
 constexpr const char* kAttentionDoc = R"(Scaled dot-product attention: out = softmax(scale * q @ k^T + bias) @ v.
 
 Shapes (B batch, H heads, Tq queries, Tk keys, Dk and Dv feature widths):
@@ -293,6 +312,7 @@ void add_attention(py::module_& m) {
   m.def("additive_attention_backward", &additive_attention_backward, kAdditiveBackwardDoc, "q"_a, "k"_a, "v"_a, "w_q"_a,
         "w_k"_a, "w"_a, "dout"_a, py::kw_only(), "causal"_a = false, "mask"_a = py::none(),
         "allow_nonfinite"_a = false);
+  m.def("_time_fused_forward", &time_fused_forward, "q"_a, "k"_a, "v"_a, "calls"_a);
 }
 
 }  // namespace qkv::python
