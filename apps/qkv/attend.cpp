@@ -40,12 +40,14 @@ Inputs may be float32 or float64 .npy files. When Q, K or V is float64, the run 
 end (the other inputs are widened, the outputs are float64); else it is float32 (a float64 mask or
 dOut is rounded). --score additive runs in float32 only.
 Every input and output is a file: - is not standard input or output (write ./- for a file named -).
+Inputs are .npy files (C or Fortran order, either byte order), or arrays of an .npz archive that
+np.savez wrote: --q arrays.npz:q reads its array q (arrays.npz alone, its only array).
 Scores: s_ij = scale * q_i.k_j + mask_ij, scale = 1/sqrt(Dk) unless --scale. With --score additive,
 s_ij = w . tanh(Wq q_i + Wk k_j) + mask_ij (--wq [A, Dq], --wk [A, Dk], --ww [A]; Q may then have
 Dq != Dk, and there is no scale).
 Mask (--mask, broadcast to [B, H, Tq, Tk]): a bool mask says which keys a query may attend to
-(true = visible), and so does an int64 mask (nonzero = visible); a float mask is a bias added to
-the scores, where -inf masks the key.
+(true = visible), and so does a uint8 or int64 mask (nonzero = visible); a float mask is a bias
+added to the scores, where -inf masks the key.
 Causal (--causal) is bottom-right aligned: query i sees key j <= i + Tk - Tq, the usual lower
 triangle when Tq == Tk; with Tq < Tk (a KV cache) the last query sees every key. A query that
 sees no key gets output 0, weights 0 and lse -inf, never NaN.
@@ -58,8 +60,8 @@ inputs with the same meaning, plus --dout dO [..., Tq, Dv].
 Outputs (at least one; only those given are written): --dq [..., Tq, Dk], --dk [..., Tk, Dk],
 --dv [..., Tk, Dv]; --dbias (needs a float --mask: its shape, summed over the dims it was broadcast
 along); with --score additive --dwq [A, Dq], --dwk [A, Dk], --dww [A] (summed over batch and heads).
-Mask: bool or int64 = may attend (nonzero = visible), float = additive bias (-inf masks); it broadcasts to
-[B, H, Tq, Tk]. Causal: query i sees key j <= i + Tk - Tq (bottom-right aligned). A query that sees
+Mask: bool, uint8 or int64 = may attend (nonzero = visible), float = additive bias (-inf masks); it
+broadcasts to [B, H, Tq, Tk]. Causal: query i sees key j <= i + Tk - Tq (bottom-right aligned). A query that sees
 no key has zero gradients.
 Example:
   qkv attend-backward --q q.npy --k k.npy --v v.npy --mask bias.npy --dout dout.npy \
@@ -110,8 +112,9 @@ void add_input_options(CLI::App& cmd, InputOptions& o) {
   cmd.add_option("--v", o.v, "values V.npy [..., Tk, Dv]")->type_name("FILE")->required();
   o.scale_option = cmd.add_option("--scale", o.scale, "multiplies q.k before the mask is added (default 1/sqrt(Dk))");
   cmd.add_flag("--causal", o.causal, "query i sees key j <= i + Tk - Tq (bottom-right aligned)");
-  cmd.add_option("--mask", o.mask,
-                 "M.npy, broadcast to [B, H, Tq, Tk]: bool or int64 = may attend (nonzero), float = additive bias")
+  cmd.add_option(
+         "--mask", o.mask,
+         "M.npy, broadcast to [B, H, Tq, Tk]: bool, uint8 or int64 = may attend (nonzero), float = additive bias")
       ->type_name("FILE");
   cmd.add_option("--impl", o.impl,
                  "auto (the fastest implementation that supports the request), fused (tiled online softmax, O(T) "
@@ -135,7 +138,7 @@ struct Operands {
   Tensor<T> q;                             // [..., Tq, Dk] ([..., Tq, Dq] with additive scores)
   Tensor<T> k;                             // [..., Tk, Dk]
   Tensor<T> v;                             // [..., Tk, Dv]
-  std::optional<Tensor<uint8_t>> allowed;  // a bool or int64 --mask, broadcastable to [B, H, Tq, Tk]
+  std::optional<Tensor<uint8_t>> allowed;  // a bool or integer --mask, broadcastable to [B, H, Tq, Tk]
   std::optional<Tensor<T>> bias;           // a float --mask, broadcastable to [B, H, Tq, Tk]
   Tensor<float> w_q;                       // [A, Dq], additive scores only
   Tensor<float> w_k;                       // [A, Dk], additive scores only
@@ -198,7 +201,7 @@ void expect_shape(std::string_view arg, const Shape& actual, const Shape& expect
   }
 }
 
-constexpr std::string_view kMaskDtypes = "bool or int64 (nonzero = may attend) or float32/float64 (a bias)";
+constexpr std::string_view kMaskDtypes = "bool, uint8 or int64 (nonzero = may attend) or float32/float64 (a bias)";
 
 template <class T>
 Tensor<T> to_tensor(NpyArray array, std::string_view arg) {
@@ -213,7 +216,7 @@ Tensor<T> to_tensor(NpyArray array, std::string_view arg) {
 template <class T>
 void load_mask(const InputOptions& o, const Shape& scores, Operands<T>& x) {
   NpyArray array = read_input(o.mask, "--mask", kMaskDtypes);
-  if (array.dtype == DType::boolean || array.dtype == DType::int64) {
+  if (array.dtype == DType::boolean || array.dtype == DType::uint8 || array.dtype == DType::int64) {
     x.allowed = to_bool(std::move(array), "--mask");
   } else if (array.dtype == DType::float32 || array.dtype == DType::float64) {
     x.bias = to_tensor<T>(std::move(array), "--mask");
@@ -420,7 +423,7 @@ template <class T>
 void attend_backward(const BackwardOptions& o, const Operands<T>& x, OutputFiles& files) {
   if (files.planned("--dbias") && !x.bias) {
     throw ValueError(fmt::format("--dbias: needs a float --mask (an additive bias), got {}",
-                                 x.allowed ? "a bool or int64 --mask" : "no --mask"));
+                                 x.allowed ? "a bool or integer --mask" : "no --mask"));
   }
   Tensor<T> dout = to_tensor<T>(read_input(o.dout, "--dout", kFloatDtypes), "--dout");
   expect_shape("--dout", dout.shape(), x.with_leading({x.tq, x.dv}),

@@ -35,6 +35,7 @@
 #include <numeric>
 #include <optional>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "commands.hpp"
@@ -45,6 +46,7 @@
 #include "qkv/core/simd_target.hpp"
 #include "qkv/core/tensor.hpp"
 #include "qkv/ops/attention.hpp"
+#include "support/machine_checks.hpp"
 #include "support/progress.hpp"
 
 namespace qkv::cli {
@@ -71,6 +73,9 @@ Baselines: the reference (T <= 1024), 1 thread (when --threads > 1) and the non-
 and a read stream) are timed in --repeats alternating rounds, and each ratio is the median of the
 per-round ratios, printed with its min–max: the machine's speed may drift during a run.
 The CPU, its caches and the SIMD target are printed first (--simd-target or QKV_SIMD_TARGET choose it).
+Warnings, on stderr at once and after the results (JSON: "warnings"): a load average before the run
+that says other programs hold cores the threads need, and a decode whose K and V fit in the
+last-level cache (its GB/s are then the cache's).
 Progress goes to stderr; stdout holds only the results.
 Examples:
   qkv bench --T 1024,4096 --backward
@@ -228,15 +233,36 @@ std::vector<Timing> time_in_rounds(const std::vector<std::function<void()>>& cal
 // What the kernels are tuned by and run on, for the reports.
 std::string cpu_line() { return fmt::format("CPU {}; SIMD {}", cpu_summary(), simd_target()); }
 
-std::string cpu_json() {
-  const CpuInfo& cpu = cpu_info();
-  std::string model;
-  for (const char c : cpu.model) {
-    if (c == '"' || c == '\\') model += '\\';
-    if (static_cast<unsigned char>(c) >= 0x20) model += c;
+// `text` as the inside of a JSON string: quotes and backslashes escaped, control characters dropped.
+std::string json_escape(std::string_view text) {
+  std::string escaped;
+  for (const char c : text) {
+    if (c == '"' || c == '\\') escaped += '\\';
+    if (static_cast<unsigned char>(c) >= 0x20) escaped += c;
   }
-  return fmt::format(R"("cpu": {{"model": "{}", "l1d_bytes": {}, "l2_bytes": {}, "l3_bytes": {}}})", model,
-                     cpu.l1d_bytes, cpu.l2_bytes, cpu.l3_bytes);
+  return escaped;
+}
+
+// The CPU, and the warnings about the machine that the run found, as JSON fields.
+std::string machine_json(const std::vector<std::string>& warnings) {
+  const CpuInfo& cpu = cpu_info();
+  std::vector<std::string> quoted;
+  for (const std::string& w : warnings) quoted.push_back(fmt::format("\"{}\"", json_escape(w)));
+  return fmt::format(R"("cpu": {{"model": "{}", "l1d_bytes": {}, "l2_bytes": {}, "l3_bytes": {}}}, "warnings": [{}])",
+                     json_escape(cpu.model), cpu.l1d_bytes, cpu.l2_bytes, cpu.l3_bytes, fmt::join(quoted, ", "));
+}
+
+// Shows a warning at once on stderr (beside the progress lines) and keeps it for the report.
+void warn(std::vector<std::string>& warnings, std::optional<std::string> warning) {
+  if (!warning) return;
+  fmt::print(stderr, "qkv bench: {}\n", *warning);
+  warnings.push_back(std::move(*warning));
+}
+
+// The warnings again, after the table they qualify.
+void print_warnings(const std::vector<std::string>& warnings) {
+  if (!warnings.empty()) fmt::print("\n");
+  for (const std::string& w : warnings) fmt::print("{}\n", w);
 }
 
 // Inputs, outputs and gradients of one problem, allocated and written before any timing so that the
@@ -373,7 +399,8 @@ std::vector<Result> measure_attention(const BenchOptions& o) {
   return results;
 }
 
-void report_attention(const BenchOptions& o, const std::vector<Result>& results) {
+void report_attention(const BenchOptions& o, const std::vector<Result>& results,
+                      const std::vector<std::string>& warnings) {
   const std::string mode = o.backward ? "forward+backward" : "forward";
   const bool reset = results.empty() || results.front().timing.memory_reset;
   if (o.json) {
@@ -393,7 +420,7 @@ void report_attention(const BenchOptions& o, const std::vector<Result>& results)
         "{{\n  \"mode\": \"{}\", \"impl\": \"{}\", \"simd\": \"{}\", {}, \"dtype\": \"float32\", \"batch\": {}, "
         "\"heads\": {}, \"d\": {}, \"causal\": {}, \"threads\": {}, \"repeats\": {},\n  \"memory_method\": \"{}\",\n"
         "  \"results\": [\n{}\n  ]\n}}\n",
-        mode, o.impl, simd_target(), cpu_json(), o.batch, o.heads, o.d, o.causal, o.threads, o.repeats,
+        mode, o.impl, simd_target(), machine_json(warnings), o.batch, o.heads, o.d, o.causal, o.threads, o.repeats,
         memory_method(reset), fmt::join(rows, ",\n"));
     std::fflush(stdout);
     return;
@@ -414,6 +441,7 @@ void report_attention(const BenchOptions& o, const std::vector<Result>& results)
                r.flops * 1e-9 / (r.timing.median_ms * 1e-3), format_bytes(r.timing.extra_bytes),
                format_bytes(r.timing.peak_bytes), format_bytes(r.tensor_bytes), fmt::join(against, ", "));
   }
+  print_warnings(warnings);
   std::fflush(stdout);
 }
 
@@ -491,7 +519,7 @@ int64_t decode_heads(const BenchOptions& o) { return o.heads_option->count() > 0
 int64_t decode_dim(const BenchOptions& o) { return o.d_option->count() > 0 ? o.d : kDecodeDim; }
 
 // Every --T (Tk) of the decode benchmark, each in rounds with the two streams.
-std::vector<DecodeResult> measure_decode(const BenchOptions& o) {
+std::vector<DecodeResult> measure_decode(const BenchOptions& o, std::vector<std::string>& warnings) {
   const AttentionImpl impl = parse_impl(o.impl);
   const std::vector<int64_t> sizes = o.t_option->count() > 0 ? o.t : std::vector<int64_t>{kDecodeTk};
   const int64_t heads = decode_heads(o);
@@ -510,6 +538,8 @@ std::vector<DecodeResult> measure_decode(const BenchOptions& o) {
         time_in_rounds({[&] { p.run(false, false, impl); }, [&] { triad.run(); }, [&] { read.run(); }}, o.repeats);
     // The bytes decode must stream: K and V once.
     const double kv_bytes = 2.0 * static_cast<double>(o.batch * heads * tk * d) * sizeof(float);
+    warn(warnings,
+         cache_resident_warning(fmt::format("decode at Tk = {} (K and V)", tk), kv_bytes, cpu_info().l3_bytes));
     const auto gbs = [](double bytes_moved, const Timing& t) { return bytes_moved * 1e-9 / (t.median_ms * 1e-3); };
     results.push_back({.result = {.tq = 1,
                                   .tk = tk,
@@ -528,7 +558,8 @@ std::vector<DecodeResult> measure_decode(const BenchOptions& o) {
   return results;
 }
 
-void report_decode(const BenchOptions& o, const std::vector<DecodeResult>& results) {
+void report_decode(const BenchOptions& o, const std::vector<DecodeResult>& results,
+                   const std::vector<std::string>& warnings) {
   const int64_t heads = decode_heads(o);
   const int64_t d = decode_dim(o);
   const bool reset = results.empty() || results.front().result.timing.memory_reset;
@@ -548,7 +579,7 @@ void report_decode(const BenchOptions& o, const std::vector<DecodeResult>& resul
         "{{\n  \"mode\": \"decode\", \"impl\": \"{}\", \"simd\": \"{}\", {}, \"dtype\": \"float32\", \"batch\": {}, "
         "\"heads\": {}, \"d\": {}, \"threads\": {}, \"repeats\": {}, \"triad_gbs\": {:.6g}, \"read_gbs\": {:.6g},\n  "
         "\"memory_method\": \"{}\",\n  \"results\": [\n{}\n  ]\n}}\n",
-        o.impl, simd_target(), cpu_json(), o.batch, heads, d, o.threads, o.repeats, triad_gbs, read_gbs,
+        o.impl, simd_target(), machine_json(warnings), o.batch, heads, d, o.threads, o.repeats, triad_gbs, read_gbs,
         memory_method(reset), fmt::join(rows, ",\n"));
     std::fflush(stdout);
     return;
@@ -571,6 +602,7 @@ void report_decode(const BenchOptions& o, const std::vector<DecodeResult>& resul
                r.result.timing.median_ms, r.kv_gbs, r.triad_gbs, percent(r.of_triad), r.read_gbs, percent(r.of_read),
                r.result.flops * 1e-9 / (r.result.timing.median_ms * 1e-3), format_bytes(r.result.timing.extra_bytes));
   }
+  print_warnings(warnings);
   std::fflush(stdout);
 }
 
@@ -578,10 +610,17 @@ void run_bench(BenchOptions& o) {
   if (o.threads_option->count() == 0) o.threads = max_workers();
   check_options(o);
   const int saved_workers = max_workers();
+  std::vector<std::string> warnings;
+  // Read before the run starts, when none of the load is the run's own.
+  if (const std::optional<double> load = load_average()) {
+    warn(warnings, busy_machine_warning(*load, static_cast<int>(std::thread::hardware_concurrency()), o.threads));
+  }
   if (o.decode) {
-    report_decode(o, measure_decode(o));
+    const std::vector<DecodeResult> results = measure_decode(o, warnings);
+    report_decode(o, results, warnings);
   } else {
-    report_attention(o, measure_attention(o));
+    const std::vector<Result> results = measure_attention(o);
+    report_attention(o, results, warnings);
   }
   set_max_workers(saved_workers);
 }

@@ -86,10 +86,12 @@ Tensor<double> to_float64(NpyArray array, std::string_view arg) {
 
 Tensor<uint8_t> to_bool(NpyArray array, std::string_view arg) {
   const Shape shape = shape_of(array, arg);
-  if (array.dtype == DType::boolean) {
-    return Tensor<uint8_t>(shape, std::move(std::get<std::vector<uint8_t>>(array.values)));
+  if (array.dtype == DType::boolean || array.dtype == DType::uint8) {
+    auto& bytes = std::get<std::vector<uint8_t>>(array.values);
+    std::ranges::transform(bytes, bytes.begin(), [](uint8_t x) { return static_cast<uint8_t>(x != 0); });
+    return Tensor<uint8_t>(shape, std::move(bytes));
   }
-  if (array.dtype != DType::int64) wrong_dtype(array, arg, "bool or int64");
+  if (array.dtype != DType::int64) wrong_dtype(array, arg, "bool, uint8 or int64");
   const auto& source = std::get<std::vector<int64_t>>(array.values);
   std::vector<uint8_t> values(source.size());
   std::ranges::transform(source, values.begin(), [](int64_t x) { return static_cast<uint8_t>(x != 0); });

@@ -42,8 +42,8 @@ Tensor<float> to_float32(NpyArray array, std::string_view arg);
 // dtype is a ShapeError.
 Tensor<double> to_float64(NpyArray array, std::string_view arg);
 
-// A bool or integer array as a tensor of 0/1 bytes (nonzero = 1), rank 0 to 4; any other dtype is
-// a ShapeError.
+// A bool, uint8 or int64 array as a tensor of 0/1 bytes (nonzero = 1), rank 0 to 4; any other
+// dtype is a ShapeError.
 Tensor<uint8_t> to_bool(NpyArray array, std::string_view arg);
 
 // read_input then to_float32: the usual way to take a float operand.

@@ -2,6 +2,7 @@
 
 #include <fcntl.h>
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -11,6 +12,7 @@
 #include <cerrno>
 #include <cstdint>
 #include <cstring>
+#include <filesystem>
 #include <map>
 #include <optional>
 #include <random>
@@ -27,6 +29,7 @@
 #include "file_descriptor.hpp"
 #include "qkv/core/error.hpp"
 #include "qkv/io/staged_files.hpp"
+#include "zip_archive.hpp"
 
 namespace qkv {
 namespace {
@@ -44,13 +47,25 @@ constexpr size_t kPreambleV1 = kMagic.size() + 2 + 2;
 constexpr size_t kPreambleV2 = kMagic.size() + 2 + 4;
 // numpy aligns the data to 64 bytes so that it can be memory-mapped for any dtype and SIMD width.
 constexpr size_t kAlign = 64;
-constexpr char kSupported[] = "'<f4' float32, '<f8' float64, '|b1' bool, '<i8' int64";
+constexpr char kSupported[] = "float32 'f4', float64 'f8', int64 'i8' (either byte order), bool '|b1', uint8 '|u1'";
 
 [[noreturn]] void fail(const std::filesystem::path& path, std::string_view problem) {
   throw IoError(fmt::format("{}: {}", path.string(), problem));
 }
 
-int64_t item_size(DType dtype) { return dtype == DType::boolean ? 1 : dtype == DType::float32 ? 4 : 8; }
+int64_t item_size(DType dtype) {
+  switch (dtype) {
+    case DType::boolean:
+    case DType::uint8:
+      return 1;
+    case DType::float32:
+      return 4;
+    case DType::float64:
+    case DType::int64:
+      return 8;
+  }
+  return 0;
+}
 
 std::string_view descr_of(DType dtype) {
   switch (dtype) {
@@ -62,17 +77,32 @@ std::string_view descr_of(DType dtype) {
       return "|b1";
     case DType::int64:
       return "<i8";
+    case DType::uint8:
+      return "|u1";
   }
   return "";
 }
 
-std::optional<DType> dtype_of(std::string_view descr) {
-  if (descr == "<f4") return DType::float32;
-  if (descr == "<f8") return DType::float64;
-  if (descr == "<i8") return DType::int64;
-  // numpy writes '|b1'; np.dtype() takes the other spellings of the same one-byte type, which
-  // hand-written headers use.
-  if (descr == "|b1" || descr == "b1" || descr == "?" || descr == "|?") return DType::boolean;
+// A descr's element type and whether its bytes are big-endian: '<' little, '>' big, '=' and none
+// native (little: see the static_assert above), '|' not applicable (one byte).
+struct ElementType {
+  DType dtype;
+  bool big_endian = false;
+};
+
+std::optional<ElementType> dtype_of(std::string_view descr) {
+  // numpy writes '|b1' and '|u1'; np.dtype() takes the other spellings of the same one-byte types,
+  // which hand-written headers use.
+  if (descr == "|b1" || descr == "b1" || descr == "?" || descr == "|?") return ElementType{DType::boolean};
+  if (descr == "|u1" || descr == "u1" || descr == "B" || descr == "|B") return ElementType{DType::uint8};
+  bool big_endian = false;
+  if (!descr.empty() && (descr[0] == '<' || descr[0] == '>' || descr[0] == '=')) {
+    big_endian = descr[0] == '>';
+    descr.remove_prefix(1);
+  }
+  if (descr == "f4") return ElementType{DType::float32, big_endian};
+  if (descr == "f8") return ElementType{DType::float64, big_endian};
+  if (descr == "i8") return ElementType{DType::int64, big_endian};
   return std::nullopt;
 }
 
@@ -230,6 +260,8 @@ class HeaderParser {
 
 struct Header {
   DType dtype = DType::float32;
+  bool big_endian = false;
+  bool fortran_order = false;
   std::vector<int64_t> shape;
   int64_t numel = 1;
   int64_t data_bytes = 0;
@@ -274,12 +306,11 @@ Header parse_header(const std::filesystem::path& path, std::string_view text) {
     fail(path, fmt::format("unsupported dtype {} (structured arrays are not supported; supported: {})", *structured,
                            kSupported));
   }
-  if (!descr.empty() && descr[0] == '>')
-    fail(path, fmt::format("big-endian arrays are not supported (descr '{}')", descr));
-  const std::optional<DType> dtype = dtype_of(descr);
-  if (!dtype) fail(path, fmt::format("unsupported dtype '{}' (supported: {})", descr, kSupported));
-  header.dtype = *dtype;
-  if (fortran_order) fail(path, "Fortran-order arrays are not supported (fortran_order is True; save a C-order array)");
+  const std::optional<ElementType> element = dtype_of(descr);
+  if (!element) fail(path, fmt::format("unsupported dtype '{}' (supported: {})", descr, kSupported));
+  header.dtype = element->dtype;
+  header.big_endian = element->big_endian;
+  header.fortran_order = fortran_order;
 
   for (const int64_t dim : header.shape) {
     if (dim < 0)
@@ -377,6 +408,8 @@ std::string dtype_name(DType dtype) {
       return "bool";
     case DType::int64:
       return "int64";
+    case DType::uint8:
+      return "uint8";
   }
   return fmt::format("DType({})", static_cast<int>(dtype));
 }
@@ -389,9 +422,40 @@ int64_t NpyArray::numel() const {
 
 std::string NpyArray::shape_str() const { return fmt::format("[{}]", fmt::join(shape, ", ")); }
 
-NpyArray read_npy(const std::filesystem::path& path) {
-  const std::string bytes = read_whole_file(path);
-  const std::string_view file(bytes);
+namespace {
+
+// numpy writes big-endian arrays only when asked ('>f4'); their elements are reversed in place.
+template <class T>
+void swap_bytes(std::vector<T>& values) {
+  if constexpr (sizeof(T) > 1) {
+    for (T& value : values) {
+      auto bytes = std::bit_cast<std::array<unsigned char, sizeof(T)>>(value);
+      std::reverse(bytes.begin(), bytes.end());
+      value = std::bit_cast<T>(bytes);
+    }
+  }
+}
+
+// The elements of a Fortran-order array (the first index fastest, as np.save writes a transposed
+// view) in C order, the last index fastest.
+template <class T>
+std::vector<T> to_c_order(const std::vector<T>& fortran, const std::vector<int64_t>& shape) {
+  if (shape.size() < 2 || fortran.empty()) return fortran;
+  std::vector<T> c_order(fortran.size());
+  std::vector<int64_t> index(shape.size(), 0);
+  for (size_t flat = 0; flat < c_order.size(); ++flat) {
+    int64_t offset = 0;
+    for (size_t axis = shape.size(); axis-- > 0;) offset = offset * shape[axis] + index[axis];
+    c_order[flat] = fortran[static_cast<size_t>(offset)];
+    for (size_t axis = shape.size(); axis-- > 0;) {
+      if (++index[axis] < shape[axis]) break;
+      index[axis] = 0;
+    }
+  }
+  return c_order;
+}
+
+NpyArray parse_npy(const std::filesystem::path& path, std::string_view file) {
   if (!file.starts_with(kMagic)) fail(path, "not a .npy file (bad magic: it does not start with \\x93NUMPY)");
   if (file.size() < kMagic.size() + 2) fail(path, fmt::format("truncated header: file has only {} bytes", file.size()));
   const auto major = static_cast<unsigned char>(file[kMagic.size()]);
@@ -442,8 +506,67 @@ NpyArray read_npy(const std::filesystem::path& path) {
       array.values = copy_values<uint8_t>(data, header.numel);
       break;
     }
+    case DType::uint8:
+      array.values = copy_values<uint8_t>(data, header.numel);
+      break;
   }
+  std::visit(
+      [&](auto& values) {
+        if (header.big_endian) swap_bytes(values);
+        if (header.fortran_order) values = to_c_order(values, header.shape);
+      },
+      array.values);
   return array;
+}
+
+// Member `name`.npy of an .npz archive (np.savez), or its only member when `name` is empty.
+NpyArray read_npz_member(const std::filesystem::path& archive_path, const std::string& name) {
+  const std::string archive = read_whole_file(archive_path);
+  std::vector<io_detail::ZipMember> members;
+  try {
+    members = io_detail::zip_members(archive);
+  } catch (const std::invalid_argument& e) {
+    fail(archive_path, fmt::format("not a readable .npz archive: {}", e.what()));
+  }
+  std::vector<std::string> names;
+  for (const io_detail::ZipMember& m : members) {
+    names.push_back(m.name.ends_with(".npy") ? m.name.substr(0, m.name.size() - 4) : m.name);
+  }
+  const auto listed = [&] { return names.empty() ? std::string("none") : fmt::format("{}", fmt::join(names, ", ")); };
+  size_t chosen = 0;
+  if (name.empty()) {
+    if (members.size() != 1) {
+      fail(archive_path,
+           fmt::format("holds {} arrays ({}): name one as {}:NAME", members.size(), listed(), archive_path.string()));
+    }
+  } else {
+    chosen = static_cast<size_t>(std::ranges::find(names, name) - names.begin());
+    if (chosen == names.size()) fail(archive_path, fmt::format("has no array '{}' (it holds {})", name, listed()));
+  }
+  const std::filesystem::path shown = archive_path.string() + ":" + names[chosen];
+  std::string_view bytes;
+  try {
+    bytes = io_detail::zip_member_bytes(archive, members[chosen]);
+  } catch (const std::invalid_argument& e) {
+    fail(shown, e.what());
+  }
+  return parse_npy(shown, bytes);
+}
+
+}  // namespace
+
+NpyArray read_npy(const std::filesystem::path& path) {
+  // "arrays.npz:q" is member q.npy of arrays.npz, unless a file of that very name exists.
+  const std::string spec = path.string();
+  const size_t colon = spec.rfind(':');
+  std::error_code ignored;
+  if (colon != std::string::npos && std::string_view(spec).substr(0, colon).ends_with(".npz") &&
+      !std::filesystem::exists(path, ignored)) {
+    return read_npz_member(spec.substr(0, colon), spec.substr(colon + 1));
+  }
+  if (spec.ends_with(".npz")) return read_npz_member(path, "");
+  const std::string bytes = read_whole_file(path);
+  return parse_npy(path, bytes);
 }
 
 template <class T>

@@ -144,13 +144,13 @@ def main():
                  "--mask:", str([B, H, Tq, Tk]), str([Tq, 3]))
         t.save("mask_h2.npy", np.zeros((2, Tq, Tk), dtype=f32))
         t.refuse("float mask with the wrong heads", [*attend, "--mask", "mask_h2.npy", "-o", "o.npy"], "--mask:")
-        # The reader has no uint8: the refusal says what each option takes, not the reader's whole list.
-        t.save("mask_u8.npy", np.ones((Tq, Tk), dtype=np.uint8))
-        t.refuse("uint8 mask", [*attend, "--mask", "mask_u8.npy", "-o", "o.npy"],
-                 "--mask:", "u1", "--mask takes bool or int64 (nonzero = may attend) or float32/float64")
+        # A dtype the reader does not know: the refusal says what each option takes, not the reader's list.
+        t.save("mask_i32.npy", np.ones((Tq, Tk), dtype=np.int32))
+        t.refuse("int32 mask", [*attend, "--mask", "mask_i32.npy", "-o", "o.npy"],
+                 "--mask:", "i4", "--mask takes bool, uint8 or int64 (nonzero = may attend) or float32/float64")
         t.save("q_u8.npy", np.ones((B, H, Tq, Dk), dtype=np.uint8))
         t.refuse("uint8 Q", ["attend", "--q", "q_u8.npy", "--k", "k.npy", "--v", "v.npy", "-o", "o.npy"],
-                 "--q:", "u1", "--q takes float32 or float64")
+                 "--q:", "expected dtype float32 or float64, got uint8")
 
         # ---- Options that do not fit together.
         t.refuse("--score additive without --wq", [*attend, "--score", "additive", "--wk", "wk.npy", "--ww", "ww.npy",
@@ -313,6 +313,34 @@ def main():
             return None if error <= 1e-5 else f"differs from numpy with the bool mask by {error:.3g}"
         t.succeed("int64 mask, nonzero = may attend", [*attend, "--mask", "mask_i64.npy", "-o", "o_i64.npy"],
                   check_int_mask)
+        t.save("mask_u8.npy", (mask_i64 != 0).astype(np.uint8) * 9)
+        t.succeed("uint8 mask, nonzero = may attend", [*attend, "--mask", "mask_u8.npy", "-o", "o_i64.npy"],
+                  check_int_mask)
+
+        # Whatever np.save and np.savez write is read as numpy reads it: Fortran order (a transposed
+        # array), big-endian, an .npz archive's members.
+        np.save(t.path("k_fortran.npy"), np.asfortranarray(k))
+        np.save(t.path("v_big.npy"), v.astype(v.dtype.newbyteorder(">")))
+        np.save(t.path("q_fortran.npy"), q.T.copy().T)  # the transpose of a C array is in Fortran order
+        np.savez(t.path("qkv.npz"), q=q, k=k, v=v)
+        t.succeed("plain files", [*attend, "-o", "o_plain.npy"])
+        def same_as_plain(name):
+            def check(_):
+                error = np.abs(np.load(t.path(name)) - np.load(t.path("o_plain.npy"))).max()
+                return None if error == 0 else f"differs from the plain files' output by {error:.3g}"
+            return check
+        t.succeed("Fortran-order K, big-endian V", ["attend", "--q", "q_fortran.npy", "--k", "k_fortran.npy", "--v",
+                                                    "v_big.npy", "-o", "o_orders.npy"], same_as_plain("o_orders.npy"))
+        t.succeed("Q, K, V from one .npz", ["attend", "--q", "qkv.npz:q", "--k", "qkv.npz:k", "--v", "qkv.npz:v",
+                                            "-o", "o_npz.npy"], same_as_plain("o_npz.npy"))
+        t.refuse("an .npz of several arrays without a name", ["attend", "--q", "qkv.npz", "--k", "k.npy", "--v",
+                                                              "v.npy", "-o", "o.npy"], "--q:", "holds 3 arrays",
+                 "qkv.npz:NAME")
+        t.refuse("an .npz without that array", ["attend", "--q", "qkv.npz:x", "--k", "k.npy", "--v", "v.npy",
+                                                "-o", "o.npy"], "--q:", "has no array 'x'", "q, k, v")
+        np.savez_compressed(t.path("compressed.npz"), q=q)
+        t.refuse("a compressed .npz", ["attend", "--q", "compressed.npz:q", "--k", "k.npy", "--v", "v.npy",
+                                       "-o", "o.npy"], "--q:", "compressed", "np.savez")
         bias_ninf = np.zeros((Tq, Tk), dtype=f32)
         bias_ninf[:, 1:] = -np.inf
         t.save("bias_ninf.npy", bias_ninf)

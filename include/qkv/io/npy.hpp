@@ -1,11 +1,13 @@
 #pragma once
-// Reading and writing NumPy .npy files (format versions 1.0, 2.0 and 3.0; C order; little-endian;
-// dtypes float32 '<f4', float64 '<f8', bool '|b1', int64 '<i8').
+// Reading and writing NumPy .npy files (format versions 1.0, 2.0 and 3.0), and reading the arrays of
+// .npz archives (np.savez).
 //
+// Read: dtypes float32 'f4', float64 'f8' and int64 'i8' in either byte order, bool '|b1' and uint8
+// '|u1'; C or Fortran order (np.save of a transposed array), returned in C order, little-endian.
 // A file is read whole and checked before anything is returned: a malformed header, a truncated
-// body, a big-endian or Fortran-order array, an unsupported dtype or trailing bytes raise IoError
-// with a message naming the file and what is wrong. Writes go to a temporary file in the same
-// directory, renamed over the target only once complete, so a failure never leaves a partial file.
+// body, an unsupported dtype or trailing bytes raise IoError with a message naming the file and
+// what is wrong. Written: C order, little-endian, to a temporary file in the same directory,
+// renamed over the target only once complete, so a failure never leaves a partial file.
 
 #include <cstdint>
 #include <filesystem>
@@ -17,16 +19,16 @@
 
 namespace qkv {
 
-enum class DType { float32, float64, boolean, int64 };
+enum class DType { float32, float64, boolean, int64, uint8 };
 
-// "float32", "float64", "bool", "int64"
+// "float32", "float64", "bool", "int64", "uint8"
 std::string dtype_name(DType dtype);
 
 // An array as read from disk; shapes of any rank (qkv ops take rank <= 4, checked by the caller).
 struct NpyArray {
   DType dtype = DType::float32;
   std::vector<int64_t> shape;
-  // Exactly one alternative, matching dtype; booleans are stored as 0/1 bytes.
+  // Exactly one alternative, matching dtype; booleans are stored as 0/1 bytes, uint8 as they are.
   std::variant<std::vector<float>, std::vector<double>, std::vector<uint8_t>, std::vector<int64_t>> values;
 
   int64_t numel() const;
@@ -34,6 +36,9 @@ struct NpyArray {
   std::string shape_str() const;
 };
 
+// `path` is a .npy file, or an array of an .npz archive of stored members (np.savez; np.savez_compressed's
+// deflated members are refused, naming np.savez): "arrays.npz:q" reads member q.npy, "arrays.npz"
+// alone its only array (an archive of several names them in the error).
 NpyArray read_npy(const std::filesystem::path& path);
 
 // The .npy file of a view (strided or not) as a C-order array of its element type; uint8_t is
