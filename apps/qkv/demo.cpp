@@ -7,8 +7,11 @@
 //   3. normalise  α_i = softmax(e_i·), each row sums to 1               [T, T]
 //   4. weigh      out_i = Σ_j α_ij v_j                                  [T, 32]
 // and α, the "who looks at whom" matrix, is printed as numbers and as a heatmap, and saved as a
-// picture (attention.png) and an interactive page (attention.html) in --out-dir. Everything is drawn
-// from qkv::Rng(seed), so a seed reproduces the output byte for byte on every platform.
+// picture (attention.png) and an interactive page (attention.html) in --out-dir, with the arrays
+// themselves (X, W_Q, W_K, W_V, Q, K, V, α; attention_arrays/*.npy) so that numpy or the PyTorch
+// original can be run on the same numbers. --score additive scores with Bahdanau's small network
+// instead, e_ij = w·tanh(W_a q_i + U_a k_j), on the same Q and K. Everything is drawn from
+// qkv::Rng(seed), so a seed reproduces the output byte for byte on every platform.
 
 #include <fmt/format.h>
 #include <fmt/ranges.h>
@@ -24,6 +27,7 @@
 #include <string>
 #include <string_view>
 #include <system_error>
+#include <utility>
 #include <vector>
 
 #include "cli_io.hpp"
@@ -35,6 +39,7 @@
 #include "qkv/io/npy.hpp"
 #include "qkv/io/staged_files.hpp"
 #include "qkv/nn/linear.hpp"
+#include "qkv/ops/additive_attention.hpp"
 #include "qkv/ops/attention.hpp"
 #include "qkv/viz/heatmap.hpp"
 
@@ -51,8 +56,12 @@ constexpr int64_t kShownTerms = 6;
 // Up to this many tokens, the saved picture prints each weight on its cell.
 constexpr int64_t kAnnotatedTokens = 12;
 
+// The folder of --out-dir that the arrays go to, one .npy each.
+constexpr std::string_view kArraysDir = "attention_arrays";
+
 struct DemoOptions {
   uint64_t seed = 0;
+  std::string score = "dot";
   std::string tokens;
   CLI::Option* tokens_option = nullptr;  // tells "--tokens ''" (refused) from no --tokens
   bool explain = false;
@@ -110,6 +119,34 @@ double variance(const std::vector<double>& values) {
   return sum / static_cast<double>(values.size());
 }
 
+// Three lines of numpy that recompute α from the saved arrays, printed after a run that saved them.
+constexpr std::string_view kDotSnippet =
+    "  import numpy as np; a = {n: np.load(f\"attention_arrays/{n}.npy\") for n in (\"X\", \"W_Q\", \"W_K\", "
+    "\"alpha\")}\n"
+    "  s = (a[\"X\"] @ a[\"W_Q\"].T) @ (a[\"X\"] @ a[\"W_K\"].T).T / np.sqrt(32); e = np.exp(s - s.max(1, "
+    "keepdims=True))\n"
+    "  print(np.abs(e / e.sum(1, keepdims=True) - a[\"alpha\"]).max())   # about 1e-7: the same α\n";
+constexpr std::string_view kAdditiveSnippet =
+    "  import numpy as np; a = {n: np.load(f\"attention_arrays/{n}.npy\") for n in (\"Q\", \"K\", \"W_a\", \"U_a\", "
+    "\"w\", \"alpha\")}\n"
+    "  s = np.tanh((a[\"Q\"] @ a[\"W_a\"].T)[:, None] + (a[\"K\"] @ a[\"U_a\"].T)[None]) @ a[\"w\"][0]; e = np.exp(s - "
+    "s.max(1, keepdims=True))\n"
+    "  print(np.abs(e / e.sum(1, keepdims=True) - a[\"alpha\"]).max())   # about 1e-7: the same α\n";
+
+// e_ij = w·tanh(W_a q_i + U_a k_j) in float64, what additive_attention_forward scores with.
+double additive_score(TensorView<const float> w_a, TensorView<const float> u_a, TensorView<const float> w,
+                      const Tensor<float>& q, const Tensor<float>& k, int64_t i, int64_t j) {
+  double score = 0.0;
+  for (int64_t a = 0; a < kDim; ++a) {
+    double hidden = 0.0;
+    for (int64_t f = 0; f < kDim; ++f) {
+      hidden += static_cast<double>(w_a(a, f)) * q[i * kDim + f] + static_cast<double>(u_a(a, f)) * k[j * kDim + f];
+    }
+    score += static_cast<double>(w(0, a)) * std::tanh(hidden);
+  }
+  return score;
+}
+
 void run_demo(const DemoOptions& options) {
   const bool tokens_given = options.tokens_option->count() > 0;
   const std::vector<std::string> tokens = split_labels(tokens_given ? options.tokens : kDefaultTokens);
@@ -118,10 +155,12 @@ void run_demo(const DemoOptions& options) {
     throw ValueError(
         fmt::format("--tokens: expected 1 to {} tokens separated by spaces, got {}", kMaxTokens, tokens.size()));
   }
+  const bool additive = options.score == "additive";
   const std::filesystem::path png_path = std::filesystem::path(options.out_dir) / "attention.png";
   const std::filesystem::path html_path = std::filesystem::path(options.out_dir) / "attention.html";
+  const std::filesystem::path arrays_dir = std::filesystem::path(options.out_dir) / kArraysDir;
   if (!options.no_files) {
-    OutputFiles pictures;  // checks the directory before any work; the pictures are written below
+    OutputFiles pictures;  // checks the directory before any work; the files are written below
     pictures.plan("--out-dir", png_path);
     pictures.plan("--out-dir", html_path);
   }
@@ -135,11 +174,35 @@ void run_demo(const DemoOptions& options) {
 
   const Tensor<float> q = w_q.forward(x.cview()), k = w_k.forward(x.cview()), v = w_v.forward(x.cview());
 
+  // Additive scoring's network, drawn after W_V as nn.Linear(32, 32, bias=False) twice and
+  // nn.Linear(32, 1, bias=False) would be: W_a for queries, U_a for keys, w reads the score.
+  const LinearConfig score_vector{.in_features = kDim, .out_features = 1, .bias = false};
+  std::optional<Linear<float>> w_a, u_a, w_e;
+  if (additive) {
+    w_a.emplace(projection, rng);
+    u_a.emplace(projection, rng);
+    w_e.emplace(score_vector, rng);
+  }
+  const auto weight = [](const Linear<float>& layer) { return layer.parameters().front().value; };
+
   Tensor<float> out({t, kDim});
   Tensor<float> alpha({t, t});
-  // The default scale, 1/√d, is the example's.
-  AttentionParams<float> params{.q = q.cview(), .k = k.cview(), .v = v.cview(), .scale = std::nullopt, .mask = {}};
-  attention_forward<float>(params, {.out = out.view(), .weights = alpha.view(), .lse = std::nullopt});
+  const AttentionOutputs<float> outputs{.out = out.view(), .weights = alpha.view(), .lse = std::nullopt};
+  if (additive) {
+    const TensorView<const float> w = weight(*w_e);
+    additive_attention_forward<float>({.q = q.cview(),
+                                       .k = k.cview(),
+                                       .v = v.cview(),
+                                       .w_q = weight(*w_a),
+                                       .w_k = weight(*u_a),
+                                       .w = {w.data, Shape{kDim}, {1}},
+                                       .mask = {}},
+                                      outputs);
+  } else {
+    // The default scale, 1/√d, is the example's.
+    attention_forward<float>({.q = q.cview(), .k = k.cview(), .v = v.cview(), .scale = std::nullopt, .mask = {}},
+                             outputs);
+  }
   const Tensor<double> alpha64 = to_tensor<double, float>(alpha.cview());
 
   const double sqrt_d = std::sqrt(static_cast<double>(kDim));
@@ -149,6 +212,10 @@ void run_demo(const DemoOptions& options) {
   text += fmt::format(
       "X ~ N(0, 1) [{0}, {1}]; W_Q, W_K, W_V ~ U(−1/√{1}, 1/√{1}) [{1}, {1}], as nn.Linear({1}, {1}, bias=False)\n", t,
       kDim);
+  if (additive) {
+    text += fmt::format(
+        "W_a, U_a [{0}, {0}], w [{0}] ~ U(−1/√{0}, 1/√{0}): additive scoring's network, drawn after W_V\n", kDim);
+  }
   text += '\n';
 
   if (options.explain) {
@@ -161,7 +228,7 @@ void run_demo(const DemoOptions& options) {
     text += fmt::format("     k_0 = {}\n", leading_values(k, 0));
     text += fmt::format("     v_0 = {}\n\n", leading_values(v, 0));
 
-    // The scores, recomputed here in float64 because attention_forward keeps them to itself.
+    // The scores, recomputed here in float64 because the ops keep them to themselves.
     Tensor<double> e({t, t});
     std::vector<double> raw_dots;
     for (int64_t i = 0; i < t; ++i) {
@@ -170,23 +237,33 @@ void run_demo(const DemoOptions& options) {
         for (int64_t f = 0; f < kDim; ++f) dot += static_cast<double>(q[i * kDim + f]) * k[j * kDim + f];
         raw_dots.push_back(dot);
         e[i * t + j] = dot / sqrt_d;
+        if (additive) e[i * t + j] = additive_score(weight(*w_a), weight(*u_a), weight(*w_e), q, k, i, j);
       }
     }
-    text += fmt::format("2. score: e = Q Kᵀ / √{} = [{}, {}] · [{}, {}] / {:.3f} → e [{}, {}]\n", kDim, t, kDim, kDim,
-                        t, sqrt_d, t, t);
-    text += "   e_ij = q_i·k_j / √d: how well key j answers query i (rows = queries, columns = keys).\n";
+    if (additive) {
+      text += fmt::format(
+          "2. score (additive, Bahdanau): e_ij = w·tanh(W_a q_i + U_a k_j), W_a, U_a [{0}, {0}], w [{0}] → e [{1}, "
+          "{1}]\n",
+          kDim, t);
+      text += "   A small network scores each pair instead of a dot product; tanh bounds it, so no √d is needed.\n";
+    } else {
+      text += fmt::format("2. score: e = Q Kᵀ / √{} = [{}, {}] · [{}, {}] / {:.3f} → e [{}, {}]\n", kDim, t, kDim, kDim,
+                          t, sqrt_d, t, t);
+      text += "   e_ij = q_i·k_j / √d: how well key j answers query i (rows = queries, columns = keys).\n";
+    }
     text += labelled_matrix(e.cview(), tokens, false);
     text += '\n';
 
     text += "3. normalise: α = softmax(e) along each row, α_ij = exp(e_ij) / Σ_k exp(e_ik): each row sums to 1.\n";
     text += labelled_matrix(alpha64.cview(), tokens, true);
-    text += fmt::format(
-        "   Why divide by √d: q·k adds up d products, so its variance grows with d (d·σ_q²·σ_k² for\n"
-        "   independent entries). Large scores push softmax towards a one-hot row whose gradients vanish;\n"
-        "   dividing by √d keeps the scores' spread the same whatever d is. Here var(q·k) = {:.3f} (about\n"
-        "   d/9 = {:.3f}, as nn.Linear's init gives q and k entries of variance 1/3)\n"
-        "   and var(e) = var(q·k) / {} = {:.3f}.\n\n",
-        variance(raw_dots), static_cast<double>(kDim) / 9.0, kDim, variance(raw_dots) / static_cast<double>(kDim));
+    if (!additive)
+      text += fmt::format(
+          "   Why divide by √d: q·k adds up d products, so its variance grows with d (d·σ_q²·σ_k² for\n"
+          "   independent entries). Large scores push softmax towards a one-hot row whose gradients vanish;\n"
+          "   dividing by √d keeps the scores' spread the same whatever d is. Here var(q·k) = {:.3f} (about\n"
+          "   d/9 = {:.3f}, as nn.Linear's init gives q and k entries of variance 1/3)\n"
+          "   and var(e) = var(q·k) / {} = {:.3f}.\n\n",
+          variance(raw_dots), static_cast<double>(kDim) / 9.0, kDim, variance(raw_dots) / static_cast<double>(kDim));
 
     text += fmt::format(
         "4. weigh: out = α V = [{0}, {0}] · [{0}, {1}] → out [{0}, {1}]; out_i = Σ_j α_ij v_j, a blend of\n", t, kDim);
@@ -198,6 +275,14 @@ void run_demo(const DemoOptions& options) {
     if (t > kShownTerms) terms += " + …";
     text += fmt::format("     out_0 = {}\n", terms);
     text += fmt::format("           = {}\n\n", leading_values(out, 0));
+  } else if (additive) {
+    text += fmt::format(
+        "α = softmax(e) [{}, {}] with additive scoring, e_ij = w·tanh(W_a q_i + U_a k_j): row i says how token i\n", t,
+        t);
+    text += "spreads its attention over the tokens (rows = queries, columns = keys); out = α V blends the values\n";
+    text += "in those proportions.\n";
+    text += labelled_matrix(alpha64.cview(), tokens, true);
+    text += '\n';
   } else {
     text += fmt::format(
         "α = softmax(Q Kᵀ / √{}) [{}, {}]: row i says how token i spreads its attention over the tokens\n", kDim, t, t);
@@ -215,26 +300,43 @@ void run_demo(const DemoOptions& options) {
   text += '\n';
   if (!options.no_files) {
     HeatmapOptions picture = heatmap;
-    picture.title = fmt::format("α = softmax(Q Kᵀ / √{}): who looks at whom", kDim);
+    picture.title = additive ? std::string("α with additive scores: who looks at whom")
+                             : fmt::format("α = softmax(Q Kᵀ / √{}): who looks at whom", kDim);
     picture.annotate = t <= kAnnotatedTokens;
     const std::string png = render_heatmap(alpha.cview(), HeatmapFormat::png, picture);
     const std::string html = render_heatmap(alpha.cview(), HeatmapFormat::html, picture);
-    StagedFiles files;  // both pictures or neither
+    std::vector<std::pair<std::string, TensorView<const float>>> arrays = {
+        {"X", x.cview()}, {"W_Q", weight(w_q)}, {"W_K", weight(w_k)}, {"W_V", weight(w_v)},
+        {"Q", q.cview()}, {"K", k.cview()},     {"V", v.cview()},     {"alpha", alpha.cview()}};
+    if (additive) {
+      arrays.insert(arrays.end(), {{"W_a", weight(*w_a)}, {"U_a", weight(*u_a)}, {"w", weight(*w_e)}});
+    }
+    std::error_code made;
+    std::filesystem::create_directories(arrays_dir, made);
+    if (made)
+      throw IoError(fmt::format("--out-dir: {}: cannot create the folder: {}", arrays_dir.string(), made.message()));
+    StagedFiles files;  // the pictures and the arrays, all or none
     files.stage(png_path, png);
     files.stage(html_path, html);
+    for (const auto& [name, array] : arrays) files.stage(arrays_dir / (name + ".npy"), encode_npy(array));
     files.commit();
     const auto shown = [](const std::filesystem::path& p) {
       return std::filesystem::absolute(p).lexically_normal().string();
     };
     text += fmt::format("saved: {} (the heatmap as an image)\n", shown(png_path));
-    text +=
-        fmt::format("       {} (open it in a browser: hover a token to see whom it looks at)\n\n", shown(html_path));
+    text += fmt::format("       {} (open it in a browser: hover a token to see whom it looks at)\n", shown(html_path));
+    text += fmt::format("       {}/ (X, W_Q, W_K, W_V, Q, K, V, alpha{} as .npy; W_* as nn.Linear weights [out, in])\n",
+                        shown(arrays_dir), additive ? ", W_a, U_a, w" : "");
+    text += fmt::format("α again, with numpy, from the saved arrays (run in {}):\n", shown(options.out_dir));
+    text += additive ? kAdditiveSnippet : kDotSnippet;
+    text += '\n';
   }
   text +=
       "The weights are random, so this pattern means nothing yet: training W_Q and W_K is what teaches\n"
       "each token to look at the ones that matter to it (a verb at its object, a pronoun at its noun).\n";
   text +=
-      "Try next: qkv demo --explain | qkv demo --seed 1 | qkv demo --tokens \"我 阅读 这 本 书 。\" | qkv attend "
+      "Try next: qkv demo --explain | qkv demo --score additive | qkv demo --tokens \"我 阅读 这 本 书 。\" | qkv "
+      "attend "
       "--help\n";
   std::fputs(text.c_str(), stdout);
 }
@@ -253,14 +355,19 @@ void register_demo(CLI::App& app) {
                       fmt::format("the tokens, separated by spaces: 1 to {} of them, any UTF-8 text (default \"{}\")",
                                   kMaxTokens, kDefaultTokens));
   cmd->add_flag("--explain", options->explain, "walk through the four steps with shapes and values");
+  cmd->add_option("--score", options->score,
+                  "dot: e = q·k/√d (scaled dot product); additive: e = w·tanh(W_a q + U_a k) (Bahdanau)")
+      ->check(CLI::IsMember({"dot", "additive"}))
+      ->capture_default_str();
   cmd->add_option("--color", options->color,
                   "colour the heatmap: auto (on a terminal, unless NO_COLOR is set or TERM=dumb), always, never")
       ->check(CLI::IsMember({"auto", "always", "never"}))
       ->capture_default_str();
-  cmd->add_option("--out-dir", options->out_dir, "where attention.png and attention.html are saved")
+  cmd->add_option("--out-dir", options->out_dir,
+                  "where attention.png, attention.html and attention_arrays/ (the arrays as .npy) are saved")
       ->type_name("DIR")
       ->capture_default_str();
-  cmd->add_flag("--no-files", options->no_files, "save no pictures, only print");
+  cmd->add_flag("--no-files", options->no_files, "save no files, only print");
   cmd->callback([options] { run_demo(*options); });
 }
 

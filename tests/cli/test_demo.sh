@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # qkv demo: the worked example prints a T×T α whose rows sum to 1, reproduces itself byte for byte
 # from a seed, takes UTF-8 (CJK) tokens, refuses 0 or more than 64 tokens with exit code 2, walks
-# the four steps with --explain, and colours only when asked or on a terminal.
+# the four steps with --explain, colours only when asked or on a terminal, saves its arrays with
+# numpy lines that recompute α from them, and scores additively with --score additive.
 set -uo pipefail
 
 # shellcheck source=harness.sh
@@ -84,5 +85,41 @@ grep -q $'\x1b\[48;' "$tmp/out" || fail "qkv demo --color always: no background 
 
 run demo --color sometimes
 [[ $rc -eq 2 ]] || fail "qkv demo --color sometimes exited $rc, expected 2"
+
+# The arrays are saved with the pictures, and the printed numpy lines recompute α from them.
+mkdir -p "$tmp/d"
+run demo --out-dir "$tmp/d"
+[[ $rc -eq 0 ]] || fail "qkv demo --out-dir exited $rc: $(cat "$tmp/err")"
+for name in X W_Q W_K W_V Q K V alpha; do
+  [[ -s "$tmp/d/attention_arrays/$name.npy" ]] || fail "qkv demo saved no attention_arrays/$name.npy"
+done
+check_snippet() {
+  local what=$1 snippet
+  snippet=$(grep -A3 "α again, with numpy" "$tmp/out" | tail -3 | sed 's/^  //')
+  [[ -n $snippet ]] || { fail "$what: no numpy lines to recompute α"; return; }
+  if ! (cd "$tmp/d" && /usr/bin/python3 -c "$snippet" >"$tmp/snippet" 2>&1); then
+    fail "$what: the printed numpy lines fail: $(cat "$tmp/snippet")"
+    return
+  fi
+  /usr/bin/python3 -c "import sys; sys.exit(0 if float(open('$tmp/snippet').read()) < 1e-6 else 1)" ||
+    fail "$what: the numpy lines do not give the saved α: $(cat "$tmp/snippet")"
+}
+check_snippet "qkv demo"
+
+# Additive (Bahdanau) scoring on the same sentence: other weights, rows still summing to 1.
+run demo --score additive --out-dir "$tmp/d"
+[[ $rc -eq 0 ]] || fail "qkv demo --score additive exited $rc: $(cat "$tmp/err")"
+check_alpha "qkv demo --score additive" 6
+grep -q "additive scoring" "$tmp/out" || fail "qkv demo --score additive does not say how it scored"
+for name in W_a U_a w; do
+  [[ -s "$tmp/d/attention_arrays/$name.npy" ]] || fail "qkv demo --score additive saved no $name.npy"
+done
+check_snippet "qkv demo --score additive"
+run demo --score additive --explain --no-files
+grep -q "2. score (additive, Bahdanau): e_ij = w·tanh(W_a q_i + U_a k_j)" "$tmp/out" ||
+  fail "qkv demo --score additive --explain: no additive step 2"
+grep -q "Why divide by √d" "$tmp/out" && fail "qkv demo --score additive --explain explains a √d it does not use"
+run demo --score cosine
+[[ $rc -eq 2 ]] || fail "qkv demo --score cosine exited $rc, expected 2"
 
 finish test_demo
