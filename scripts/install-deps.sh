@@ -38,6 +38,8 @@ if [[ "$mode" == test ]]; then
     libopenblas0-pthread
     # the heatmap tests: xmllint for the SVGs, Chromium for the HTML page
     libxml2-utils chromium
+    # the readers' fuzz targets (scripts/fuzz.sh): clang's libFuzzer and sanitizer runtimes
+    clang libclang-rt-14-dev
   )
   # npm installs the browser-test driver (playwright-core). Node.js may come from elsewhere with its
   # own npm; Debian's npm package is needed only when there is none.

@@ -519,9 +519,11 @@ NpyArray parse_npy(const std::filesystem::path& path, std::string_view file) {
   return array;
 }
 
-// Member `name`.npy of an .npz archive (np.savez), or its only member when `name` is empty.
-NpyArray read_npz_member(const std::filesystem::path& archive_path, const std::string& name) {
-  const std::string archive = read_whole_file(archive_path);
+}  // namespace
+
+NpyArray decode_npy(std::string_view bytes, const std::filesystem::path& name) { return parse_npy(name, bytes); }
+
+NpyArray decode_npz(std::string_view archive, const std::filesystem::path& archive_path, const std::string& name) {
   std::vector<io_detail::ZipMember> members;
   try {
     members = io_detail::zip_members(archive);
@@ -553,8 +555,6 @@ NpyArray read_npz_member(const std::filesystem::path& archive_path, const std::s
   return parse_npy(shown, bytes);
 }
 
-}  // namespace
-
 NpyArray read_npy(const std::filesystem::path& path) {
   // "arrays.npz:q" is member q.npy of arrays.npz, unless a file of that very name exists.
   const std::string spec = path.string();
@@ -562,9 +562,10 @@ NpyArray read_npy(const std::filesystem::path& path) {
   std::error_code ignored;
   if (colon != std::string::npos && std::string_view(spec).substr(0, colon).ends_with(".npz") &&
       !std::filesystem::exists(path, ignored)) {
-    return read_npz_member(spec.substr(0, colon), spec.substr(colon + 1));
+    const std::filesystem::path archive = spec.substr(0, colon);
+    return decode_npz(read_whole_file(archive), archive, spec.substr(colon + 1));
   }
-  if (spec.ends_with(".npz")) return read_npz_member(path, "");
+  if (spec.ends_with(".npz")) return decode_npz(read_whole_file(path), path, "");
   const std::string bytes = read_whole_file(path);
   return parse_npy(path, bytes);
 }

@@ -37,14 +37,14 @@ run demo
 for pkg in cmake g++ libhwy-dev libcli11-dev libfmt-dev libcairo2-dev libplplot-dev pybind11-dev python3-dev python3-numpy python3-pip; do
   [[ " $installed " == *" $pkg "* ]] || fail "demo does not install $pkg: $installed"
 done
-for pkg in python3-torch python3-pytest python3-nbconvert chromium libgtest-dev libgmock-dev libbenchmark-dev nodejs npm libxml2-utils; do
+for pkg in python3-torch python3-pytest python3-nbconvert chromium libgtest-dev libgmock-dev libbenchmark-dev nodejs npm libxml2-utils clang; do
   [[ " $installed " != *" $pkg "* ]] || fail "demo installs $pkg, which only the tests use"
 done
 grep -q '^npm' "$tmp/calls" 2>/dev/null && fail "demo runs npm"
 
 run test
 [[ $rc -eq 0 ]] || fail "test: exit code $rc: $(cat "$tmp/out")"
-for pkg in libcli11-dev pybind11-dev python3-torch python3-pytest python3-nbconvert python3-ipykernel chromium libgtest-dev libgmock-dev libbenchmark-dev libxml2-utils; do
+for pkg in libcli11-dev pybind11-dev python3-torch python3-pytest python3-nbconvert python3-ipykernel chromium libgtest-dev libgmock-dev libbenchmark-dev libxml2-utils clang libclang-rt-14-dev; do
   [[ " $installed " == *" $pkg "* ]] || fail "test does not install $pkg: $installed"
 done
 grep -q '^npm ci' "$tmp/calls" 2>/dev/null || fail "test does not install the browser test's node modules"

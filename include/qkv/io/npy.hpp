@@ -12,6 +12,7 @@
 #include <cstdint>
 #include <filesystem>
 #include <string>
+#include <string_view>
 #include <variant>
 #include <vector>
 
@@ -40,6 +41,11 @@ struct NpyArray {
 // deflated members are refused, naming np.savez): "arrays.npz:q" reads member q.npy, "arrays.npz"
 // alone its only array (an archive of several names them in the error).
 NpyArray read_npy(const std::filesystem::path& path);
+
+// The same from bytes in memory: a whole .npy file, or an .npz archive and the name of one of its
+// arrays (empty: its only one). `name` and `archive_path` are what the errors call the source.
+NpyArray decode_npy(std::string_view bytes, const std::filesystem::path& name);
+NpyArray decode_npz(std::string_view archive, const std::filesystem::path& archive_path, const std::string& name);
 
 // The .npy file of a view (strided or not) as a C-order array of its element type; uint8_t is
 // written as bool (every nonzero byte as 1).
