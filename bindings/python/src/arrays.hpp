@@ -36,9 +36,9 @@ Precision precision_of(const py::object& operand, std::string_view name);
 // Keeps the arrays that back the views handed to a kernel, copies included.
 class Inputs {
  public:
-  // `operand` as a view of T, rank 2 to 4 unless `rank` names another range. `name` is the
+  // `operand` as a view of T, of rank at most 4 (the op checks the ranks it takes). `name` is the
   // argument's name in errors ("q"); `of_dtype_of` names the argument whose dtype it must have.
-  // Non-finite values are refused (ValueError) unless `nonfinite` allows them.
+  // Values that `rule` does not allow are refused (ValueError) unless `allow_nonfinite`.
   template <class T>
   TensorView<const T> floats(const py::object& operand, std::string_view name, std::string_view of_dtype_of,
                              bool allow_nonfinite, NonFinite rule = NonFinite::refused);
