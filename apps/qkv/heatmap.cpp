@@ -2,7 +2,8 @@
 // interactive page (HTML) or a coloured grid in the terminal.
 //
 // Everything is checked before anything is drawn: the output path (its extension and directory),
-// the array (rank 2 to 4, finite, non-negative), the token lists against the axes, the head and
+// the array (rank 2 to 4, finite, non-negative; of any sign with the diverging --cmap coolwarm),
+// the token lists against the axes, the head and
 // batch. Rows that do not sum to 1 are drawn anyway, with a warning. The file is rendered in memory
 // and written through a temporary file and a rename, so a refused or failed run leaves no file.
 
@@ -129,7 +130,12 @@ void run_heatmap(const HeatmapCliOptions& o) {
   const Tensor<float> alpha = load_float32(o.input, "ALPHA");
   const Shape& shape = alpha.shape();
   const int rank = shape.rank();
-  const AttentionWeightsReport report = check_attention_weights(alpha.cview(), "ALPHA");
+  // A diverging map draws signed matrices (scores, biases, gradients): they are not weights, so
+  // only finiteness is asked of them.
+  const bool signed_values = colormap_is_diverging(parse_colormap(o.cmap, "--cmap"));
+  if (signed_values) check_finite(alpha.cview(), "ALPHA");
+  const AttentionWeightsReport report =
+      signed_values ? AttentionWeightsReport{} : check_attention_weights(alpha.cview(), "ALPHA");
   const TensorView<const float> a4 = as_rank4(alpha.cview());
   const int64_t batches = a4.shape[0];
   const int64_t heads = a4.shape[1];
@@ -155,6 +161,7 @@ void run_heatmap(const HeatmapCliOptions& o) {
       throw ValueError(fmt::format("--vmax: expected a finite number above 0 (weights start at 0), got {}", o.vmax));
     }
     options.vmax = o.vmax;
+    if (signed_values) options.vmin = -o.vmax;  // 0 stays at the diverging map's middle
   }
 
   if (o.batch_option->count() > 0) {
@@ -241,11 +248,15 @@ void register_heatmap(CLI::App& app) {
   o->batch_option =
       cmd->add_option("--batch", o->batch, "the batch entry of a [B, H, Tq, Tk] alpha (default 0)")->type_name("B");
   cmd->add_option("--title", o->title, "a title above the matrix");
-  cmd->add_option("--cmap", o->cmap, "colour map: viridis, magma or gray")->capture_default_str();
+  cmd->add_option("--cmap", o->cmap,
+                  "colour map: viridis, magma or gray for weights; coolwarm (diverging, centred on 0) for signed "
+                  "matrices such as scores, biases or gradients, which it accepts")
+      ->capture_default_str();
   cmd->add_flag("--annotate", o->annotate, "print each cell's value on it");
-  o->vmax_option =
-      cmd->add_option("--vmax", o->vmax, "the weight at the top of the colour scale (default: the largest)")
-          ->type_name("X");
+  o->vmax_option = cmd->add_option("--vmax", o->vmax,
+                                   "the weight at the top of the colour scale (default: the largest; with coolwarm the "
+                                   "scale runs from -X to X)")
+                       ->type_name("X");
   cmd->add_option("--color", o->color,
                   "colour the terminal grid: auto (on a terminal, unless NO_COLOR is set or TERM=dumb), always, never")
       ->check(CLI::IsMember({"auto", "always", "never"}))

@@ -42,12 +42,34 @@ constexpr Samples gray_samples() {
 }
 constexpr Samples kGray = gray_samples();
 
+// Kenneth Moreland's cool-warm ends and middle ("Diverging Color Maps for Scientific Visualization",
+// 2009), interpolated linearly in sRGB: both ends are about as light (L* 48 and 42), the middle
+// lightest, so equal magnitudes of either sign look equally strong.
+constexpr Samples coolwarm_samples() {
+  constexpr Rgb kCool{59, 76, 192}, kMiddle{221, 221, 221}, kWarm{180, 4, 38};
+  Samples samples{};
+  for (int k = 0; k < kColormapSamples; ++k) {
+    const bool upper = k > 16;
+    const Rgb& a = upper ? kMiddle : kCool;
+    const Rgb& b = upper ? kWarm : kMiddle;
+    const int step = upper ? k - 16 : k;  // 0..16 along the half
+    const auto mix = [step](uint8_t x, uint8_t y) {
+      return static_cast<uint8_t>((x * (16 - step) + y * step + 8) / 16);
+    };
+    samples[static_cast<size_t>(k)] = {mix(a.r, b.r), mix(a.g, b.g), mix(a.b, b.b)};
+  }
+  return samples;
+}
+constexpr Samples kCoolwarm = coolwarm_samples();
+
 const Samples& samples_of(Colormap map) {
   switch (map) {
     case Colormap::magma:
       return kMagma;
     case Colormap::gray:
       return kGray;
+    case Colormap::coolwarm:
+      return kCoolwarm;
     case Colormap::viridis:
       break;
   }
@@ -56,12 +78,16 @@ const Samples& samples_of(Colormap map) {
 
 }  // namespace
 
+bool colormap_is_diverging(Colormap map) { return map == Colormap::coolwarm; }
+
 std::string_view colormap_name(Colormap map) {
   switch (map) {
     case Colormap::magma:
       return "magma";
     case Colormap::gray:
       return "gray";
+    case Colormap::coolwarm:
+      return "coolwarm";
     case Colormap::viridis:
       break;
   }
@@ -72,7 +98,7 @@ Colormap parse_colormap(std::string_view name, std::string_view arg) {
   for (const Colormap map : kColormaps) {
     if (colormap_name(map) == name) return map;
   }
-  throw ValueError(fmt::format("{}: expected viridis, magma or gray, got {}", arg, name));
+  throw ValueError(fmt::format("{}: expected viridis, magma, gray or coolwarm, got {}", arg, name));
 }
 
 Rgb colormap_at(Colormap map, double t) {

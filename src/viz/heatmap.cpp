@@ -142,6 +142,12 @@ void compute_scale(Figure& f, const HeatmapOptions& options) {
       hi = std::max(hi, v);
     }
   }
+  if (colormap_is_diverging(options.colormap)) {
+    // A diverging map's middle is 0: the scale runs symmetrically to the largest magnitude.
+    const double magnitude = std::max(std::abs(lo), hi > 0.0 ? hi : 0.0);
+    lo = -magnitude;
+    hi = magnitude;
+  }
   double vmin = options.vmin.value_or(lo);
   double vmax = options.vmax.value_or(hi);
   if ((options.vmin || options.vmax) && !(vmin < vmax)) {

@@ -190,6 +190,16 @@ def main():
         t.refuse("--tokens with --rows", ["heatmap", alpha, "--tokens", "a b c d e f", "--rows", "a b c d e f"],
                  "--rows")
         t.refuse("unknown --cmap", ["heatmap", alpha, "--cmap", "jet", "-o", "c.png"], "--cmap:", "viridis", "jet")
+        # Signed matrices (scores, biases, gradients) are drawn with the diverging map, and only with it.
+        scores = t.save("scores.npy", np.array([[-1.5, 0.5, 2.0], [0.0, -0.25, 1.0]], dtype=np.float32))
+        t.refuse("negative values with a sequential map", ["heatmap", scores, "-o", "s.png"], "ALPHA:", "negative")
+        t.succeed("signed scores with --cmap coolwarm", ["heatmap", scores, "--cmap", "coolwarm", "-o", "s.png"],
+                  lambda _: t.written("s.png"))
+        t.succeed("signed scores in the terminal", ["heatmap", scores, "--cmap", "coolwarm", "--vmax", "4"],
+                  lambda r: None if "scale: -4.00 " in r.stdout and " 4.00" in r.stdout else f"no ±4 scale: {r.stdout!r}")
+        t.save("scores_nan.npy", np.array([[np.nan, 1.0]], dtype=np.float32))
+        t.refuse("NaN with --cmap coolwarm", ["heatmap", "scores_nan.npy", "--cmap", "coolwarm", "-o", "n.png"],
+                 "ALPHA:", "non-finite")
         t.refuse("--vmax 0", ["heatmap", alpha, "--vmax", "0", "-o", "v.png"], "--vmax:", "above 0")
         t.refuse("--vmax nan", ["heatmap", alpha, "--vmax", "nan", "-o", "v.png"], "--vmax")
         t.refuse("--annotate on too many cells",

@@ -193,6 +193,7 @@ TEST(Colormap, LightnessRisesAlongEveryMap) {
   // monotonically from 0 to 1. The tolerance, 0.5 L*, is half a just-noticeable difference (ΔE ≈ 1):
   // what rounding the channels to 8 bits may take back.
   for (const Colormap map : kColormaps) {
+    if (colormap_is_diverging(map)) continue;
     double previous = -1.0;
     for (int k = 0; k <= 512; ++k) {
       const double l = lightness(colormap_at(map, k / 512.0));
@@ -203,10 +204,45 @@ TEST(Colormap, LightnessRisesAlongEveryMap) {
   }
 }
 
+TEST(Colormap, DivergingMapsAreLightestInTheMiddleAndEvenAtTheEnds) {
+  // What lets a signed matrix read fairly: a value and its negative are about as far from the
+  // light middle, and lightness falls monotonically away from it on both sides.
+  for (const Colormap map : kColormaps) {
+    if (!colormap_is_diverging(map)) continue;
+    double previous = -1.0;
+    for (int k = 0; k <= 256; ++k) {
+      const double l = lightness(colormap_at(map, k / 512.0));
+      EXPECT_GE(l, previous - 0.5) << colormap_name(map) << " t = " << k / 512.0;
+      previous = l;
+    }
+    for (int k = 256; k <= 512; ++k) {
+      const double l = lightness(colormap_at(map, k / 512.0));
+      EXPECT_LE(l, previous + 0.5) << colormap_name(map) << " t = " << k / 512.0;
+      previous = l;
+    }
+    EXPECT_NEAR(lightness(colormap_at(map, 0.0)), lightness(colormap_at(map, 1.0)), 8.0) << colormap_name(map);
+    EXPECT_GT(lightness(colormap_at(map, 0.5)) - lightness(colormap_at(map, 0.0)), 30.0) << colormap_name(map);
+  }
+}
+
+TEST(HeatmapLayout, ADivergingMapCentresTheScaleOnZero) {
+  const Tensor<float> scores({2, 2}, {-0.5F, 2.0F, 0.25F, -1.0F});
+  HeatmapOptions options;
+  options.colormap = Colormap::coolwarm;
+  const HeatmapLayout layout = heatmap_layout(scores.cview(), options);
+  EXPECT_EQ(layout.vmin, -2.0);
+  EXPECT_EQ(layout.vmax, 2.0);
+  options.vmin = -4.0;
+  EXPECT_EQ(heatmap_layout(scores.cview(), options).vmin, -4.0);
+  options.colormap = Colormap::viridis;
+  options.vmin.reset();
+  EXPECT_EQ(heatmap_layout(scores.cview(), options).vmin, -1.0);
+}
+
 TEST(Colormap, NamesRoundTripAndUnknownNamesAreRefused) {
   for (const Colormap map : kColormaps) EXPECT_EQ(parse_colormap(colormap_name(map), "--cmap"), map);
   EXPECT_TRUE(throws_naming<ValueError>([] { parse_colormap("jet", "--cmap"); },
-                                        {"--cmap: expected viridis, magma or gray, got jet"}));
+                                        {"--cmap: expected viridis, magma, gray or coolwarm, got jet"}));
 }
 
 TEST(Colormap, TerminalGridUsesTheChosenMap) {

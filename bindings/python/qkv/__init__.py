@@ -142,7 +142,8 @@ def heatmap(weights, rows: Union[None, str, Sequence[str]] = None, cols: Union[N
         None numbers them from 0. CJK labels draw with fonts-noto-cjk.
     path: when given, the drawing is also written there, in the format its extension names
         (.png, .svg, .pdf, .html), whole or not at all.
-    title, colormap ("viridis", "magma", "gray"), vmin/vmax (the ends of the colour scale),
+    title, colormap ("viridis", "magma", "gray"; "coolwarm", diverging, for signed matrices such as
+    scores or gradients, centres the scale on 0), vmin/vmax (the ends of the colour scale),
     annotate (print each cell's value), marked (cells (i, j) to outline), decimals (of the
     terminal's values) as for `qkv heatmap` on the command line.
 

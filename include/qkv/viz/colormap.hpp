@@ -7,7 +7,8 @@
 //            grey and by colour-blind readers;
 //   magma    black → purple → orange → pale yellow, perceptually uniform, with a darker bottom that
 //            makes small weights recede;
-//   gray     black → white, for print.
+//   gray     black → white, for print;
+//   coolwarm blue → light grey → red (Moreland's diverging map), for signed values around 0.
 // viridis and magma are interpolated from 33 samples (t = k/32) of matplotlib's 256-entry tables
 // (CC0, by Stéfan van der Walt, Nathaniel Smith and Eric Firing), within 2/255 of the full tables.
 
@@ -22,15 +23,22 @@ struct Rgb {
   friend bool operator==(const Rgb&, const Rgb&) = default;
 };
 
-enum class Colormap { viridis, magma, gray };
+// viridis, magma and gray are sequential: lightness rises from 0 to 1, for weights (α >= 0).
+// coolwarm is diverging: blue below the middle, white-grey at it, red above, for signed matrices
+// (scores, biases, gradients), whose scale then centres on 0.
+enum class Colormap { viridis, magma, gray, coolwarm };
 
-inline constexpr std::array<Colormap, 3> kColormaps = {Colormap::viridis, Colormap::magma, Colormap::gray};
+inline constexpr std::array<Colormap, 4> kColormaps = {Colormap::viridis, Colormap::magma, Colormap::gray,
+                                                       Colormap::coolwarm};
 
-// "viridis", "magma", "gray"
+// Whether `map` is diverging (its middle is 0 of a signed scale) rather than sequential.
+bool colormap_is_diverging(Colormap map);
+
+// "viridis", "magma", "gray", "coolwarm"
 std::string_view colormap_name(Colormap map);
 
 // The map called `name`; ValueError naming `arg` and listing the maps otherwise
-// ("--cmap: expected viridis, magma or gray, got jet").
+// ("--cmap: expected viridis, magma, gray or coolwarm, got jet").
 Colormap parse_colormap(std::string_view name, std::string_view arg);
 
 // The colour of `map` at t in [0, 1] (clamped; NaN reads as 0).

@@ -79,7 +79,8 @@ struct HeatmapOptions {
   std::string title;
   Colormap colormap = Colormap::viridis;
   // The ends of the scale: vmin defaults to min(0, smallest finite value) and vmax to the largest
-  // finite value (vmin + 1 when every value is vmin). Given, they must be finite with vmin < vmax.
+  // finite value (vmin + 1 when every value is vmin); with a diverging colour map, to ∓ the largest
+  // finite magnitude, so that 0 sits at the map's middle. Given, they must be finite with vmin < vmax.
   std::optional<double> vmin;
   std::optional<double> vmax;
   // Each cell shows its value, black or white by the cell's lightness: with 2 decimals in an image,
