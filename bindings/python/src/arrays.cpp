@@ -76,8 +76,6 @@ bool on_main_thread() {
 
 }  // namespace
 
-std::string_view precision_name(Precision precision) { return precision == Precision::float32 ? "float32" : "float64"; }
-
 Precision precision_of(const py::object& operand, std::string_view name) {
   const py::array array = as_array(operand);
   if (is_float(array, 4)) return Precision::float32;

@@ -26,9 +26,6 @@ namespace py = pybind11;
 // The element types the kernels take.
 enum class Precision { float32, float64 };
 
-// "float32" / "float64"
-std::string_view precision_name(Precision precision);
-
 // The precision of operand `name` (the first float operand, q): float32 or float64; anything else
 // is a ShapeError naming the argument, the dtypes taken and the dtype given.
 Precision precision_of(const py::object& operand, std::string_view name);
