@@ -2,7 +2,6 @@
 // CRC-32 rewritten to match them: a mutated file almost never keeps a valid checksum, and without
 // the second call the fuzzer would explore little past the checksum test.
 
-#include <array>
 #include <cstddef>
 #include <cstdint>
 #include <string>
@@ -12,16 +11,6 @@
 #include "qkv/io/model_file.hpp"
 
 namespace {
-
-// CRC-32 (IEEE 802.3, reflected, as zlib computes it), bit by bit: speed does not matter here.
-uint32_t crc32(std::string_view bytes) {
-  uint32_t crc = 0xffffffffu;
-  for (const char c : bytes) {
-    crc ^= static_cast<unsigned char>(c);
-    for (int bit = 0; bit < 8; ++bit) crc = (crc >> 1) ^ (0xedb88320u & (0u - (crc & 1u)));
-  }
-  return ~crc;
-}
 
 void decode(std::string_view bytes) {
   try {
@@ -37,7 +26,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   decode(bytes);
   if (size >= 4) {
     std::string fixed(bytes);
-    const uint32_t crc = crc32(bytes.substr(0, size - 4));
+    const uint32_t crc = qkv::crc32(bytes.substr(0, size - 4));
     for (int i = 0; i < 4; ++i) fixed[size - 4 + static_cast<size_t>(i)] = static_cast<char>((crc >> (8 * i)) & 0xff);
     decode(fixed);
   }
