@@ -42,6 +42,10 @@ Problem<T> check_params(const AdditiveAttentionParams<T>& params) {
   Problem<T> p;
   static_cast<detail::AttentionOperands<T>&>(p) =
       detail::make_attention_operands(params.q, params.k, params.v, params.mask, detail::KeyDim::any);
+  if (p.kv_heads() != p.heads()) {
+    throw ShapeError(fmt::format("k: additive attention needs as many key heads as query heads ({}), got shape {}",
+                                 p.heads(), params.k.shape.str()));
+  }
   if (params.w_q.rank() != 2 || params.w_q.shape[1] != p.dq()) {
     throw ShapeError(fmt::format("w_q: expected shape [A, {}] ([A, Dq]), got {}", p.dq(), params.w_q.shape.str()));
   }
@@ -97,7 +101,7 @@ void head_softmax(const Problem<T>& p, int64_t b, int64_t h, const std::vector<d
       const double* pk_j = pk.data() + j * hidden;
       double score = 0.0;
       for (int64_t a = 0; a < hidden; ++a) score += p.w[a] * std::tanh(pq_i[a] + pk_j[a]);
-      if (p.bias) score += static_cast<double>((*p.bias)(b, h, i, j));
+      score += p.added_bias(b, h, i, j);
       e[static_cast<size_t>(j)] = score;
     }
     lse[i] = softmax<double>(e, e);

@@ -2,6 +2,7 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <span>
@@ -42,11 +43,14 @@ void check_fits_reference(const AttentionProblem<T>& p, int matrices, std::strin
 }
 
 // Fills probs [Tq, Tk] with α of head (b, h) and lse [Tq] with each row's log-sum-exp, in float64.
-// Masked keys score −inf; a row with no visible key keeps lse = −inf and α = 0.
+// Masked keys score −inf; a row with no visible key keeps lse = −inf (the sink's logit, with a
+// sink) and α = 0. A sink is one more score in the row's softmax, whose weight is dropped.
 template <class T>
 void head_probabilities(const AttentionProblem<T>& p, int64_t b, int64_t h, std::vector<double>& probs,
                         std::vector<double>& lse) {
   const auto tk = static_cast<size_t>(p.tk());
+  const int64_t hk = p.kv_head(h);
+  std::vector<double> with_sink(p.sinks ? tk + 1 : 0);
   for (int64_t i = 0; i < p.tq(); ++i) {
     const std::span<double> row(probs.data() + static_cast<size_t>(i) * tk, tk);
     for (int64_t j = 0; j < p.tk(); ++j) {
@@ -54,18 +58,44 @@ void head_probabilities(const AttentionProblem<T>& p, int64_t b, int64_t h, std:
       if (p.visible(b, h, i, j)) {
         double dot = 0.0;
         for (int64_t d = 0; d < p.dk(); ++d)
-          dot += static_cast<double>(p.q(b, h, i, d)) * static_cast<double>(p.k(b, h, j, d));
-        s = p.scale * dot + (p.bias ? static_cast<double>((*p.bias)(b, h, i, j)) : 0.0);
+          dot += static_cast<double>(p.q(b, h, i, d)) * static_cast<double>(p.k(b, hk, j, d));
+        s = p.capped(dot) + p.added_bias(b, h, i, j);
       }
       row[static_cast<size_t>(j)] = s;
     }
-    lse[static_cast<size_t>(i)] = softmax<double>(row, row);
+    if (p.sinks) {
+      std::copy(row.begin(), row.end(), with_sink.begin());
+      with_sink[tk] = static_cast<double>((*p.sinks)(h));
+      lse[static_cast<size_t>(i)] = softmax<double>(with_sink, with_sink);
+      std::copy(with_sink.begin(), with_sink.begin() + static_cast<ptrdiff_t>(tk), row.begin());
+    } else {
+      lse[static_cast<size_t>(i)] = softmax<double>(row, row);
+    }
   }
 }
 
 }  // namespace
 
 double default_scale(int64_t dk) { return 1.0 / std::sqrt(static_cast<double>(dk)); }
+
+std::vector<double> alibi_slopes(int64_t heads) {
+  if (heads < 0) throw ValueError(fmt::format("heads: expected at least 0, got {}", heads));
+  const auto geometric = [](int64_t n) {
+    std::vector<double> slopes(static_cast<size_t>(n));
+    for (int64_t h = 0; h < n; ++h)
+      slopes[static_cast<size_t>(h)] = std::exp2(-8.0 * static_cast<double>(h + 1) / static_cast<double>(n));
+    return slopes;
+  };
+  int64_t power = 1;
+  while (power * 2 <= heads) power *= 2;
+  std::vector<double> slopes = geometric(heads == 0 ? 0 : power);
+  if (power < heads) {
+    const std::vector<double> finer = geometric(2 * power);
+    for (int64_t h = 0; static_cast<int64_t>(slopes.size()) < heads; ++h)
+      slopes.push_back(finer[static_cast<size_t>(2 * h)]);
+  }
+  return slopes;
+}
 
 namespace detail {
 
@@ -89,6 +119,7 @@ void forward_reference(const AttentionProblem<T>& p, const AttentionOutputs<T>& 
         s.acc.resize(static_cast<size_t>(p.dv()));
         const int64_t b = bh / p.heads();
         const int64_t h = bh % p.heads();
+        const int64_t hk = p.kv_head(h);
         head_probabilities(p, b, h, s.probs, s.row_lse);
         for (int64_t i = 0; i < p.tq(); ++i) {
           std::fill(s.acc.begin(), s.acc.end(), 0.0);
@@ -96,7 +127,7 @@ void forward_reference(const AttentionProblem<T>& p, const AttentionOutputs<T>& 
             const double alpha = s.probs[static_cast<size_t>(i * p.tk() + j)];
             if (alpha == 0.0) continue;
             for (int64_t d = 0; d < p.dv(); ++d)
-              s.acc[static_cast<size_t>(d)] += alpha * static_cast<double>(p.v(b, h, j, d));
+              s.acc[static_cast<size_t>(d)] += alpha * static_cast<double>(p.v(b, hk, j, d));
           }
           for (int64_t d = 0; d < p.dv(); ++d) out(b, h, i, d) = static_cast<T>(s.acc[static_cast<size_t>(d)]);
           if (weights) {
@@ -112,12 +143,15 @@ void forward_reference(const AttentionProblem<T>& p, const AttentionOutputs<T>& 
 // Backward of one head, with P = α [Tq, Tk] recomputed in float64 and dO = ∂L/∂out:
 //   out_i = Σ_j P_ij v_j                 ⇒ dV_j  = Σ_i P_ij dO_i,     dP_ij = dO_i · v_j
 //   P_ij = exp(s_ij) / Σ_l exp(s_il)     ⇒ dS_ij = P_ij (dP_ij − D_i), D_i = Σ_j P_ij dP_ij (= dO_i · out_i)
-//   s_ij = scale · q_i·k_j + bias_ij     ⇒ dQ_i = scale Σ_j dS_ij k_j, dK_j = scale Σ_i dS_ij q_i, dbias_ij = dS_ij
-// Masked entries have P_ij = 0 and hence dS_ij = 0: no gradient reaches a key a query cannot see,
-// and a fully masked row contributes nothing.
+//   s_ij = x_ij + bias_ij, x = scale·q·k ⇒ dQ_i = scale Σ_j dX_ij k_j, dK_j = scale Σ_i dX_ij q_i, dbias_ij = dS_ij
+// with dX = dS, or dX = dS (1 − tanh²(x / c)) through a softcap c·tanh(x / c). A sink is a score
+// with no value (dP = 0): d sink_h = Σ_i −P_sink,i D_i. Masked entries have P_ij = 0 and hence
+// dS_ij = 0: no gradient reaches a key a query cannot see, and a fully masked row contributes
+// nothing. The heads of a group share K and V: one task runs them in order, summing dK and dV.
 template <class T>
 void backward_reference(const AttentionProblem<T>& p, TensorView<const T> dout, const AttentionGradients<T>& grads) {
   check_backward_arguments(p, dout, grads);
+  check_sink_gradient(p, grads);
   check_fits_reference(p, 2, "attention_backward_reference");
 
   const TensorView<const T> dout4 = as_bhtd(dout, "dout");
@@ -129,12 +163,15 @@ void backward_reference(const AttentionProblem<T>& p, TensorView<const T> dout, 
   // A bias broadcast over batch or heads sums the gradients of several heads into one element:
   // those heads run one after the other so that no two threads add to the same element.
   const bool heads_independent = !dbias || (dbias->strides[0] != 0 && dbias->strides[1] != 0);
+  const int64_t group = p.heads() / std::max<int64_t>(1, p.kv_heads());
+  // Σ_i −P_sink,i D_i of each (b, h), summed over b in order at the end.
+  std::vector<double> sink_grads(grads.dsinks ? static_cast<size_t>(p.batch() * p.heads()) : 0);
 
   const auto tk = static_cast<size_t>(p.tk());
   std::vector<HeadScratch> scratch(static_cast<size_t>(max_workers()));
   parallel_for(
-      p.batch() * p.heads(),
-      [&](int64_t bh, int worker) {
+      p.batch() * p.kv_heads(),
+      [&](int64_t bhk, int worker) {
         HeadScratch& s = scratch[static_cast<size_t>(worker)];
         s.probs.resize(static_cast<size_t>(p.tq()) * tk);
         s.row_lse.resize(static_cast<size_t>(p.tq()));
@@ -142,46 +179,67 @@ void backward_reference(const AttentionProblem<T>& p, TensorView<const T> dout, 
         s.dq_row.resize(static_cast<size_t>(p.dk()));
         s.dk_acc.assign(tk * static_cast<size_t>(p.dk()), 0.0);
         s.dv_acc.assign(tk * static_cast<size_t>(p.dv()), 0.0);
-        const int64_t b = bh / p.heads();
-        const int64_t h = bh % p.heads();
-        head_probabilities(p, b, h, s.probs, s.row_lse);
-        for (int64_t i = 0; i < p.tq(); ++i) {
-          const double* prob_row = s.probs.data() + static_cast<size_t>(i) * tk;
-          double row_dot = 0.0;  // D_i
-          for (int64_t j = 0; j < p.tk(); ++j) {
-            const double pij = prob_row[j];
-            double dp = 0.0;
-            if (pij != 0.0) {
-              for (int64_t d = 0; d < p.dv(); ++d)
-                dp += static_cast<double>(dout4(b, h, i, d)) * static_cast<double>(p.v(b, h, j, d));
-              for (int64_t d = 0; d < p.dv(); ++d)
-                s.dv_acc[static_cast<size_t>(j * p.dv() + d)] += pij * static_cast<double>(dout4(b, h, i, d));
+        const int64_t b = bhk / p.kv_heads();
+        const int64_t hk = bhk % p.kv_heads();
+        for (int64_t h = hk * group; h < (hk + 1) * group; ++h) {
+          head_probabilities(p, b, h, s.probs, s.row_lse);
+          for (int64_t i = 0; i < p.tq(); ++i) {
+            const double* prob_row = s.probs.data() + static_cast<size_t>(i) * tk;
+            double row_dot = 0.0;  // D_i
+            for (int64_t j = 0; j < p.tk(); ++j) {
+              const double pij = prob_row[j];
+              double dp = 0.0;
+              if (pij != 0.0) {
+                for (int64_t d = 0; d < p.dv(); ++d)
+                  dp += static_cast<double>(dout4(b, h, i, d)) * static_cast<double>(p.v(b, hk, j, d));
+                for (int64_t d = 0; d < p.dv(); ++d)
+                  s.dv_acc[static_cast<size_t>(j * p.dv() + d)] += pij * static_cast<double>(dout4(b, h, i, d));
+              }
+              s.dscores[static_cast<size_t>(j)] = dp;
+              row_dot += pij * dp;
             }
-            s.dscores[static_cast<size_t>(j)] = dp;
-            row_dot += pij * dp;
-          }
-          std::fill(s.dq_row.begin(), s.dq_row.end(), 0.0);
-          for (int64_t j = 0; j < p.tk(); ++j) {
-            const double pij = prob_row[j];
-            if (pij == 0.0) continue;
-            const double ds = pij * (s.dscores[static_cast<size_t>(j)] - row_dot);
-            if (dbias) (*dbias)(b, h, i, j) += static_cast<T>(ds);
-            for (int64_t d = 0; d < p.dk(); ++d) {
-              s.dq_row[static_cast<size_t>(d)] += ds * static_cast<double>(p.k(b, h, j, d));
-              s.dk_acc[static_cast<size_t>(j * p.dk() + d)] += ds * static_cast<double>(p.q(b, h, i, d));
+            if (p.sinks && !sink_grads.empty()) {
+              sink_grads[static_cast<size_t>(b * p.heads() + h)] -=
+                  std::exp(static_cast<double>((*p.sinks)(h)) - s.row_lse[static_cast<size_t>(i)]) * row_dot;
             }
+            std::fill(s.dq_row.begin(), s.dq_row.end(), 0.0);
+            for (int64_t j = 0; j < p.tk(); ++j) {
+              const double pij = prob_row[j];
+              if (pij == 0.0) continue;
+              const double ds = pij * (s.dscores[static_cast<size_t>(j)] - row_dot);
+              if (dbias) (*dbias)(b, h, i, j) += static_cast<T>(ds);
+              double dx = ds;
+              if (p.softcap > 0.0) {
+                double dot = 0.0;
+                for (int64_t d = 0; d < p.dk(); ++d)
+                  dot += static_cast<double>(p.q(b, h, i, d)) * static_cast<double>(p.k(b, hk, j, d));
+                const double t = std::tanh(p.scale * dot / p.softcap);
+                dx *= 1.0 - t * t;
+              }
+              for (int64_t d = 0; d < p.dk(); ++d) {
+                s.dq_row[static_cast<size_t>(d)] += dx * static_cast<double>(p.k(b, hk, j, d));
+                s.dk_acc[static_cast<size_t>(j * p.dk() + d)] += dx * static_cast<double>(p.q(b, h, i, d));
+              }
+            }
+            for (int64_t d = 0; d < p.dk(); ++d)
+              dq(b, h, i, d) += static_cast<T>(p.scale * s.dq_row[static_cast<size_t>(d)]);
           }
-          for (int64_t d = 0; d < p.dk(); ++d)
-            dq(b, h, i, d) += static_cast<T>(p.scale * s.dq_row[static_cast<size_t>(d)]);
         }
         for (int64_t j = 0; j < p.tk(); ++j) {
           for (int64_t d = 0; d < p.dk(); ++d)
-            dk(b, h, j, d) += static_cast<T>(p.scale * s.dk_acc[static_cast<size_t>(j * p.dk() + d)]);
+            dk(b, hk, j, d) += static_cast<T>(p.scale * s.dk_acc[static_cast<size_t>(j * p.dk() + d)]);
           for (int64_t d = 0; d < p.dv(); ++d)
-            dv(b, h, j, d) += static_cast<T>(s.dv_acc[static_cast<size_t>(j * p.dv() + d)]);
+            dv(b, hk, j, d) += static_cast<T>(s.dv_acc[static_cast<size_t>(j * p.dv() + d)]);
         }
       },
       heads_independent ? thread_limit_of(p) : 1);
+  if (grads.dsinks) {
+    for (int64_t h = 0; h < p.heads(); ++h) {
+      double sum = 0.0;
+      for (int64_t b = 0; b < p.batch(); ++b) sum += sink_grads[static_cast<size_t>(b * p.heads() + h)];
+      (*grads.dsinks)(h) += static_cast<T>(sum);
+    }
+  }
 }
 
 }  // namespace detail

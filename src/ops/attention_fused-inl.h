@@ -154,10 +154,26 @@ struct Inputs {
   RowsView<const T> v;                // [B, H, Tk, Dv], col_stride 1
   ScoresView<const uint8_t> allowed;  // nonzero = may attend; absent: every key may be attended
   ScoresView<const T> bias;           // added to the scaled scores; absent: 0
-  bool causal = false;                // query i sees key j iff j ≤ i + Tk − Tq (bottom-right aligned)
-  T scale = 1;                        // multiplies q·k before the bias is added
+  // Query i sees keys i + band_lo ≤ j ≤ i + band_hi (causality and the window; bounds of ±2⁶²
+  // are none).
+  int64_t band_lo = 0;
+  int64_t band_hi = 0;
+  int64_t diagonal = 0;      // o, the key on query i's diagonal is i + o (for ALiBi)
+  int64_t group = 1;         // query heads per kv head: head h reads K and V of head h / group
+  T scale = 1;               // multiplies q·k
+  T softcap = 0;             // > 0: scale·q·k becomes softcap·tanh(scale·q·k / softcap); 0: none
+  const T* alibi = nullptr;  // [H] slopes: −slope_h·|i + o − j| is added; null: none
 
   int64_t heads_total() const { return batch * heads; }
+  int64_t kv_head(int64_t h) const { return h / group; }
+  // Whether some (i, j) with i in [q0, q0 + nq) and j in [j0, j0 + nk) is in the band.
+  bool BandTouches(int64_t q0, int64_t nq, int64_t j0, int64_t nk) const {
+    return j0 + nk - 1 - q0 >= band_lo && j0 - (q0 + nq - 1) <= band_hi;
+  }
+  // Whether every such pair is.
+  bool BandCovers(int64_t q0, int64_t nq, int64_t j0, int64_t nk) const {
+    return j0 - (q0 + nq - 1) >= band_lo && j0 + nk - 1 - q0 <= band_hi;
+  }
 };
 
 template <class T>
@@ -174,6 +190,8 @@ struct ForwardParams {
   // above), as it must when the lse is returned, since a backward recomputes P from it. Then the
   // few-query layout, which sums q·k in another order, is not taken.
   bool scores_as_backward = false;
+  // [H] the sinks' logits, joined to each row's softmax when its outputs are written; null: none.
+  const T* sinks = nullptr;
 };
 
 template <class T>
@@ -410,15 +428,32 @@ HWY_INLINE hn::Vec<D> LoadStrided(D d, const E* x, int64_t stride, size_t count,
   return hn::Load(d, lanes);
 }
 
-// s = scale·(q·k) + bias, −inf where the boolean mask or causality forbids the key. The same
-// function serves both tile layouts so that both compute bit-identical scores.
+// s = scale·(q·k), softcapped, + bias + ALiBi, −inf where the boolean mask or the band (causality,
+// the window) forbids the key. The same function serves both tile layouts so that both compute
+// bit-identical scores. With a softcap, `cap_slope` (when given) receives d s / d(scale·q·k) =
+// 1 − tanh², for the backward.
 template <class D, class T = hn::TFromD<D>>
-HWY_INLINE hn::Vec<D> Scores(D d, const Inputs<T>& in, int64_t b, int64_t h, const LaneRun& run, hn::Vec<D> dot) {
+HWY_INLINE hn::Vec<D> Scores(D d, const Inputs<T>& in, int64_t b, int64_t h, const LaneRun& run, hn::Vec<D> dot,
+                             hn::Vec<D>* cap_slope = nullptr) {
   hn::Vec<D> s = hn::Mul(dot, hn::Set(d, in.scale));
+  if (in.softcap > 0) {
+    const hn::Vec<D> t = hn::Tanh(d, hn::Div(s, hn::Set(d, in.softcap)));
+    if (cap_slope != nullptr) *cap_slope = hn::NegMulAdd(t, t, hn::Set(d, T{1}));
+    s = hn::Mul(hn::Set(d, in.softcap), t);
+  }
   if (in.bias) {
     const T* x = in.bias.row(b, h, run.i) + run.j * in.bias.col_stride;
     const int64_t stride = run.di * in.bias.row_stride + run.dj * in.bias.col_stride;
     s = hn::Add(s, LoadStrided(d, x, stride, run.count, T{0}));
+  }
+  // Lane ℓ's j − i is first + ℓ·step.
+  const int64_t first = run.j - run.i;
+  const int64_t step = run.dj - run.di;
+  if (in.alibi) {
+    // |i + o − j| of every lane, exact in T (integers far below 2²⁴).
+    const hn::Vec<D> distance = hn::Abs(hn::MulAdd(hn::Iota(d, T{0}), hn::Set(d, static_cast<T>(step)),
+                                                   hn::Set(d, static_cast<T>(first - in.diagonal))));
+    s = hn::NegMulAdd(hn::Set(d, in.alibi[h]), distance, s);
   }
   const hn::Vec<D> neg_inf = hn::Set(d, -std::numeric_limits<T>::infinity());
   if (in.allowed) {
@@ -426,19 +461,18 @@ HWY_INLINE hn::Vec<D> Scores(D d, const Inputs<T>& in, int64_t b, int64_t h, con
     const int64_t stride = run.di * in.allowed.row_stride + run.dj * in.allowed.col_stride;
     s = hn::IfThenElse(hn::Eq(LoadStrided(d, x, stride, run.count, T{1}), hn::Zero(d)), neg_inf, s);
   }
-  if (in.causal) {
-    // Lane ℓ is masked when j_ℓ − i_ℓ = (j − i) + ℓ·(dj − di) exceeds Tk − Tq.
-    const int64_t offset = in.tk - in.tq;
-    const int64_t first = run.j - run.i;
-    const int64_t step = run.dj - run.di;
-    const int64_t last = first + step * static_cast<int64_t>(run.count > 0 ? run.count - 1 : 0);
-    if (std::max(first, last) > offset) {
-      const hn::RebindToSigned<D> di;
-      using I = hn::TFromD<decltype(di)>;
-      const auto lane = step > 0 ? hn::Iota(di, 0) : hn::Neg(hn::Iota(di, 0));
-      const auto gap = hn::Add(hn::Set(di, static_cast<I>(first)), lane);
-      s = hn::IfThenElse(hn::RebindMask(d, hn::Gt(gap, hn::Set(di, static_cast<I>(offset)))), neg_inf, s);
-    }
+  const int64_t last = first + step * static_cast<int64_t>(run.count > 0 ? run.count - 1 : 0);
+  const int64_t lowest = std::min(first, last), highest = std::max(first, last);
+  if (highest > in.band_hi || lowest < in.band_lo) {
+    // The bounds clamped to the lanes' range keep the same verdict and fit the lanes' integers.
+    const hn::RebindToSigned<D> di;
+    using I = hn::TFromD<decltype(di)>;
+    const auto hi = static_cast<I>(std::clamp(in.band_hi, lowest - 1, highest));
+    const auto lo = static_cast<I>(std::clamp(in.band_lo, lowest, highest + 1));
+    const auto lane = step > 0 ? hn::Iota(di, 0) : hn::Neg(hn::Iota(di, 0));
+    const auto gap = hn::Add(hn::Set(di, static_cast<I>(first)), lane);
+    const auto outside = hn::Or(hn::Gt(gap, hn::Set(di, hi)), hn::Lt(gap, hn::Set(di, lo)));
+    s = hn::IfThenElse(hn::RebindMask(d, outside), neg_inf, s);
   }
   return s;
 }
@@ -480,18 +514,6 @@ HWY_INLINE V SoftmaxExp(D d, V x) {
   }
 }
 
-// Whether the tile of queries [q0, q0 + nq) and keys from j0 on has any visible pair under causality.
-template <class T>
-bool TileVisible(const Inputs<T>& in, int64_t q0, size_t nq, int64_t j0) {
-  return !in.causal || j0 <= q0 + static_cast<int64_t>(nq) - 1 + in.tk - in.tq;
-}
-
-// Whether every pair of queries [q0, q0 + nq) and keys [j0, j0 + nk) is visible under causality.
-template <class T>
-bool TileFullyVisible(const Inputs<T>& in, int64_t q0, int64_t j0, size_t nk) {
-  return !in.causal || j0 + static_cast<int64_t>(nk) - 1 <= q0 + in.tk - in.tq;
-}
-
 // ---- Forward ---------------------------------------------------------------------------------------
 
 template <class T>
@@ -528,11 +550,12 @@ HWY_INLINE void OnlineSoftmaxStep(D d, const Inputs<T>& in, int64_t b, int64_t h
   const size_t ld = RoundUp(nq, N);
   const hn::Vec<D> neg_inf = hn::Set(d, -std::numeric_limits<T>::infinity());
   const hn::Vec<D> scale = hn::Set(d, in.scale);
-  // With no bias or mask and every pair of the tile visible, a score is just scale·(q·k). The
+  // With no bias, mask, ALiBi or softcap and every pair of the tile visible, a score is just scale·(q·k). The
   // first pass then only needs the largest raw product: for scale > 0 rounding is monotonic, so
   // max_j round(scale·x_j) = round(scale·max_j x_j) exactly, and the second pass scales each
   // product as Scores would. Same scores, one multiply and one store fewer per element.
-  const bool plain = !in.bias && !in.allowed && in.scale > 0 && TileFullyVisible(in, q0, j0, nk);
+  const bool plain = !in.bias && !in.allowed && !in.alibi && in.softcap == 0 && in.scale > 0 &&
+                     in.BandCovers(q0, static_cast<int64_t>(nq), j0, static_cast<int64_t>(nk));
   for (size_t i = 0; i < ld; i += N) {
     T* HWY_RESTRICT col = s.st.get() + i;
     hn::Vec<D> block_max = neg_inf;
@@ -673,6 +696,7 @@ template <class D, class T = hn::TFromD<D>>
 void AttendFewQueries(D d, const Inputs<T>& in, int64_t b, int64_t h, int64_t q0, size_t nq, int64_t key_begin,
                       int64_t key_end, ForwardScratch<T>& s) {
   const size_t N = hn::Lanes(d);
+  const int64_t hk = in.kv_head(h);
   const size_t dk = ToSize(in.dk);
   const hn::Vec<D> neg_inf = hn::Set(d, -std::numeric_limits<T>::infinity());
   const size_t dv = ToSize(in.dv);
@@ -684,19 +708,19 @@ void AttendFewQueries(D d, const Inputs<T>& in, int64_t b, int64_t h, int64_t q0
     const int64_t ahead = j0 + prefetch_keys;
     if (ahead < key_end) {
       const int64_t n_ahead = std::min<int64_t>(static_cast<int64_t>(N), key_end - ahead);
-      PrefetchRows(in.k, b, h, ahead, n_ahead, dk);
-      PrefetchRows(in.v, b, h, ahead, n_ahead, dv);
+      PrefetchRows(in.k, b, hk, ahead, n_ahead, dk);
+      PrefetchRows(in.v, b, hk, ahead, n_ahead, dv);
     }
     for (size_t i = 0; i < nq; ++i) {
       const int64_t qi = q0 + static_cast<int64_t>(i);
       const T* HWY_RESTRICT q = in.q.row(b, h, qi);
       size_t j = 0;
       for (; j + 4 <= nk; j += 4) {
-        const T* k0 = in.k.row(b, h, j0 + static_cast<int64_t>(j));
+        const T* k0 = in.k.row(b, hk, j0 + static_cast<int64_t>(j));
         const int64_t rs = in.k.row_stride;
         RowDot4(d, q, k0, k0 + rs, k0 + 2 * rs, k0 + 3 * rs, dk, p + j);
       }
-      for (; j < nk; ++j) p[j] = RowDot(d, q, in.k.row(b, h, j0 + static_cast<int64_t>(j)), dk);
+      for (; j < nk; ++j) p[j] = RowDot(d, q, in.k.row(b, hk, j0 + static_cast<int64_t>(j)), dk);
       const LaneRun run{.i = qi, .j = j0, .di = 0, .dj = 1, .count = nk};
       const hn::Vec<D> scores = hn::IfThenElse(hn::FirstN(d, nk), Scores(d, in, b, h, run, hn::LoadU(d, p)), neg_inf);
       const T old_max = s.max[i];
@@ -708,7 +732,7 @@ void AttendFewQueries(D d, const Inputs<T>& in, int64_t b, int64_t h, int64_t q0
       hn::StoreU(weights, d, p);
       s.sum[i] = s.sum[i] * corr + hn::GetLane(hn::SumOfLanes(d, weights));
       s.max[i] = new_max;
-      AccumulateWeightedRows(d, in.v, b, h, j0, nk, p, corr, dv, s.few.get() + i * s.few_row);
+      AccumulateWeightedRows(d, in.v, b, hk, j0, nk, p, corr, dv, s.few.get() + i * s.few_row);
     }
   }
   for (size_t i = 0; i < nq; ++i) {
@@ -723,12 +747,15 @@ template <class D, class T = hn::TFromD<D>>
 void AttendQueryBlock(D d, const Inputs<T>& in, int64_t b, int64_t h, int64_t q0, size_t nq, int64_t key_begin,
                       int64_t key_end, bool few_query_layout, ForwardScratch<T>& s) {
   const size_t N = hn::Lanes(d);
+  const int64_t hk = in.kv_head(h);
   const size_t ld = RoundUp(nq, N);
   const size_t dv = ToSize(in.dv);
   std::fill(s.max.get(), s.max.get() + ld, -std::numeric_limits<T>::infinity());
   std::fill(s.sum.get(), s.sum.get() + ld, T{0});
-  // Causal: the last query of the block sees keys j < q0 + nq + Tk − Tq; later blocks are skipped.
-  if (in.causal) key_end = std::min(key_end, q0 + static_cast<int64_t>(nq) + in.tk - in.tq);
+  // Keys outside the band of every query of the block (causality, the window) are never visited:
+  // the first query sees none before q0 + band_lo, the last none after q0 + nq − 1 + band_hi.
+  key_begin = std::max(key_begin, q0 + in.band_lo);
+  key_end = std::min(key_end, q0 + static_cast<int64_t>(nq) + in.band_hi);
   if (few_query_layout && nq <= kFewQueries) {
     AttendFewQueries(d, in, b, h, q0, nq, key_begin, key_end, s);
     return;
@@ -742,12 +769,12 @@ void AttendQueryBlock(D d, const Inputs<T>& in, int64_t b, int64_t h, int64_t q0
       // the next block's K and V stream in while this block is computed.
       const int64_t next = j0 + static_cast<int64_t>(kKeyBlock);
       const int64_t next_n = std::min<int64_t>(static_cast<int64_t>(kKeyBlock), key_end - next);
-      PrefetchRows(in.k, b, h, next, next_n, ToSize(in.dk));
-      PrefetchRows(in.v, b, h, next, next_n, dv);
+      PrefetchRows(in.k, b, hk, next, next_n, ToSize(in.dk));
+      PrefetchRows(in.v, b, hk, next, next_n, dv);
     }
     // Sᵀ [nk][ld] = K · Qᵀ
     MatMul<false>(d,
-                  Gemm<T>{.a = in.k.row(b, h, j0),
+                  Gemm<T>{.a = in.k.row(b, hk, j0),
                           .a_row = ToSize(in.k.row_stride),
                           .a_depth = 1,
                           .b = s.qt.get(),
@@ -770,7 +797,7 @@ void AttendQueryBlock(D d, const Inputs<T>& in, int64_t b, int64_t h, int64_t q0
     // come from Pᵀ, which the softmax step has just left in L1; the other way round (o += P·V,
     // vectors of V rows) reads every V row once per 4 queries.
     MatMul<true>(d,
-                 Gemm<T>{.a = in.v.row(b, h, j0),
+                 Gemm<T>{.a = in.v.row(b, hk, j0),
                          .a_row = 1,
                          .a_depth = ToSize(in.v.row_stride),
                          .b = s.st.get(),
@@ -795,19 +822,38 @@ void WriteLse(const ForwardParams<T>& p, int64_t b, int64_t h, int64_t i, double
   }
 }
 
-// out = o / l and lse = m + log l for the block's queries; 0 and −inf for rows that saw no key.
+// A row's lse over its keys joined with head h's sink, when there is one: log(e^lse + e^sink),
+// and the factor e^(lse − lse') by which the row's weights, and so its output, shrink.
+struct SinkJoin {
+  double lse;
+  double keep;
+};
+template <class T>
+SinkJoin JoinSink(const ForwardParams<T>& p, int64_t h, double lse) {
+  if (p.sinks == nullptr) return {lse, 1.0};
+  const double sink = static_cast<double>(p.sinks[h]);
+  const double high = std::max(lse, sink);
+  const double joined = high + std::log(std::exp(lse - high) + std::exp(sink - high));
+  return {joined, std::exp(lse - joined)};
+}
+
+// out = o / l and lse = m + log l for the block's queries (with the sink joined); 0 and −inf (the
+// sink) for rows that saw no key.
 template <class T>
 void WriteOutputs(const ForwardParams<T>& p, int64_t b, int64_t h, int64_t q0, size_t nq, const ForwardScratch<T>& s) {
   for (size_t i = 0; i < nq; ++i) {
     const int64_t qi = q0 + static_cast<int64_t>(i);
     T* out = p.out.row(b, h, qi);
     const bool empty = s.max[i] == -std::numeric_limits<T>::infinity();
+    const double row_lse = empty ? -std::numeric_limits<double>::infinity()
+                                 : static_cast<double>(s.max[i]) + std::log(static_cast<double>(s.sum[i]));
+    const SinkJoin joined = JoinSink(p, h, row_lse);
     for (size_t c = 0; c < ToSize(p.in.dv); ++c) {
-      out[static_cast<int64_t>(c) * p.out.col_stride] = empty ? T{0} : s.output(i, c) / s.sum[i];
+      T value = empty ? T{0} : s.output(i, c) / s.sum[i];
+      if (p.sinks != nullptr) value = static_cast<T>(static_cast<double>(value) * joined.keep);
+      out[static_cast<int64_t>(c) * p.out.col_stride] = value;
     }
-    const double lse = empty ? -std::numeric_limits<double>::infinity()
-                             : static_cast<double>(s.max[i]) + std::log(static_cast<double>(s.sum[i]));
-    WriteLse(p, b, h, qi, lse);
+    WriteLse(p, b, h, qi, joined.lse);
   }
 }
 
@@ -865,7 +911,7 @@ void ForwardDecode(D d, const ForwardParams<T>& p, int64_t chunks, std::vector<F
           T* out = p.out.row(b, h, static_cast<int64_t>(i));
           if (max == -std::numeric_limits<double>::infinity()) {
             for (int64_t c = 0; c < in.dv; ++c) out[c * p.out.col_stride] = T{0};
-            WriteLse(p, b, h, static_cast<int64_t>(i), max);
+            WriteLse(p, b, h, static_cast<int64_t>(i), JoinSink(p, h, max).lse);
             continue;
           }
           double sum = 0;
@@ -873,13 +919,14 @@ void ForwardDecode(D d, const ForwardParams<T>& p, int64_t chunks, std::vector<F
             weight[ToSize(c)] = std::exp(static_cast<double>(part_max[at(c)]) - max);  // exp(−inf) = 0
             sum += weight[ToSize(c)] * static_cast<double>(part_sum[at(c)]);
           }
+          const SinkJoin joined = JoinSink(p, h, max + std::log(sum));
           for (int64_t col = 0; col < in.dv; ++col) {
             double value = 0;
             for (int64_t c = 0; c < chunks; ++c)
               value += weight[ToSize(c)] * static_cast<double>(part_acc[at(c) * dv + ToSize(col)]);
-            out[col * p.out.col_stride] = static_cast<T>(value / sum);
+            out[col * p.out.col_stride] = static_cast<T>(value / sum * joined.keep);
           }
-          WriteLse(p, b, h, static_cast<int64_t>(i), max + std::log(sum));
+          WriteLse(p, b, h, static_cast<int64_t>(i), joined.lse);
         }
       },
       ThreadLimit(in));
@@ -921,19 +968,20 @@ void ForwardImpl(const ForwardParams<T>& p) {
 
 template <class T>
 struct BackwardScratch {
-  Buffer<T> kt;      // [Dk][Bc]      Kᵀ of the key block (one-pass and pass 1)
-  Buffer<T> vt;      // [Dv][Bc]      Vᵀ of the key block
-  Buffer<T> qt;      // [Dk][Br]      Qᵀ of the query block (pass 2)
-  Buffer<T> dot;     // [Dv][Br]      dOᵀ of the query block
-  Buffer<T> p;       // [Br·Bc]       P tile (either layout)
-  Buffer<T> ds;      // [Br·Bc]       dP, then dS, tile
-  Buffer<T> dk_acc;  // [Bc][Dk_pad]  Σ_i dS_ij q_i of the key block
-  Buffer<T> dv_acc;  // [Bc][Dv_pad]  Σ_i P_ij dO_i
-  Buffer<T> dq;      // [Br][Dk_pad]  Σ_j dS_ij k_j of one tile
-  Buffer<T> lse_hi;  // [Br]          lse of the query block (pass 2), high part
-  Buffer<T> lse_lo;  // [Br]          and low part
-  Buffer<T> delta;   // [Br]          D of the query block (pass 2)
-  Buffer<T> panel;   // [max(Br, Bc)][N]
+  Buffer<T> kt;       // [Dk][Bc]      Kᵀ of the key block (one-pass and pass 1)
+  Buffer<T> vt;       // [Dv][Bc]      Vᵀ of the key block
+  Buffer<T> qt;       // [Dk][Br]      Qᵀ of the query block (pass 2)
+  Buffer<T> dot;      // [Dv][Br]      dOᵀ of the query block
+  Buffer<T> p;        // [Br·Bc]       P tile (either layout)
+  Buffer<T> ds;       // [Br·Bc]       dP, then dS (times the softcap's slope), tile
+  Buffer<T> ds_bias;  // [Br·Bc]       dS before the softcap's slope, for dbias
+  Buffer<T> dk_acc;   // [Bc][Dk_pad]  Σ_i dS_ij q_i of the key block
+  Buffer<T> dv_acc;   // [Bc][Dv_pad]  Σ_i P_ij dO_i
+  Buffer<T> dq;       // [Br][Dk_pad]  Σ_j dS_ij k_j of one tile
+  Buffer<T> lse_hi;   // [Br]          lse of the query block (pass 2), high part
+  Buffer<T> lse_lo;   // [Br]          and low part
+  Buffer<T> delta;    // [Br]          D of the query block (pass 2)
+  Buffer<T> panel;    // [max(Br, Bc)][N]
 
   BackwardScratch(size_t dk, size_t dv, size_t lanes)
       : kt(Allocate<T>(dk * kKeyBlock)),
@@ -942,6 +990,7 @@ struct BackwardScratch {
         dot(Allocate<T>(dv * kQueryBlock)),
         p(Allocate<T>(kQueryBlock * kKeyBlock)),
         ds(Allocate<T>(kQueryBlock * kKeyBlock)),
+        ds_bias(Allocate<T>(kQueryBlock * kKeyBlock)),
         dk_acc(Allocate<T>(kKeyBlock * RoundUp(dk, lanes))),
         dv_acc(Allocate<T>(kKeyBlock * RoundUp(dv, lanes))),
         dq(Allocate<T>(kQueryBlock * RoundUp(dk, lanes))),
@@ -952,16 +1001,25 @@ struct BackwardScratch {
 };
 
 // P = exp((s − lse_hi) − lse_lo) and dS = P ∘ (dP − D) for one vector of (query, key) pairs, in
-// place: p_inout holds q·k, ds_inout dO·v. Shared by both tile layouts, so that both give
-// bit-identical P and dS.
+// place: p_inout holds q·k, ds_inout dO·v. With a softcap, ds_inout receives dS times the cap's
+// slope (the gradient of scale·q·k) and ds_bias, when given, dS itself (the bias's gradient).
+// Shared by both tile layouts, so that both give bit-identical P and dS.
 template <class D, class T = hn::TFromD<D>>
 HWY_INLINE void ProbabilityAndScoreGradient(D d, const Inputs<T>& in, int64_t b, int64_t h, const LaneRun& run,
                                             hn::Vec<D> lse_hi, hn::Vec<D> lse_lo, hn::Vec<D> delta,
-                                            T* HWY_RESTRICT p_inout, T* HWY_RESTRICT ds_inout) {
-  const hn::Vec<D> s = Scores(d, in, b, h, run, hn::Load(d, p_inout));
+                                            T* HWY_RESTRICT p_inout, T* HWY_RESTRICT ds_inout,
+                                            T* HWY_RESTRICT ds_bias) {
+  hn::Vec<D> cap_slope = hn::Set(d, T{1});
+  const hn::Vec<D> s = Scores(d, in, b, h, run, hn::Load(d, p_inout), &cap_slope);
   const hn::Vec<D> p = SoftmaxExp(d, hn::Sub(hn::Sub(s, lse_hi), lse_lo));
   hn::Store(p, d, p_inout);
-  hn::Store(hn::Mul(p, hn::Sub(hn::Load(d, ds_inout), delta)), d, ds_inout);
+  const hn::Vec<D> ds = hn::Mul(p, hn::Sub(hn::Load(d, ds_inout), delta));
+  if (in.softcap > 0) {
+    if (ds_bias != nullptr) hn::Store(ds, d, ds_bias);
+    hn::Store(hn::Mul(ds, cap_slope), d, ds_inout);
+  } else {
+    hn::Store(ds, d, ds_inout);
+  }
 }
 
 // rows of x += scale · tile. Not inlined: both backward schedules run this very code, so the
@@ -1038,20 +1096,22 @@ void AddTileToBias(const fused::ScoresView<T>& dbias, int64_t b, int64_t h, int6
   }
 }
 
-// The heads whose dbias elements coincide (a bias broadcast over B or H) form a group, run by one
-// task in increasing head order; otherwise every head is its own group.
+// Heads that add to the same gradient elements form a group, run by one task in increasing head
+// order: those that share K and V (grouped-query attention: their dK, dV rows), or every head
+// when a bias broadcast over H shares its dbias, and over B too when it is broadcast over B.
 struct HeadGroups {
   int64_t batch = 0, heads = 0;
-  bool share_batch = false, share_heads = false;
+  bool share_batch = false;
+  int64_t group_heads = 1;  // consecutive heads per group, a divisor of heads
 
-  int64_t count() const { return (share_batch ? 1 : batch) * (share_heads ? 1 : heads); }
-  int64_t size() const { return (share_batch ? batch : 1) * (share_heads ? heads : 1); }
+  int64_t per_batch() const { return heads / group_heads; }
+  int64_t count() const { return (share_batch ? 1 : batch) * per_batch(); }
+  int64_t size() const { return (share_batch ? batch : 1) * group_heads; }
   // Member m (in increasing b·H + h order) of group g, as (b, h).
   std::pair<int64_t, int64_t> member(int64_t g, int64_t m) const {
-    const int64_t group_heads = share_heads ? 1 : heads;
-    const int64_t gb = share_batch ? 0 : g / group_heads, gh = share_heads ? 0 : g % group_heads;
-    const int64_t member_heads = share_heads ? heads : 1;
-    return {gb + (share_batch ? m / member_heads : 0), gh + (share_heads ? m % member_heads : 0)};
+    const int64_t gb = share_batch ? 0 : g / per_batch();
+    const int64_t h0 = (g % per_batch()) * group_heads;
+    return {gb + (share_batch ? m / group_heads : 0), h0 + m % group_heads};
   }
 };
 
@@ -1072,10 +1132,11 @@ class BackwardKernel {
         dk_pad_(RoundUp(dk_, N_)),
         dv_pad_(RoundUp(dv_, N_)),
         delta_(RowDeltas(p)) {
+    const bool share_heads = dbias_ && dbias_.head_stride == 0 && in_.heads > 1;
     groups_ = HeadGroups{.batch = in_.batch,
                          .heads = in_.heads,
                          .share_batch = dbias_ && dbias_.batch_stride == 0 && in_.batch > 1,
-                         .share_heads = dbias_ && dbias_.head_stride == 0 && in_.heads > 1};
+                         .group_heads = share_heads ? in_.heads : in_.group};
     for (int w = 0; w < max_workers(); ++w) scratch_.emplace_back(dk_, dv_, N_);
   }
 
@@ -1131,17 +1192,20 @@ class BackwardKernel {
   // keys; with `with_dq` (one pass) also each tile's dQ.
   void KeyBlock(int64_t b, int64_t h, int64_t kb, int64_t query_blocks, BackwardScratch<T>& s, bool with_dq) {
     const D d;
+    const int64_t hk = in_.kv_head(h);
+    // With a softcap, dbias takes dS and dK, dQ take dS times the cap's slope.
+    T* const ds_bias = dbias_ && in_.softcap > 0 ? s.ds_bias.get() : nullptr;
     const int64_t j0 = kb * static_cast<int64_t>(kKeyBlock);
     const size_t nk = ToSize(std::min(static_cast<int64_t>(kKeyBlock), in_.tk - j0));
     const size_t ld = RoundUp(nk, N_);
-    PackTransposed(in_.k, b, h, j0, nk, dk_, ld, s.kt.get());
-    PackTransposed(in_.v, b, h, j0, nk, dv_, ld, s.vt.get());
+    PackTransposed(in_.k, b, hk, j0, nk, dk_, ld, s.kt.get());
+    PackTransposed(in_.v, b, hk, j0, nk, dv_, ld, s.vt.get());
     std::fill(s.dk_acc.get(), s.dk_acc.get() + nk * dk_pad_, T{0});
     std::fill(s.dv_acc.get(), s.dv_acc.get() + nk * dv_pad_, T{0});
     for (int64_t qb = 0; qb < query_blocks; ++qb) {
       const int64_t q0 = qb * static_cast<int64_t>(kQueryBlock);
       const size_t nq = ToSize(std::min(static_cast<int64_t>(kQueryBlock), in_.tq - q0));
-      if (!TileVisible(in_, q0, nq, j0)) continue;
+      if (!in_.BandTouches(q0, static_cast<int64_t>(nq), j0, static_cast<int64_t>(nk))) continue;
       // S [nq][ld] = Q·Kᵀ and dP = dO·Vᵀ
       ScoreProducts(in_.q, p_.dout, b, h, q0, nq, s.kt.get(), s.vt.get(), ld, s);
       for (size_t i = 0; i < nq; ++i) {
@@ -1153,10 +1217,10 @@ class BackwardKernel {
           const LaneRun run{
               .i = qi, .j = j0 + static_cast<int64_t>(j), .di = 0, .dj = 1, .count = std::min(N_, nk - j)};
           ProbabilityAndScoreGradient(d, in_, b, h, run, lse_hi, lse_lo, delta, s.p.get() + i * ld + j,
-                                      s.ds.get() + i * ld + j);
+                                      s.ds.get() + i * ld + j, ds_bias == nullptr ? nullptr : ds_bias + i * ld + j);
         }
       }
-      if (dbias_) AddTileToBias(dbias_, b, h, q0, nq, j0, nk, s.ds.get(), ld);
+      if (dbias_) AddTileToBias(dbias_, b, h, q0, nq, j0, nk, ds_bias == nullptr ? s.ds.get() : ds_bias, ld);
       // dV [nk] += Pᵀ·dO and dK += dSᵀ·Q (scaled when written out)
       MatMulCols<true>(d,
                        Gemm<T>{.a = s.p.get(),
@@ -1183,8 +1247,8 @@ class BackwardKernel {
       // dQ tile [nq] = dS·K, added to dq now: tile by tile in key-block order, as pass 2 does.
       if (with_dq) AddQueryGradientTile(b, h, q0, nq, j0, nk, ld, 1, s);
     }
-    AddScaledRows(p_.dk, b, h, j0, nk, dk_, s.dk_acc.get(), dk_pad_, in_.scale);
-    AddScaledRows(p_.dv, b, h, j0, nk, dv_, s.dv_acc.get(), dv_pad_, T{1});
+    AddScaledRows(p_.dk, b, hk, j0, nk, dk_, s.dk_acc.get(), dk_pad_, in_.scale);
+    AddScaledRows(p_.dv, b, hk, j0, nk, dv_, s.dv_acc.get(), dv_pad_, T{1});
   }
 
   // Query block qb of head (b, h) against every key block it sees, tiles with keys as rows: dQ.
@@ -1203,10 +1267,10 @@ class BackwardKernel {
     }
     for (int64_t kb = 0; kb < key_blocks; ++kb) {
       const int64_t j0 = kb * static_cast<int64_t>(kKeyBlock);
-      if (!TileVisible(in_, q0, nq, j0)) break;
       const size_t nk = ToSize(std::min(static_cast<int64_t>(kKeyBlock), in_.tk - j0));
+      if (!in_.BandTouches(q0, static_cast<int64_t>(nq), j0, static_cast<int64_t>(nk))) continue;
       // Sᵀ [nk][ld] = K·Qᵀ and dPᵀ = V·dOᵀ
-      ScoreProducts(in_.k, in_.v, b, h, j0, nk, s.qt.get(), s.dot.get(), ld, s);
+      ScoreProducts(in_.k, in_.v, b, in_.kv_head(h), j0, nk, s.qt.get(), s.dot.get(), ld, s);
       for (size_t j = 0; j < nk; ++j) {
         const int64_t kj = j0 + static_cast<int64_t>(j);
         for (size_t i = 0; i < ld; i += N_) {
@@ -1214,7 +1278,7 @@ class BackwardKernel {
               .i = q0 + static_cast<int64_t>(i), .j = kj, .di = 1, .dj = 0, .count = std::min(N_, nq - i)};
           ProbabilityAndScoreGradient(d, in_, b, h, run, hn::Load(d, s.lse_hi.get() + i),
                                       hn::Load(d, s.lse_lo.get() + i), hn::Load(d, s.delta.get() + i),
-                                      s.p.get() + j * ld + i, s.ds.get() + j * ld + i);
+                                      s.p.get() + j * ld + i, s.ds.get() + j * ld + i, static_cast<T*>(nullptr));
         }
       }
       // dQ tile [nq] = dS·K, with dS(i, j) = dSᵀ[j][i]
@@ -1260,7 +1324,7 @@ class BackwardKernel {
                       Gemm<T>{.a = s.ds.get(),
                               .a_row = query_step,
                               .a_depth = key_step,
-                              .b = in_.k.row(b, h, j0),
+                              .b = in_.k.row(b, in_.kv_head(h), j0),
                               .b_row = ToSize(in_.k.row_stride),
                               .c = s.dq.get(),
                               .c_row = dk_pad_,

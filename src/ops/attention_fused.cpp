@@ -4,6 +4,7 @@
 
 #include "qkv/ops/attention.hpp"
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <span>
@@ -45,9 +46,19 @@ fused::StridedView4<T> strided_of(TensorView<T> view4) {
           .col_stride = view4.strides[3]};
 }
 
-// The problem as the kernels read it.
+// A [H] operand (ALiBi slopes, sinks) copied contiguous, as the kernels read it.
 template <class T>
-fused::Inputs<T> kernel_inputs(const detail::AttentionProblem<T>& p) {
+std::vector<T> per_head(const std::optional<TensorView<const T>>& view) {
+  std::vector<T> values;
+  if (view) {
+    for (int64_t h = 0; h < view->shape[0]; ++h) values.push_back((*view)(h));
+  }
+  return values;
+}
+
+// The problem as the kernels read it; `alibi` holds the slopes it points to.
+template <class T>
+fused::Inputs<T> kernel_inputs(const detail::AttentionProblem<T>& p, const std::vector<T>& alibi) {
   fused::Inputs<T> in{.batch = p.batch(),
                       .heads = p.heads(),
                       .tq = p.tq(),
@@ -59,21 +70,27 @@ fused::Inputs<T> kernel_inputs(const detail::AttentionProblem<T>& p) {
                       .v = strided_of(p.v),
                       .allowed = {},
                       .bias = {},
-                      .causal = p.causal,
-                      .scale = static_cast<T>(p.scale)};
+                      .band_lo = p.band_lo,
+                      .band_hi = p.band_hi,
+                      .diagonal = p.diagonal,
+                      .group = std::max<int64_t>(1, p.heads() / std::max<int64_t>(1, p.kv_heads())),
+                      .scale = static_cast<T>(p.scale),
+                      .softcap = static_cast<T>(p.softcap),
+                      .alibi = p.alibi ? alibi.data() : nullptr};
   if (p.allowed) in.allowed = strided_of(*p.allowed);
   if (p.bias) in.bias = strided_of(*p.bias);
   return in;
 }
 
 template <class T>
-fused::ForwardParams<T> forward_params(const fused::Inputs<T>& in, TensorView<T> out, std::optional<TensorView<T>> lse,
-                                       T* lse_lo = nullptr) {
+fused::ForwardParams<T> forward_params(const fused::Inputs<T>& in, const std::vector<T>& sinks, TensorView<T> out,
+                                       std::optional<TensorView<T>> lse, T* lse_lo = nullptr) {
   fused::ForwardParams<T> p{.in = in,
                             .out = strided_of(as_bhtd(out, "out")),
                             .lse = {},
                             .lse_lo = lse_lo,
-                            .scores_as_backward = lse.has_value()};
+                            .scores_as_backward = lse.has_value(),
+                            .sinks = sinks.empty() ? nullptr : sinks.data()};
   if (lse) {
     const TensorView<T> lse4 = as_rank4(*lse);  // [1, B, H, Tq]
     p.lse = {
@@ -102,6 +119,28 @@ void dispatch_backward(const fused::BackwardParams<T>& p) {
   }
 }
 
+// d sink_h += Σ_(b, i) −exp(sink_h − lse_bhi)·D_bhi with D = dO·out (the sink has no value, so
+// its dP is 0), in float64 and in a fixed order: O(B·H·Tq·Dv), next to nothing beside the kernel.
+template <class T>
+void add_sink_gradients(const detail::AttentionProblem<T>& p, TensorView<const T> dout4, TensorView<const T> out4,
+                        const std::vector<T>& lse_hi, const std::vector<T>& lse_lo, TensorView<T> dsinks) {
+  for (int64_t h = 0; h < p.heads(); ++h) {
+    const double sink = static_cast<double>((*p.sinks)(h));
+    double sum = 0.0;
+    for (int64_t b = 0; b < p.batch(); ++b) {
+      for (int64_t i = 0; i < p.tq(); ++i) {
+        const size_t row = static_cast<size_t>((b * p.heads() + h) * p.tq() + i);
+        double delta = 0.0;
+        for (int64_t c = 0; c < p.dv(); ++c)
+          delta += static_cast<double>(dout4(b, h, i, c)) * static_cast<double>(out4(b, h, i, c));
+        const double lse = static_cast<double>(lse_hi[row]) + static_cast<double>(lse_lo[row]);
+        sum -= std::exp(sink - lse) * delta;
+      }
+    }
+    dsinks(h) += static_cast<T>(sum);
+  }
+}
+
 }  // namespace
 
 namespace detail {
@@ -114,18 +153,21 @@ void forward_fused(const AttentionProblem<T>& problem, const AttentionOutputs<T>
         "to get them");
   }
   check_forward_outputs(problem, outputs);
-  dispatch_forward(forward_params(kernel_inputs(problem), outputs.out, outputs.lse));
+  const std::vector<T> alibi = per_head(problem.alibi), sinks = per_head(problem.sinks);
+  dispatch_forward(forward_params(kernel_inputs(problem, alibi), sinks, outputs.out, outputs.lse));
 }
 
 template <class T>
 void backward_fused(const AttentionProblem<T>& problem, TensorView<const T> dout, const AttentionGradients<T>& grads,
                     const std::optional<AttentionSaved<T>>& saved) {
   check_backward_arguments(problem, dout, grads);
+  check_sink_gradient(problem, grads);
   if (saved) {
     check_shape("saved.out", saved->out.shape, problem.with_leading({problem.tq(), problem.dv()}));
     check_shape("saved.lse", saved->lse.shape, problem.with_leading({problem.tq()}));
   }
-  const fused::Inputs<T> in = kernel_inputs(problem);
+  const std::vector<T> alibi = per_head(problem.alibi), sinks = per_head(problem.sinks);
+  const fused::Inputs<T> in = kernel_inputs(problem, alibi);
 
   // Without the forward's results, run it: out and lse are O(T·d), never O(T²). Its lse then
   // comes in two parts, so P is recomputed without the rounding of lse to T (a relative error of
@@ -138,7 +180,7 @@ void backward_fused(const AttentionProblem<T>& problem, TensorView<const T> dout
   if (!saved) {
     recomputed_out = Tensor<T>(problem.with_leading({in.tq, in.dv}));
     recomputed_lse = Tensor<T>(problem.with_leading({in.tq}));
-    dispatch_forward(forward_params<T>(in, recomputed_out.view(), recomputed_lse.view(), lse_lo.data()));
+    dispatch_forward(forward_params<T>(in, sinks, recomputed_out.view(), recomputed_lse.view(), lse_lo.data()));
     out = recomputed_out.cview();
     lse = recomputed_lse.cview();
   }
@@ -172,6 +214,7 @@ void backward_fused(const AttentionProblem<T>& problem, TensorView<const T> dout
                              .dbias = {}};
   if (grads.dbias) p.dbias = strided_of(broadcast_to(*grads.dbias, problem.scores(), "dbias"));
   dispatch_backward(p);
+  if (grads.dsinks) add_sink_gradients(problem, dout4, as_bhtd(out, "saved.out"), lse_hi, lse_lo, *grads.dsinks);
 }
 
 }  // namespace detail

@@ -6,26 +6,38 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <initializer_list>
 #include <optional>
 #include <string_view>
+#include <vector>
 
 #include "qkv/core/error.hpp"
 #include "qkv/ops/attention.hpp"
 
 namespace qkv::detail {
 
+// A bound of the band of visible keys that is not there: far beyond any j − i, and still far
+// from overflowing when a token index is added to it.
+inline constexpr int64_t kUnbounded = int64_t{1} << 62;
+
 // q, k, v seen as [B, H, T, D] and the mask broadcast to [B, H, Tq, Tk]: what every attention
 // reads, whatever its score.
 template <class T>
 struct AttentionOperands {
   TensorView<const T> q;                             // [B, H, Tq, Dq]
-  TensorView<const T> k;                             // [B, H, Tk, Dk]
-  TensorView<const T> v;                             // [B, H, Tk, Dv]
+  TensorView<const T> k;                             // [B, Hkv, Tk, Dk]
+  TensorView<const T> v;                             // [B, Hkv, Tk, Dv]
   std::optional<TensorView<const uint8_t>> allowed;  // [B, H, Tq, Tk]
   std::optional<TensorView<const T>> bias;           // [B, H, Tq, Tk]
-  bool causal = false;
+  std::optional<TensorView<const T>> alibi;          // [H] ALiBi slopes
+  // Causality and the window as one band: query i sees keys i + band_lo ≤ j ≤ i + band_hi
+  // (±kUnbounded where there is no bound). causal narrows band_hi to the diagonal offset.
+  int64_t band_lo = -kUnbounded;
+  int64_t band_hi = kUnbounded;
+  int64_t diagonal = 0;  // o: Tk − Tq bottom-right aligned, 0 top-left
   // The arguments' shapes as given, which their gradients must have; q's leading dims (rank 0 to
   // 2) are those of every output.
   Shape q_shape, k_shape, v_shape;
@@ -33,6 +45,8 @@ struct AttentionOperands {
 
   int64_t batch() const { return q.shape[0]; }
   int64_t heads() const { return q.shape[1]; }
+  int64_t kv_heads() const { return k.shape[1]; }
+  int64_t kv_head(int64_t h) const { return h / (heads() / kv_heads()); }
   int64_t tq() const { return q.shape[2]; }
   int64_t tk() const { return k.shape[2]; }
   int64_t dq() const { return q.shape[3]; }
@@ -45,17 +59,34 @@ struct AttentionOperands {
     return leading_dims_with(q_shape, q_shape.rank() - 2, tail);
   }
 
+  bool banded() const { return band_lo != -kUnbounded || band_hi != kUnbounded; }
+
   // Whether query i of head (b, h) may see key j, before any additive bias.
   bool visible(int64_t b, int64_t h, int64_t i, int64_t j) const {
-    if (causal && j > i + tk() - tq()) return false;
+    if (j - i < band_lo || j - i > band_hi) return false;
     return !allowed || (*allowed)(b, h, i, j) != 0;
+  }
+
+  // What is added to the scaled score of (i, j): the bias and ALiBi's −slope·|i + o − j|.
+  double added_bias(int64_t b, int64_t h, int64_t i, int64_t j) const {
+    double sum = bias ? static_cast<double>((*bias)(b, h, i, j)) : 0.0;
+    if (alibi) sum -= static_cast<double>((*alibi)(h)) * static_cast<double>(std::abs(i + diagonal - j));
+    return sum;
   }
 };
 
-// A dot-product attention call: its operands and the scale of q·k.
+// A dot-product attention call: its operands, the scale of q·k, the softcap and the sinks.
 template <class T>
 struct AttentionProblem : AttentionOperands<T> {
   double scale = 1.0;
+  double softcap = 0.0;                                     // 0: none
+  std::optional<TensorView<const T>> sinks = std::nullopt;  // [H]
+
+  // scale·q·k (dot), softcapped.
+  double capped(double dot) const {
+    const double x = scale * dot;
+    return softcap > 0.0 ? softcap * std::tanh(x / softcap) : x;
+  }
 };
 
 // Which dims of k a score needs: dot products need Dk = Dq, additive scores take any Dk.
@@ -82,14 +113,26 @@ AttentionOperands<T> make_attention_operands(TensorView<const T> q, TensorView<c
   if (key_dim == KeyDim::same_as_query && dq == 0) {
     throw ShapeError(fmt::format("q: d_k must be at least 1, got shape {}", q.shape.str()));
   }
-  // k and v carry q's leading dims; their token count Tk is theirs to choose.
+  // k and v carry q's leading dims, but for their heads (a divisor of q's) and their token count Tk.
   const int64_t tk = k.rank() >= 2 ? k.shape.from_back(2) : 0;
   const int64_t dk = key_dim == KeyDim::same_as_query ? dq : (k.rank() >= 1 ? k.shape.from_back(1) : 0);
   check_dims_not_negative(k, "k");
-  check_shape("k", k.shape, p.with_leading({tk, dk}));
+  Shape kv_leading = p.with_leading({});
+  if (kv_leading.rank() >= 1 && k.rank() == q.rank()) {
+    const int64_t heads = q.shape.from_back(3), kv_heads = k.shape.from_back(3);
+    if (kv_heads >= 1 && heads % kv_heads == 0) {
+      kv_leading = leading_dims_with(kv_leading, kv_leading.rank() - 1, {kv_heads});
+    } else if (kv_heads != heads) {
+      throw ShapeError(fmt::format(
+          "k: q has {} heads, which is not a multiple of k's {} (grouped-query attention needs H % Hkv == 0); got q "
+          "{} and k {}",
+          heads, kv_heads, q.shape.str(), k.shape.str()));
+    }
+  }
+  check_shape("k", k.shape, leading_dims_with(kv_leading, kv_leading.rank(), {tk, dk}));
   const int64_t dv = v.rank() >= 1 ? v.shape.from_back(1) : 0;
   check_dims_not_negative(v, "v");
-  check_shape("v", v.shape, p.with_leading({tk, dv}));
+  check_shape("v", v.shape, leading_dims_with(kv_leading, kv_leading.rank(), {tk, dv}));
   check_last_dim_contiguous(q, "q");
   check_last_dim_contiguous(k, "k");
   check_last_dim_contiguous(v, "v");
@@ -104,7 +147,23 @@ AttentionOperands<T> make_attention_operands(TensorView<const T> q, TensorView<c
     p.bias = broadcast_to(*mask.bias, p.scores(), "bias");
     p.bias_shape = mask.bias->shape;
   }
-  p.causal = mask.causal;
+  if (mask.alibi_slopes) {
+    check_shape("alibi_slopes", mask.alibi_slopes->shape, Shape{p.heads()});
+    p.alibi = *mask.alibi_slopes;
+  }
+  p.diagonal = mask.alignment == CausalAlignment::bottom_right ? p.tk() - p.tq() : 0;
+  if (mask.window) {
+    const auto bound = [](int64_t value, std::string_view side) {
+      if (value < -1) {
+        throw ValueError(fmt::format("window: {} must be -1 (unbounded) or at least 0, got {}", side, value));
+      }
+    };
+    bound(mask.window->left, "left");
+    bound(mask.window->right, "right");
+    if (mask.window->left >= 0) p.band_lo = p.diagonal - mask.window->left;
+    if (mask.window->right >= 0) p.band_hi = p.diagonal + mask.window->right;
+  }
+  if (mask.causal) p.band_hi = std::min(p.band_hi, p.diagonal);
   return p;
 }
 
@@ -113,6 +172,16 @@ AttentionProblem<T> make_attention_problem(const AttentionParams<T>& params) {
   AttentionProblem<T> p{make_attention_operands(params.q, params.k, params.v, params.mask, KeyDim::same_as_query)};
   p.scale = params.scale.value_or(default_scale(p.dq()));
   if (!std::isfinite(p.scale)) throw ValueError(fmt::format("scale: expected a finite number, got {}", p.scale));
+  if (params.softcap) {
+    if (!(*params.softcap > 0.0) || !std::isfinite(*params.softcap)) {
+      throw ValueError(fmt::format("softcap: expected a positive finite number, got {}", *params.softcap));
+    }
+    p.softcap = *params.softcap;
+  }
+  if (params.sinks) {
+    check_shape("sinks", params.sinks->shape, Shape{p.heads()});
+    p.sinks = *params.sinks;
+  }
   return p;
 }
 
@@ -134,6 +203,13 @@ void check_backward_arguments(const AttentionOperands<T>& p, TensorView<const T>
   check_shape("dv", grads.dv.shape, p.v_shape);
   if (grads.dbias && !p.bias_shape) throw ShapeError("dbias: given, but the mask has no additive bias");
   if (grads.dbias) check_shape("dbias", grads.dbias->shape, *p.bias_shape);
+}
+
+// The sinks' gradient against the problem: only with sinks, of shape [H].
+template <class T>
+void check_sink_gradient(const AttentionProblem<T>& p, const AttentionGradients<T>& grads) {
+  if (grads.dsinks && !p.sinks) throw ShapeError("dsinks: given, but the call has no sinks");
+  if (grads.dsinks) check_shape("dsinks", grads.dsinks->shape, Shape{p.heads()});
 }
 
 // The implementations behind attention_forward and attention_backward, on a problem built once

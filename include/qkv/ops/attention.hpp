@@ -2,47 +2,74 @@
 // Scaled dot-product attention, forward and backward.
 //
 // Shapes (one vocabulary across qkv):
-//   q   [B, H, Tq, Dk]   queries          out      [B, H, Tq, Dv]
-//   k   [B, H, Tk, Dk]   keys             weights  [B, H, Tq, Tk]   α, rows sum to 1
-//   v   [B, H, Tk, Dv]   values           lse      [B, H, Tq]       log Σ_j exp(s_ij)
+//   q   [B, H, Tq, Dk]     queries        out      [B, H, Tq, Dv]
+//   k   [B, Hkv, Tk, Dk]   keys           weights  [B, H, Tq, Tk]   α, rows sum to 1 (less the sink)
+//   v   [B, Hkv, Tk, Dv]   values         lse      [B, H, Tq]       log (Σ_j exp(s_ij) + exp(sink_h))
 // B and H may be left out together or B alone: [Tq, Dk] and [H, Tq, Dk] are read as [1, 1, Tq, Dk]
-// and [1, H, Tq, Dk]. q, k and v must have the same leading dims. Inputs may be strided; the last
-// dim of each must be contiguous.
+// and [1, H, Tq, Dk]. k and v have q's leading dims, except that their heads Hkv may be any divisor
+// of H (grouped-query attention; Hkv = 1 is multi-query): query head h reads kv head h / (H / Hkv),
+// and K and V are never copied. Inputs may be strided; the last dim of each must be contiguous.
 //
-//   s_ij = scale · q_i·k_j + bias_ij      (−inf where the mask forbids key j)
-//   α_ij = exp(s_ij − lse_i)              out_i = Σ_j α_ij v_j
+//   x_ij = scale · q_i·k_j,  c·tanh(x_ij / c) with a softcap c
+//   s_ij = x_ij + bias_ij − slope_h·|i + o − j|     (ALiBi; −inf where the mask forbids key j)
+//   α_ij = exp(s_ij − lse_i)                         out_i = Σ_j α_ij v_j
 //
+// o is the offset of the diagonal: Tk − Tq bottom-right aligned (the default), 0 top-left aligned.
 // A row in which every key is masked has no distribution: qkv defines its output as 0, its lse as
-// −inf, its α row as 0 and its gradients as 0, so that no NaN ever appears.
+// −inf (the sink's logit, with a sink), its α row as 0 and its gradients as 0: no NaN ever appears.
 //
 // The mask parts combine: a key is visible when it passes every part that is given.
 
 #include <cstdint>
 #include <optional>
+#include <vector>
 
 #include "qkv/core/tensor.hpp"
 
 namespace qkv {
 
+// Where query i's diagonal key is, for causality, the window and ALiBi.
+enum class CausalAlignment {
+  bottom_right,  // key i + Tk − Tq: with a KV cache (Tq < Tk) the last query sees every key
+  top_left,      // key i (torch's is_causal): with Tq < Tk the last keys are seen by no query
+};
+
+// Query i sees keys i + o − left ≤ j ≤ i + o + right (o as for the alignment); −1 = unbounded.
+// (0, 0) leaves each query its diagonal key alone; (−1, 0) is causal.
+struct AttentionWindow {
+  int64_t left = -1;
+  int64_t right = -1;
+};
+
 template <class T>
 struct AttentionMask {
-  // Bottom-right aligned: query i sees key j iff j <= i + Tk - Tq. With a KV cache (Tq < Tk) the
-  // last query sees every key; when Tq == Tk this is the usual lower triangle.
+  // Query i sees key j iff j <= i + o: with the default bottom-right alignment and Tq == Tk the
+  // usual lower triangle, and with a KV cache (Tq < Tk) the last query sees every key.
   bool causal = false;
+  CausalAlignment alignment = CausalAlignment::bottom_right;
+  std::optional<AttentionWindow> window = std::nullopt;
   // Broadcastable to [B, H, Tq, Tk]; nonzero = may attend.
   std::optional<TensorView<const uint8_t>> allowed;
   // Broadcastable to [B, H, Tq, Tk]; added to the scaled scores. −inf masks a key.
   std::optional<TensorView<const T>> bias;
+  // [H] ALiBi slopes (alibi_slopes(H) gives the standard ones): adds −slope_h·|i + o − j|, computed
+  // where it is used, never stored.
+  std::optional<TensorView<const T>> alibi_slopes = std::nullopt;
 };
 
 template <class T>
 struct AttentionParams {
   TensorView<const T> q;  // [B, H, Tq, Dk]
-  TensorView<const T> k;  // [B, H, Tk, Dk]
-  TensorView<const T> v;  // [B, H, Tk, Dv]
+  TensorView<const T> k;  // [B, Hkv, Tk, Dk], H a multiple of Hkv
+  TensorView<const T> v;  // [B, Hkv, Tk, Dv]
   // Multiplies q·k before the bias is added; 1/sqrt(Dk) when not given.
   std::optional<double> scale;
   AttentionMask<T> mask;
+  // c > 0: the scaled q·k become c·tanh(x / c), before the bias and the mask (Gemma 2's softcap).
+  std::optional<double> softcap = std::nullopt;
+  // [H] one logit per head that joins every row's softmax with no value (an attention sink): the
+  // weights of a row sum to 1 − exp(sink_h − lse_i).
+  std::optional<TensorView<const T>> sinks = std::nullopt;
 };
 
 // Written by the forward (overwritten, not accumulated). Shapes take the same leading dims as q.
@@ -57,10 +84,11 @@ struct AttentionOutputs {
 template <class T>
 struct AttentionGradients {
   TensorView<T> dq;  // [B, H, Tq, Dk]
-  TensorView<T> dk;  // [B, H, Tk, Dk]
-  TensorView<T> dv;  // [B, H, Tk, Dv]
+  TensorView<T> dk;  // [B, Hkv, Tk, Dk], summed over the heads of each group
+  TensorView<T> dv;  // [B, Hkv, Tk, Dv]
   // Same shape as mask.bias; summed over the dims along which the bias was broadcast.
   std::optional<TensorView<T>> dbias;
+  std::optional<TensorView<T>> dsinks = std::nullopt;  // [H], with params.sinks; summed over B and Tq
 };
 
 // What the forward produced, handed back to the backward so that it need not recompute it.
@@ -113,5 +141,9 @@ void attention_backward(const AttentionParams<T>& params, TensorView<const T> do
 
 // The scale used when params.scale is not given: 1/sqrt(Dk).
 double default_scale(int64_t dk);
+
+// ALiBi's slopes for `heads` heads (Press et al.): 2^(−8(h+1)/n) for n = heads a power of two;
+// otherwise those of the power of two below, then every other slope of the one above.
+std::vector<double> alibi_slopes(int64_t heads);
 
 }  // namespace qkv
