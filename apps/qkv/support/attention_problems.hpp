@@ -106,14 +106,19 @@ struct AttentionCase {
   bool causal = false;
 };
 
-// Everything one call needs, in float64: q, k, v usually contiguous [B, H, T, D]; masks in any
-// shape that broadcasts to [B, H, Tq, Tk].
+// Everything one call needs, in float64: q, k, v usually contiguous [B, H, T, D] (k and v may
+// have fewer heads, a divisor of q's); masks in any shape that broadcasts to [B, H, Tq, Tk].
 struct AttentionProblem {
   Tensor<double> q, k, v;
   std::optional<Tensor<uint8_t>> allowed = std::nullopt;
   std::optional<Tensor<double>> bias = std::nullopt;
   bool causal = false;
   std::optional<double> scale = std::nullopt;  // 1/sqrt(Dk) when absent
+  CausalAlignment alignment = CausalAlignment::bottom_right;
+  std::optional<AttentionWindow> window = std::nullopt;
+  std::optional<double> softcap = std::nullopt;
+  std::optional<Tensor<double>> alibi = std::nullopt;  // [H] slopes
+  std::optional<Tensor<double>> sinks = std::nullopt;  // [H] logits
 
   Shape scores() const { return {q.shape()[0], q.shape()[1], q.shape()[2], k.shape()[2]}; }
 };
@@ -147,39 +152,50 @@ inline Tensor<double> random_dout(const AttentionProblem& p, uint64_t seed) {
 template <class T>
 struct AttentionOperands {
   Tensor<T> q, k, v;
-  std::optional<Tensor<T>> bias;
+  std::optional<Tensor<T>> bias, alibi, sinks;
   const AttentionProblem* problem;
 
   explicit AttentionOperands(const AttentionProblem& p)
       : q(cast<T>(p.q)), k(cast<T>(p.k)), v(cast<T>(p.v)), problem(&p) {
     if (p.bias) bias = cast<T>(*p.bias);
+    if (p.alibi) alibi = cast<T>(*p.alibi);
+    if (p.sinks) sinks = cast<T>(*p.sinks);
   }
   AttentionParams<T> params() const {
     AttentionParams<T> a{.q = q.view(), .k = k.view(), .v = v.view(), .scale = problem->scale, .mask = {}};
     a.mask.causal = problem->causal;
+    a.mask.alignment = problem->alignment;
+    a.mask.window = problem->window;
     if (problem->allowed) a.mask.allowed = problem->allowed->view();
     if (bias) a.mask.bias = bias->view();
+    if (alibi) a.mask.alibi_slopes = alibi->view();
+    a.softcap = problem->softcap;
+    if (sinks) a.sinks = sinks->view();
     return a;
   }
 };
 
 // out [B, H, Tq, Dv], weights [B, H, Tq, Tk], lse [B, H, Tq] and, when a dO was given, the
-// gradients of L = <dO, out> (dbias in the bias's own shape).
+// gradients of L = <dO, out> (dbias in the bias's own shape, dsinks [H] with sinks).
 template <class T>
 struct NaiveAttention {
-  Tensor<T> out, weights, lse, dq, dk, dv, dbias;
+  Tensor<T> out, weights, lse, dq, dk, dv, dbias, dsinks;
 };
 
 // The whole computation for a [B, H, T, D] problem written as the formula reads, in type T (float:
 // the "naive float32" of the tolerance rule; double: an implementation independent of src/):
 // materialised scores, sequential sums, std::exp. An empty `dout` (numel 0) computes the forward
 // only. With `absolute`, the gradients sum the absolute values of their terms (|P dO|, |dS k|,
-// |dS q|, |dS|): the size of what a relative error of P would perturb.
+// |dS q|, |dS|): the size of what a relative error of P would perturb. The variants (grouped
+// heads, window, alignment, softcap, ALiBi, sinks) as include/qkv/ops/attention.hpp defines them.
 template <class T>
 NaiveAttention<T> naive_attention(const AttentionProblem& p, const Tensor<double>& dout_d, bool absolute = false) {
   const AttentionOperands<T> ops(p);
   const int64_t B = p.q.shape()[0], H = p.q.shape()[1], Tq = p.q.shape()[2], Tk = p.k.shape()[2], Dk = p.q.shape()[3],
                 Dv = p.v.shape()[3];
+  const int64_t group = H / std::max<int64_t>(1, p.k.shape()[1]);
+  const int64_t diagonal = p.alignment == CausalAlignment::bottom_right ? Tk - Tq : 0;
+  const auto softcap = static_cast<T>(p.softcap.value_or(0.0));
   const T scale = static_cast<T>(p.scale.value_or(1.0 / std::sqrt(static_cast<double>(Dk))));
   const TensorView<const T> q = ops.q.view(), k = ops.k.view(), v = ops.v.view();
   const Tensor<T> dout_t = cast<T>(dout_d);
@@ -190,7 +206,8 @@ NaiveAttention<T> naive_attention(const AttentionProblem& p, const Tensor<double
                       Tensor<T>(p.q.shape()),
                       Tensor<T>(p.k.shape()),
                       Tensor<T>(p.v.shape()),
-                      p.bias ? Tensor<T>(p.bias->shape()) : Tensor<T>()};
+                      p.bias ? Tensor<T>(p.bias->shape()) : Tensor<T>(),
+                      p.sinks ? Tensor<T>(p.sinks->shape()) : Tensor<T>()};
   const Shape scores = p.scores();
   std::optional<TensorView<const uint8_t>> allowed;
   if (p.allowed) allowed = broadcast_to(p.allowed->view(), scores, "allowed");
@@ -204,48 +221,66 @@ NaiveAttention<T> naive_attention(const AttentionProblem& p, const Tensor<double
   for (int64_t b = 0; b < B; ++b)
     for (int64_t h = 0; h < H; ++h)
       for (int64_t i = 0; i < Tq; ++i) {
+        const int64_t hk = h / group;
         std::vector<T> s(static_cast<size_t>(Tk), -inf);
+        std::vector<T> cap_slope(static_cast<size_t>(Tk), T{1});  // d s / d(scale·q·k)
         for (int64_t j = 0; j < Tk; ++j) {
-          if (p.causal && j > i + Tk - Tq) continue;
+          if (p.causal && j > i + diagonal) continue;
+          if (p.window && p.window->left >= 0 && j < i + diagonal - p.window->left) continue;
+          if (p.window && p.window->right >= 0 && j > i + diagonal + p.window->right) continue;
           if (allowed && (*allowed)(b, h, i, j) == 0) continue;
           T dot = 0;
-          for (int64_t d = 0; d < Dk; ++d) dot += q(b, h, i, d) * k(b, h, j, d);
-          s[static_cast<size_t>(j)] = scale * dot + (bias ? (*bias)(b, h, i, j) : T{0});
+          for (int64_t d = 0; d < Dk; ++d) dot += q(b, h, i, d) * k(b, hk, j, d);
+          T x = scale * dot;
+          if (softcap > 0) {
+            const T t = std::tanh(x / softcap);
+            x = softcap * t;
+            cap_slope[static_cast<size_t>(j)] = 1 - t * t;
+          }
+          T score = x + (bias ? (*bias)(b, h, i, j) : T{0});
+          if (p.alibi) score -= static_cast<T>((*p.alibi)[h]) * static_cast<T>(std::abs(i + diagonal - j));
+          s[static_cast<size_t>(j)] = score;
         }
-        T m = -inf;
+        const T sink = p.sinks ? static_cast<T>((*p.sinks)[h]) : -inf;
+        T m = sink;
         for (T x : s) m = std::max(m, x);
         if (m == -inf) {
           r.lse.view()(b, h, i) = -inf;
           continue;
         }
-        T z = 0;
+        T z = p.sinks ? std::exp(sink - m) : T{0};
         for (T x : s) z += std::exp(x - m);
         r.lse.view()(b, h, i) = m + std::log(z);
         std::vector<T> prob(s.size());
         for (size_t j = 0; j < s.size(); ++j) prob[j] = std::exp(s[j] - m) / z;
         for (int64_t j = 0; j < Tk; ++j) {
           r.weights.view()(b, h, i, j) = prob[static_cast<size_t>(j)];
-          for (int64_t d = 0; d < Dv; ++d) r.out.view()(b, h, i, d) += prob[static_cast<size_t>(j)] * v(b, h, j, d);
+          for (int64_t d = 0; d < Dv; ++d) r.out.view()(b, h, i, d) += prob[static_cast<size_t>(j)] * v(b, hk, j, d);
         }
         if (dout_d.numel() == 0) continue;
         T row_dot = 0;  // D_i
         for (int64_t d = 0; d < Dv; ++d) row_dot += dout(b, h, i, d) * r.out.view()(b, h, i, d);
         auto term = [&](T x) { return absolute ? std::abs(x) : x; };
+        if (p.sinks) r.dsinks[h] -= term(std::exp(sink - m) / z * row_dot);
         for (int64_t j = 0; j < Tk; ++j) {
           const T pij = prob[static_cast<size_t>(j)];
           T dp = 0;
           for (int64_t d = 0; d < Dv; ++d) {
-            dp += dout(b, h, i, d) * v(b, h, j, d);
-            r.dv.view()(b, h, j, d) += pij * term(dout(b, h, i, d));
+            dp += dout(b, h, i, d) * v(b, hk, j, d);
+            r.dv.view()(b, hk, j, d) += pij * term(dout(b, h, i, d));
           }
           const T ds = term(pij * (dp - row_dot));
+          const T dx = ds * cap_slope[static_cast<size_t>(j)];
           for (int64_t d = 0; d < Dk; ++d) {
-            r.dq.view()(b, h, i, d) += term(scale) * ds * term(k(b, h, j, d));
-            r.dk.view()(b, h, j, d) += term(scale) * ds * term(q(b, h, i, d));
+            r.dq.view()(b, h, i, d) += term(scale) * dx * term(k(b, hk, j, d));
+            r.dk.view()(b, hk, j, d) += term(scale) * dx * term(q(b, h, i, d));
           }
           if (dbias) (*dbias)(b, h, i, j) += ds;
         }
       }
+  if (absolute && p.sinks) {
+    for (int64_t h = 0; h < r.dsinks.numel(); ++h) r.dsinks[h] = std::abs(r.dsinks[h]);
+  }
   return r;
 }
 

@@ -1,0 +1,476 @@
+// Tests of the attention variants (include/qkv/ops/attention.hpp): grouped-query heads, the window
+// and the causal alignment, the softcap, ALiBi and sinks, alone and combined. The reference is held
+// to an independent float64 implementation of the formula (support/attention_problems.hpp), the
+// fused kernel on every SIMD target to the reference by the tolerance rule; float64 gradients
+// against finite differences; bit-identity across thread counts; the edge cases and the refusals.
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <limits>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "attention_checks.hpp"
+#include "qkv/core/error.hpp"
+#include "qkv/ops/additive_attention.hpp"
+#include "qkv/ops/attention.hpp"
+#include "support/attention_problems.hpp"
+#include "testing.hpp"
+
+namespace qkv {
+namespace {
+
+using testing::all_close;
+using testing::all_finite;
+using testing::bit_identical;
+using testing::expect_float32_matches_reference;
+using testing::Grads;
+using testing::on_every_target;
+using testing::random_dout;
+using testing::random_mask;
+using testing::random_tensor;
+using testing::reference_backward;
+using testing::reference_forward;
+using testing::run_backward;
+using testing::run_forward;
+using testing::WorkersScope;
+using Problem = testing::AttentionProblem;
+
+// The sizes and options of one variant problem: q [B, H, Tq, Dk], k and v with Hkv heads.
+struct Variant {
+  std::string name = "";
+  int64_t b = 1, h = 2, hkv = 2, tq = 9, tk = 11, dk = 8, dv = 5;
+  bool causal = false;
+  CausalAlignment alignment = CausalAlignment::bottom_right;
+  std::optional<AttentionWindow> window = std::nullopt;
+  std::optional<double> softcap = std::nullopt;
+  bool alibi = false;
+  bool sinks = false;
+  bool bias = false;
+  bool mask = false;
+};
+
+Problem make_problem(const Variant& c, uint64_t seed, double stddev = 1.0) {
+  Rng rng(seed);
+  Problem p;
+  p.q = random_tensor<double>({c.b, c.h, c.tq, c.dk}, rng, stddev);
+  p.k = random_tensor<double>({c.b, c.hkv, c.tk, c.dk}, rng, stddev);
+  p.v = random_tensor<double>({c.b, c.hkv, c.tk, c.dv}, rng);
+  p.causal = c.causal;
+  p.alignment = c.alignment;
+  p.window = c.window;
+  p.softcap = c.softcap;
+  if (c.alibi) {
+    const std::vector<double> slopes = alibi_slopes(c.h);
+    Tensor<double> t({c.h});
+    for (int64_t h = 0; h < c.h; ++h) t[h] = slopes[static_cast<size_t>(h)];
+    p.alibi = t;
+  }
+  if (c.sinks) p.sinks = random_tensor<double>({c.h}, rng);
+  if (c.bias) p.bias = random_tensor<double>({c.b, c.h, c.tq, c.tk}, rng);
+  if (c.mask) p.allowed = random_mask({1, c.h, c.tq, c.tk}, 0.8, seed + 7);
+  return p;
+}
+
+// Each feature alone, pairs of them, and all of them in one call, on sizes off every tile
+// multiple (and several blocks of queries and keys where the window and the band matter).
+std::vector<Variant> variants() {
+  const AttentionWindow narrow{.left = 5, .right = 2};
+  return {
+      {.name = "gqa g=2", .h = 4, .hkv = 2},
+      {.name = "gqa g=3", .h = 6, .hkv = 2, .tq = 13, .tk = 17},
+      {.name = "mqa", .h = 5, .hkv = 1, .causal = true},
+      {.name = "window", .tq = 70, .tk = 140, .window = narrow},
+      {.name = "window causal",
+       .tq = 130,
+       .tk = 130,
+       .causal = true,
+       .window = AttentionWindow{.left = 40, .right = -1}},
+      {.name = "window left only", .tq = 67, .tk = 131, .window = AttentionWindow{.left = 3, .right = -1}},
+      {.name = "window right only", .tq = 67, .tk = 131, .window = AttentionWindow{.left = -1, .right = 3}},
+      {.name = "top-left causal Tq<Tk", .tq = 7, .tk = 19, .causal = true, .alignment = CausalAlignment::top_left},
+      {.name = "top-left causal Tq>Tk", .tq = 19, .tk = 7, .causal = true, .alignment = CausalAlignment::top_left},
+      {.name = "top-left window", .tq = 70, .tk = 100, .alignment = CausalAlignment::top_left, .window = narrow},
+      {.name = "softcap", .softcap = 2.0},
+      {.name = "softcap with bias", .softcap = 1.5, .bias = true},
+      {.name = "alibi", .h = 3, .hkv = 3, .tq = 70, .tk = 90, .alibi = true},
+      {.name = "alibi causal top-left",
+       .h = 4,
+       .hkv = 4,
+       .causal = true,
+       .alignment = CausalAlignment::top_left,
+       .alibi = true},
+      {.name = "sinks", .sinks = true},
+      {.name = "sinks causal mask", .tq = 20, .tk = 20, .causal = true, .sinks = true, .mask = true},
+      {.name = "everything",
+       .b = 2,
+       .h = 6,
+       .hkv = 2,
+       .tq = 75,
+       .tk = 140,
+       .causal = true,
+       .window = AttentionWindow{.left = 30, .right = -1},
+       .softcap = 3.0,
+       .alibi = true,
+       .sinks = true,
+       .bias = true,
+       .mask = true},
+      {.name = "decode everything",
+       .h = 4,
+       .hkv = 1,
+       .tq = 1,
+       .tk = 1100,
+       .causal = true,
+       .window = AttentionWindow{.left = 700, .right = 0},
+       .softcap = 5.0,
+       .alibi = true,
+       .sinks = true},
+  };
+}
+
+// --- the reference against the formula -----------------------------------------------------------
+
+TEST(AttentionVariants, ReferenceMatchesTheFormulaInFloat64) {
+  uint64_t seed = 100;
+  for (const Variant& c : variants()) {
+    SCOPED_TRACE(c.name);
+    const Problem p = make_problem(c, seed++);
+    const Tensor<double> dout = random_dout(p, seed++);
+    const testing::NaiveAttention<double> want = testing::naive_attention<double>(p, dout);
+    const testing::Forward got = reference_forward(p);
+    EXPECT_TRUE(all_close("out", got.out, want.out, 1e-12));
+    EXPECT_TRUE(all_close("lse", got.lse, want.lse, 1e-12));
+    const Grads g = reference_backward(p, dout);
+    EXPECT_TRUE(all_close("dq", g.dq, want.dq, 1e-11));
+    EXPECT_TRUE(all_close("dk", g.dk, want.dk, 1e-11));
+    EXPECT_TRUE(all_close("dv", g.dv, want.dv, 1e-11));
+    if (p.bias) {
+      EXPECT_TRUE(all_close("dbias", g.dbias, want.dbias, 1e-11));
+    }
+    if (p.sinks) {
+      EXPECT_TRUE(all_close("dsinks", g.dsinks, want.dsinks, 1e-11));
+    }
+  }
+}
+
+// --- the fused kernel against the reference ----------------------------------------------------
+
+TEST(AttentionVariants, FusedFloat32WithinTwiceTheNaiveError) {
+  uint64_t seed = 300;
+  for (const Variant& c : variants()) {
+    expect_float32_matches_reference(make_problem(c, seed), seed + 1, c.name);
+    seed += 2;
+  }
+}
+
+TEST(AttentionVariants, FusedFloat32WithLargeLogits) {
+  // Scores in the hundreds: the softcap bounds them, ALiBi and the window shift and cut them.
+  uint64_t seed = 400;
+  for (Variant c : {Variant{.name = "gqa", .h = 4, .hkv = 1, .tq = 40, .tk = 70, .dk = 64, .dv = 16},
+                    Variant{.name = "softcap", .tq = 40, .tk = 70, .dk = 64, .dv = 16, .softcap = 30.0},
+                    Variant{.name = "window alibi sinks",
+                    .tq = 70,
+                    .tk = 70,
+                    .dk = 64,
+                    .dv = 16,
+                    .causal = true,
+                    .window = AttentionWindow{.left = 20, .right = 0},
+                    .alibi = true,
+                    .sinks = true}}) {
+    expect_float32_matches_reference(make_problem(c, seed, 3.0), seed + 1, c.name + " (q, k of stddev 3)");
+    seed += 2;
+  }
+}
+
+TEST(AttentionVariants, FusedFloat64MatchesReferenceClosely) {
+  uint64_t seed = 500;
+  for (const Variant& c : variants()) {
+    SCOPED_TRACE(c.name);
+    const Problem p = make_problem(c, seed++);
+    const Tensor<double> dout = random_dout(p, seed++);
+    const testing::Forward want = reference_forward(p);
+    const Grads gw = reference_backward(p, dout);
+    on_every_target([&] {
+      const testing::Forward got = run_forward<double>(p, AttentionImpl::fused);
+      EXPECT_TRUE(all_close("out", got.out, want.out, 1e-12));
+      EXPECT_TRUE(all_close("lse", got.lse, want.lse, 1e-12));
+      const Grads g = run_backward<double>(p, dout, AttentionImpl::fused);
+      EXPECT_TRUE(all_close("dq", g.dq, gw.dq, 1e-11));
+      EXPECT_TRUE(all_close("dk", g.dk, gw.dk, 1e-11));
+      EXPECT_TRUE(all_close("dv", g.dv, gw.dv, 1e-11));
+      if (p.bias) {
+        EXPECT_TRUE(all_close("dbias", g.dbias, gw.dbias, 1e-11));
+      }
+      if (p.sinks) {
+        EXPECT_TRUE(all_close("dsinks", g.dsinks, gw.dsinks, 1e-11));
+      }
+    });
+  }
+}
+
+// --- gradients ---------------------------------------------------------------------------------
+
+TEST(AttentionVariants, GradientsMatchFiniteDifferences) {
+  // L = <dO, out> in float64, central differences with h = 1e-6: accurate to ≈ 1e-10 here. The
+  // softcap and sinks have gradients of their own; through ALiBi, the window and the grouping the
+  // gradients of q, k and v change, and dk, dv sum over each group.
+  constexpr double kGradTolerance = 1e-7;
+  const Variant cases[] = {
+      {.name = "softcap bias", .h = 2, .hkv = 1, .tq = 5, .tk = 6, .dk = 3, .dv = 2, .softcap = 0.7, .bias = true},
+      {.name = "sinks", .h = 2, .hkv = 2, .tq = 5, .tk = 6, .dk = 3, .dv = 2, .causal = true, .sinks = true},
+      {.name = "alibi window gqa",
+       .h = 3,
+       .hkv = 1,
+       .tq = 6,
+       .tk = 8,
+       .dk = 3,
+       .dv = 2,
+       .window = AttentionWindow{.left = 2, .right = 1},
+       .alibi = true},
+  };
+  uint64_t seed = 600;
+  for (const Variant& c : cases) {
+    SCOPED_TRACE(c.name);
+    for (const AttentionImpl impl : {AttentionImpl::reference, AttentionImpl::fused}) {
+      SCOPED_TRACE(impl == AttentionImpl::fused ? "fused" : "reference");
+      Problem p = make_problem(c, seed);
+      const Tensor<double> dout = random_dout(p, seed + 1);
+      const Grads g = run_backward<double>(p, dout, impl, false);
+      auto loss = [&] { return testing::dot(run_forward<double>(p, impl).out, dout); };
+      EXPECT_TRUE(all_close("dq", g.dq, testing::numeric_gradient(loss, p.q), kGradTolerance));
+      EXPECT_TRUE(all_close("dk", g.dk, testing::numeric_gradient(loss, p.k), kGradTolerance));
+      EXPECT_TRUE(all_close("dv", g.dv, testing::numeric_gradient(loss, p.v), kGradTolerance));
+      if (p.bias) {
+        EXPECT_TRUE(all_close("dbias", g.dbias, testing::numeric_gradient(loss, *p.bias), kGradTolerance));
+      }
+      if (p.sinks) {
+        EXPECT_TRUE(all_close("dsinks", g.dsinks, testing::numeric_gradient(loss, *p.sinks), kGradTolerance));
+      }
+    }
+    seed += 2;
+  }
+}
+
+TEST(AttentionVariants, GradientsBitIdenticalOnOneAndTwoThreads) {
+  // Grouped heads add to the same dk, dv rows: one task runs each group, in head order, whether
+  // the schedule is one pass (one thread) or two (two threads, few groups).
+  const Variant cases[] = {
+      {.name = "mqa window",
+       .h = 4,
+       .hkv = 1,
+       .tq = 150,
+       .tk = 200,
+       .dk = 32,
+       .dv = 16,
+       .window = AttentionWindow{.left = 64, .right = 8}},
+      {.name = "gqa softcap sinks alibi",
+       .b = 2,
+       .h = 6,
+       .hkv = 3,
+       .tq = 130,
+       .tk = 129,
+       .dk = 16,
+       .dv = 16,
+       .causal = true,
+       .softcap = 4.0,
+       .alibi = true,
+       .sinks = true,
+       .bias = true},
+  };
+  uint64_t seed = 700;
+  on_every_target([&] {
+    for (const Variant& c : cases) {
+      SCOPED_TRACE(c.name);
+      const Problem p = make_problem(c, seed);
+      const Tensor<double> dout = random_dout(p, seed + 1);
+      Grads one, two;
+      testing::Forward f1, f2;
+      {
+        const WorkersScope workers(1);
+        f1 = run_forward<float>(p, AttentionImpl::fused);
+        one = run_backward<float>(p, dout, AttentionImpl::fused);
+      }
+      {
+        const WorkersScope workers(2);
+        f2 = run_forward<float>(p, AttentionImpl::fused);
+        two = run_backward<float>(p, dout, AttentionImpl::fused);
+      }
+      EXPECT_TRUE(bit_identical(f1.out, f2.out));
+      EXPECT_TRUE(bit_identical(one.dq, two.dq));
+      EXPECT_TRUE(bit_identical(one.dk, two.dk));
+      EXPECT_TRUE(bit_identical(one.dv, two.dv));
+      EXPECT_TRUE(bit_identical(one.dbias, two.dbias));
+      EXPECT_TRUE(bit_identical(one.dsinks, two.dsinks));
+      seed += 2;
+    }
+  });
+}
+
+// --- edge cases -------------------------------------------------------------------------------
+
+TEST(AttentionVariants, WindowZeroSeesOnlyTheDiagonalKey) {
+  for (const CausalAlignment alignment : {CausalAlignment::bottom_right, CausalAlignment::top_left}) {
+    const Variant c{.tq = 70, .tk = 75, .alignment = alignment, .window = AttentionWindow{.left = 0, .right = 0}};
+    const Problem p = make_problem(c, 800);
+    const int64_t offset = alignment == CausalAlignment::bottom_right ? c.tk - c.tq : 0;
+    for (const AttentionImpl impl : {AttentionImpl::reference, AttentionImpl::fused}) {
+      const testing::Forward f = run_forward<double>(p, impl);
+      for (int64_t h = 0; h < c.h; ++h) {
+        for (int64_t i = 0; i < c.tq; ++i) {
+          for (int64_t d = 0; d < c.dv; ++d) {
+            ASSERT_DOUBLE_EQ(f.out.view()(0, h, i, d), p.v.view()(0, h, i + offset, d)) << "query " << i;
+          }
+        }
+      }
+    }
+  }
+}
+
+TEST(AttentionVariants, WindowWiderThanTheSequenceChangesNothing) {
+  Variant wide{.tq = 67, .tk = 131, .causal = true, .window = AttentionWindow{.left = 1000, .right = 1000}};
+  Variant plain = wide;
+  plain.window = std::nullopt;
+  const Problem pw = make_problem(wide, 810), pp = make_problem(plain, 810);
+  on_every_target([&] {
+    EXPECT_TRUE(bit_identical(run_forward<float>(pw, AttentionImpl::fused).out,
+                              run_forward<float>(pp, AttentionImpl::fused).out));
+  });
+}
+
+TEST(AttentionVariants, RowsThatTheWindowAndMaskEmptyGiveZeroAndNoNaN) {
+  // Window (1, 0): query i sees keys i + o − 1 and i + o; the mask forbids both for even queries.
+  Variant c{.tq = 70, .tk = 70, .window = AttentionWindow{.left = 1, .right = 0}};
+  Problem p = make_problem(c, 820);
+  Tensor<uint8_t> allowed({c.tq, c.tk});
+  for (int64_t i = 0; i < c.tq; ++i) {
+    for (int64_t j = 0; j < c.tk; ++j) allowed.view()(i, j) = (i % 2 == 0) ? 0 : 1;
+  }
+  p.allowed = allowed;
+  const Tensor<double> dout = random_dout(p, 821);
+  for (const bool sinks : {false, true}) {
+    SCOPED_TRACE(sinks ? "with sinks" : "without sinks");
+    if (sinks) {
+      Rng rng(822);
+      p.sinks = random_tensor<double>({c.h}, rng);
+    }
+    on_every_target([&] {
+      for (const AttentionImpl impl : {AttentionImpl::reference, AttentionImpl::fused}) {
+        const testing::Forward f = run_forward<float>(p, impl);
+        const Grads g = run_backward<float>(p, dout, impl);
+        EXPECT_TRUE(all_finite(f.out) && all_finite(g.dq) && all_finite(g.dk) && all_finite(g.dv));
+        for (int64_t h = 0; h < c.h; ++h) {
+          for (int64_t i = 0; i < c.tq; i += 2) {
+            for (int64_t d = 0; d < c.dv; ++d) EXPECT_EQ(f.out.view()(0, h, i, d), 0.0);
+            for (int64_t d = 0; d < c.dk; ++d) EXPECT_EQ(g.dq.view()(0, h, i, d), 0.0);
+            // Without a sink the empty row has no distribution (lse −inf); with one, only the sink.
+            const double sink = sinks ? static_cast<double>(static_cast<float>((*p.sinks)[h])) : -std::numeric_limits<double>::infinity();
+            EXPECT_EQ(f.lse.view()(0, h, i), sink);
+          }
+        }
+        if (sinks) {
+          EXPECT_TRUE(all_finite(g.dsinks));
+        }
+      }
+    });
+  }
+}
+
+TEST(AttentionVariants, TinySizesMatchReference) {
+  uint64_t seed = 830;
+  for (const Variant& c : {Variant{.name = "T=1 d=1",
+                          .h = 3,
+                          .hkv = 1,
+                          .tq = 1,
+                          .tk = 1,
+                          .dk = 1,
+                          .dv = 1,
+                          .softcap = 1.0,
+                          .alibi = true,
+                          .sinks = true},
+                           Variant{.name = "Tq=1 window",
+                           .tq = 1,
+                           .tk = 9,
+                           .dk = 1,
+                           .dv = 2,
+                           .window = AttentionWindow{.left = 2, .right = 0}},
+                           Variant{.name = "no keys sinks", .tq = 3, .tk = 0, .sinks = true}}) {
+    expect_float32_matches_reference(make_problem(c, seed), seed + 1, c.name);
+    seed += 2;
+  }
+}
+
+TEST(AttentionVariants, AlibiSlopesAreTheStandardOnes) {
+  const std::vector<double> eight = alibi_slopes(8);
+  ASSERT_EQ(eight.size(), 8U);
+  for (size_t h = 0; h < 8; ++h) EXPECT_DOUBLE_EQ(eight[h], std::exp2(-static_cast<double>(h + 1)));
+  // 12 heads: the 8 of the power of two below, then every other one of the 16 above.
+  const std::vector<double> twelve = alibi_slopes(12);
+  ASSERT_EQ(twelve.size(), 12U);
+  for (size_t h = 0; h < 8; ++h) EXPECT_DOUBLE_EQ(twelve[h], eight[h]);
+  for (size_t h = 0; h < 4; ++h) EXPECT_DOUBLE_EQ(twelve[8 + h], std::exp2(-0.5 - static_cast<double>(h)));
+  EXPECT_EQ(alibi_slopes(1), std::vector<double>{1.0 / 256.0});
+  EXPECT_TRUE(alibi_slopes(0).empty());
+}
+
+// --- refusals ---------------------------------------------------------------------------------
+
+using testing::throws_naming;
+
+TEST(AttentionVariants, RefusesBadArgumentsNamingThem) {
+  const Variant base{.h = 6, .hkv = 2};
+  // Each edit of a valid problem, the error type it must raise and what its message must say, from
+  // the reference and the fused kernel alike: one validation at the boundary.
+  auto refused = [&](auto&& edit, const std::vector<std::string>& parts, auto error_type) {
+    using E = decltype(error_type);
+    Problem p = make_problem(base, 900);
+    edit(p);
+    EXPECT_TRUE(throws_naming<E>([&] { run_forward<float>(p, AttentionImpl::fused); }, parts));
+    EXPECT_TRUE(throws_naming<E>([&] { run_forward<float>(p, AttentionImpl::reference); }, parts));
+  };
+  refused(
+      [](Problem& p) {
+        Rng rng(1);
+        p.k = random_tensor<double>({1, 4, 11, 8}, rng);
+        p.v = random_tensor<double>({1, 4, 11, 5}, rng);
+      },
+      {"k: q has 6 heads, which is not a multiple of k's 4", "[1, 6, 9, 8]", "[1, 4, 11, 8]"}, ShapeError(""));
+  refused([](Problem& p) { p.softcap = 0.0; }, {"softcap: expected a positive finite number, got 0"}, ValueError(""));
+  refused([](Problem& p) { p.softcap = -1.0; }, {"softcap", "got -1"}, ValueError(""));
+  refused([](Problem& p) { p.window = AttentionWindow{.left = -2, .right = 0}; },
+          {"window: left must be -1 (unbounded) or at least 0, got -2"}, ValueError(""));
+  refused([](Problem& p) { p.window = AttentionWindow{.left = 0, .right = -3}; }, {"window: right", "got -3"},
+          ValueError(""));
+  refused([](Problem& p) { p.alibi = Tensor<double>({2}); }, {"alibi_slopes", "[6]", "[2]"}, ShapeError(""));
+  refused([](Problem& p) { p.sinks = Tensor<double>({1, 6}); }, {"sinks", "[6]", "[1, 6]"}, ShapeError(""));
+}
+
+TEST(AttentionVariants, RefusesSinkGradientsWithoutSinks) {
+  const Problem p = make_problem(Variant{}, 910);
+  const testing::AttentionOperands<float> ops(p);
+  Tensor<float> dout({1, 2, 9, 5}), dq(p.q.shape()), dk(p.k.shape()), dv(p.v.shape()), dsinks({2});
+  const AttentionGradients<float> grads{
+      .dq = dq.view(), .dk = dk.view(), .dv = dv.view(), .dbias = {}, .dsinks = dsinks.view()};
+  for (const AttentionImpl impl : {AttentionImpl::reference, AttentionImpl::fused}) {
+    EXPECT_TRUE(throws_naming<ShapeError>(
+        [&] { attention_backward(ops.params(), dout.cview(), grads, std::optional<AttentionSaved<float>>(), impl); },
+        {"dsinks: given, but the call has no sinks"}));
+  }
+}
+
+TEST(AttentionVariants, AdditiveAttentionRefusesGroupedHeads) {
+  Rng rng(920);
+  const Tensor<float> q = random_tensor<float>({4, 3, 2}, rng), k = random_tensor<float>({2, 5, 2}, rng),
+                      v = random_tensor<float>({2, 5, 2}, rng), w_q = random_tensor<float>({3, 2}, rng),
+                      w_k = random_tensor<float>({3, 2}, rng), w = random_tensor<float>({3}, rng);
+  Tensor<float> out({4, 3, 2});
+  const AdditiveAttentionParams<float> params{
+      .q = q.view(), .k = k.view(), .v = v.view(), .w_q = w_q.view(), .w_k = w_k.view(), .w = w.view(), .mask = {}};
+  EXPECT_TRUE(throws_naming<ShapeError>(
+      [&] { additive_attention_forward(params, {.out = out.view(), .weights = {}, .lse = {}}); },
+      {"k: additive attention needs as many key heads as query heads (4)", "[2, 5, 2]"}));
+}
+
+}  // namespace
+}  // namespace qkv

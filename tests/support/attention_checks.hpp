@@ -1,0 +1,145 @@
+#pragma once
+// Running an attention problem (support/attention_problems.hpp) through attention_forward and
+// attention_backward in float32 or float64, and the checks every attention test shares: on every
+// SIMD target, float32 within twice the naive error of the float64 reference, bit-identity.
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <functional>
+#include <limits>
+#include <optional>
+#include <string>
+
+#include "qkv/core/parallel.hpp"
+#include "qkv/core/simd_target.hpp"
+#include "qkv/ops/attention.hpp"
+#include "testing.hpp"
+
+namespace qkv::testing {
+
+struct Forward {
+  Tensor<double> out, lse;
+};
+
+struct Grads {
+  Tensor<double> dq, dk, dv, dbias, dsinks;
+};
+
+// With `with_lse` false the forward is asked for out alone (as in inference), which lets blocks of
+// few queries take their own layout; lse is then left empty.
+template <class T>
+Forward run_forward(const AttentionProblem& p, AttentionImpl impl, bool with_lse = true) {
+  const AttentionOperands<T> ops(p);
+  const Shape& s = p.q.shape();
+  Tensor<T> out({s[0], s[1], s[2], p.v.shape()[3]}), lse({s[0], s[1], s[2]});
+  AttentionOutputs<T> outputs{.out = out.view(), .weights = {}, .lse = {}};
+  if (with_lse) outputs.lse = lse.view();
+  attention_forward(ops.params(), outputs, impl);
+  return {cast<double>(out), with_lse ? cast<double>(lse) : Tensor<double>()};
+}
+
+// Gradients of L = <dout, out>; `with_saved` hands the backward the forward's out and lse.
+template <class T>
+Grads run_backward(const AttentionProblem& p, const Tensor<double>& dout, AttentionImpl impl, bool with_saved = true) {
+  const AttentionOperands<T> ops(p);
+  const Tensor<T> dout_t = cast<T>(dout);
+  Tensor<T> dq(p.q.shape()), dk(p.k.shape()), dv(p.v.shape());
+  Tensor<T> dbias = p.bias ? Tensor<T>(p.bias->shape()) : Tensor<T>();
+  Tensor<T> dsinks = p.sinks ? Tensor<T>(p.sinks->shape()) : Tensor<T>();
+  AttentionGradients<T> grads{.dq = dq.view(), .dk = dk.view(), .dv = dv.view(), .dbias = {}};
+  if (p.bias) grads.dbias = dbias.view();
+  if (p.sinks) grads.dsinks = dsinks.view();
+  std::optional<AttentionSaved<T>> saved;
+  const Shape& s = p.q.shape();
+  Tensor<T> out({s[0], s[1], s[2], p.v.shape()[3]}), lse({s[0], s[1], s[2]});
+  if (with_saved) {
+    attention_forward(ops.params(), AttentionOutputs<T>{.out = out.view(), .weights = {}, .lse = lse.view()}, impl);
+    saved = AttentionSaved<T>{.out = out.cview(), .lse = lse.cview()};
+  }
+  attention_backward(ops.params(), dout_t.view(), grads, saved, impl);
+  return {cast<double>(dq), cast<double>(dk), cast<double>(dv), cast<double>(dbias), cast<double>(dsinks)};
+}
+
+inline Forward reference_forward(const AttentionProblem& p) { return run_forward<double>(p, AttentionImpl::reference); }
+
+inline Grads reference_backward(const AttentionProblem& p, const Tensor<double>& dout) {
+  return run_backward<double>(p, dout, AttentionImpl::reference, false);
+}
+
+// Runs `body` once on every SIMD target this CPU runs, the target named in any failure.
+inline void on_every_target(const std::function<void()>& body) {
+  for (const std::string& target : simd_targets()) {
+    SCOPED_TRACE("target " + target);
+    const SimdTargetScope scope(target);
+    body();
+  }
+}
+
+// The fused float32 forward and backward against the float64 reference, each tensor within twice
+// the naive float32 error, on every SIMD target this CPU runs. The forward runs with and without
+// lse (the two take different layouts for few queries). The backward runs twice: recomputing the
+// forward itself (it then keeps lse in two parts and the rule applies as is), and from a saved
+// float32 lse, whose rounding (a relative error of up to ρ on each row's P) a softmax computed from
+// scratch does not have; there the tolerance adds ρ times the gradient summed in absolute values,
+// which bounds its effect.
+inline void expect_float32_matches_reference(const AttentionProblem& p, uint64_t seed, const std::string& label) {
+  SCOPED_TRACE(label);
+  const Tensor<double> dout = random_dout(p, seed);
+  const NaiveAttention<float> nf = naive_attention<float>(p, dout);
+  const Forward want = reference_forward(p);
+  const Grads gw = reference_backward(p, dout);
+  const NaiveAttention<double> absolute = naive_attention<double>(p, dout, true);
+  const double rho = lse_rounding(want.lse);
+  on_every_target([&] {
+    const Forward got = run_forward<float>(p, AttentionImpl::fused);
+    EXPECT_TRUE(all_close("out", got.out, want.out, tolerance_from_naive(nf.out, want.out)));
+    EXPECT_TRUE(all_close("lse", got.lse, want.lse, tolerance_from_naive(nf.lse, want.lse)));
+    const Forward out_only = run_forward<float>(p, AttentionImpl::fused, false);
+    EXPECT_TRUE(all_close("out without lse", out_only.out, want.out, tolerance_from_naive(nf.out, want.out)));
+    for (const bool saved : {false, true}) {
+      SCOPED_TRACE(saved ? "with the saved lse" : "recomputing the forward");
+      const Grads gg = run_backward<float>(p, dout, AttentionImpl::fused, saved);
+      auto tolerance = [&](const Tensor<float>& naive_grad, const Tensor<double>& exact,
+                           const Tensor<double>& abs_grad) {
+        return tolerance_from_naive(naive_grad, exact) + (saved ? rho * max_abs(abs_grad) : 0.0);
+      };
+      EXPECT_TRUE(all_close("dq", gg.dq, gw.dq, tolerance(nf.dq, gw.dq, absolute.dq)));
+      EXPECT_TRUE(all_close("dk", gg.dk, gw.dk, tolerance(nf.dk, gw.dk, absolute.dk)));
+      EXPECT_TRUE(all_close("dv", gg.dv, gw.dv, tolerance(nf.dv, gw.dv, absolute.dv)));
+      if (p.bias) {
+        EXPECT_TRUE(all_close("dbias", gg.dbias, gw.dbias, tolerance(nf.dbias, gw.dbias, absolute.dbias)));
+      }
+      if (p.sinks) {
+        EXPECT_TRUE(all_close("dsinks", gg.dsinks, gw.dsinks, tolerance(nf.dsinks, gw.dsinks, absolute.dsinks)));
+      }
+    }
+  });
+}
+
+// Runs the body with parallel_for limited to `workers` threads, restoring the previous limit.
+class WorkersScope {
+ public:
+  explicit WorkersScope(int workers) : saved_(max_workers()) { set_max_workers(workers); }
+  ~WorkersScope() { set_max_workers(saved_); }
+  WorkersScope(const WorkersScope&) = delete;
+  WorkersScope& operator=(const WorkersScope&) = delete;
+
+ private:
+  int saved_;
+};
+
+inline bool bit_identical(const Tensor<double>& a, const Tensor<double>& b) {
+  return a.shape() == b.shape() &&
+         std::memcmp(a.data(), b.data(), static_cast<size_t>(a.numel()) * sizeof(double)) == 0;
+}
+
+inline bool all_finite(const Tensor<double>& t) {
+  for (int64_t i = 0; i < t.numel(); ++i) {
+    if (std::isnan(t[i])) return false;
+  }
+  return true;
+}
+
+}  // namespace qkv::testing
