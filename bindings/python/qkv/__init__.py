@@ -7,7 +7,8 @@
     qkv.heatmap(weights[0], path="head0.png")
 
 Shapes follow one vocabulary: B batch, H heads, Tq queries, Tk keys, Dk and Dv feature widths;
-q [B, H, Tq, Dk], k [B, H, Tk, Dk], v [B, H, Tk, Dv] (B, or B and H, may be left out).
+q [B, H, Tq, Dk], k [B, Hkv, Tk, Dk], v [B, Hkv, Tk, Dv] (B, or B and H, may be left out; Hkv
+divides H, and is H but for grouped-query attention).
 float32 runs the fused kernel, float64 the float64 reference. qkv.torch adapts all of it to
 PyTorch tensors and autograd. Errors are ValueError (qkv.Error, qkv.ShapeError), MemoryError
 (qkv.ResourceError) and OSError (qkv.FileError).
@@ -31,6 +32,7 @@ from ._qkv import (
     _write_file_atomically,
     additive_attention,
     additive_attention_backward,
+    alibi_slopes,
     attention,
     attention_backward,
     cpu_summary,
@@ -44,7 +46,7 @@ from ._qkv import (
 
 __all__ = [
     "Error", "FileError", "Heatmap", "ResourceError", "SelfAttention", "ShapeError", "__version__",
-    "additive_attention", "additive_attention_backward", "attention", "attention_backward",
+    "additive_attention", "additive_attention_backward", "alibi_slopes", "attention", "attention_backward",
     "cpu_summary", "default_scale", "get_num_threads", "heatmap", "set_num_threads", "simd_target",
     "simd_targets", "use_simd_target",
 ]

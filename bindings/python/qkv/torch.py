@@ -12,13 +12,14 @@ The op is registered with PyTorch too, as torch.ops.qkv.attention_forward(q, k, 
 is_causal, scale) -> (out, lse): with torch.library.custom_op, register_fake and
 register_autograd where PyTorch has them (2.4 and later, so torch.compile can trace it), and with
 torch.library.Library("qkv", "DEF") before that (Debian 12's torch 1.13). Its is_causal is qkv's
-bottom-right one.
+bottom-right one. The op keeps that signature: scaled_dot_product_attention's window, softcap,
+alibi and sinks, and its top-left causality when Tq != Tk, go through the autograd function alone.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Optional, Tuple
+from typing import Optional, Tuple, Union
 
 import numpy as np
 import torch
@@ -47,6 +48,10 @@ def _mask_array(mask: Optional[torch.Tensor]) -> Optional[np.ndarray]:
     return None if mask is None else _array(mask, "attn_mask")
 
 
+def _optional_array(tensor: Optional[torch.Tensor], name: str) -> Optional[np.ndarray]:
+    return None if tensor is None else _array(tensor, name)
+
+
 # The numpy API's argument names as PyTorch's signature spells them, for the errors qkv raises.
 _TORCH_NAMES = {"q": "query", "k": "key", "v": "value", "mask": "attn_mask"}
 
@@ -59,46 +64,63 @@ def _renamed(error: Exception) -> Exception:
     return error
 
 
-def _forward(q, k, v, attn_mask, is_causal: bool, scale: Optional[float]) -> Tuple[torch.Tensor, torch.Tensor]:
+def _forward(q, k, v, attn_mask, causal, scale: Optional[float], sinks=None, alibi=None, window=None,
+             softcap=None) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(out, lse); causal is qkv.attention's (False, True, "bottom-right" or "top-left")."""
     try:
         out, lse = _qkv.attention(_array(q, "query"), _array(k, "key"), _array(v, "value"), scale=scale,
-                                  causal=is_causal, mask=_mask_array(attn_mask), return_lse=True)
+                                  causal=causal, mask=_mask_array(attn_mask), window=window, softcap=softcap,
+                                  alibi=_optional_array(alibi, "alibi"), sinks=_optional_array(sinks, "sinks"),
+                                  return_lse=True)
     except (_qkv.Error, _qkv.ResourceError) as e:
         raise _renamed(e) from None
     return torch.from_numpy(out), torch.from_numpy(lse)
 
 
-def _backward(q, k, v, attn_mask, is_causal, scale, out, lse, dout):
+def _backward(q, k, v, attn_mask, causal, scale, out, lse, dout, sinks=None, alibi=None, window=None,
+              softcap=None):
+    """(dq, dk, dv, dmask, dsinks), dmask None unless attn_mask is a float bias, dsinks None without sinks."""
     try:
         grads = _qkv.attention_backward(_array(q, "query"), _array(k, "key"), _array(v, "value"),
                                         _array(dout, "dout"), out=_array(out, "out"), lse=_array(lse, "lse"),
-                                        scale=scale, causal=is_causal, mask=_mask_array(attn_mask))
+                                        scale=scale, causal=causal, mask=_mask_array(attn_mask), window=window,
+                                        softcap=softcap, alibi=_optional_array(alibi, "alibi"),
+                                        sinks=_optional_array(sinks, "sinks"))
     except (_qkv.Error, _qkv.ResourceError) as e:
         raise _renamed(e) from None
-    dq, dk, dv = (torch.from_numpy(g) for g in grads[:3])
-    dmask = torch.from_numpy(grads[3]) if len(grads) == 4 else None
-    return dq, dk, dv, dmask
+    grads = [torch.from_numpy(g) for g in grads]
+    dsinks = grads.pop() if sinks is not None else None
+    dmask = grads.pop() if len(grads) == 4 else None
+    return (*grads, dmask, dsinks)
 
 
 class _Attention(torch.autograd.Function):
-    """(out, lse) of qkv's fused attention; the backward reads the saved out and lse."""
+    """(out, lse) of qkv's attention; the backward reads the saved out and lse. Gradients reach q, k,
+    v, a float attn_mask and the sinks; alibi's slopes are constants."""
 
     @staticmethod
-    def forward(ctx, q, k, v, attn_mask, is_causal, scale):
-        out, lse = _forward(q, k, v, attn_mask, is_causal, scale)
-        ctx.save_for_backward(q, k, v, attn_mask, out, lse)
-        ctx.is_causal, ctx.scale = is_causal, scale
+    def forward(ctx, q, k, v, attn_mask, causal, scale, sinks, alibi, window, softcap):
+        out, lse = _forward(q, k, v, attn_mask, causal, scale, sinks, alibi, window, softcap)
+        ctx.save_for_backward(q, k, v, attn_mask, sinks, alibi, out, lse)
+        ctx.causal, ctx.scale, ctx.window, ctx.softcap = causal, scale, window, softcap
         ctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, dout, _dlse):
-        q, k, v, attn_mask, out, lse = ctx.saved_tensors
-        dq, dk, dv, dmask = _backward(q, k, v, attn_mask, ctx.is_causal, ctx.scale, out, lse, dout)
+        q, k, v, attn_mask, sinks, alibi, out, lse = ctx.saved_tensors
+        dq, dk, dv, dmask, dsinks = _backward(q, k, v, attn_mask, ctx.causal, ctx.scale, out, lse, dout, sinks,
+                                              alibi, ctx.window, ctx.softcap)
         if not ctx.needs_input_grad[3]:
             dmask = None
-        return dq, dk, dv, dmask, None, None
+        if not ctx.needs_input_grad[6]:
+            dsinks = None
+        return dq, dk, dv, dmask, None, None, dsinks, None, None, None
+
+
+def _attention(q, k, v, attn_mask, causal, scale, sinks=None, alibi=None, window=None, softcap=None):
+    return _Attention.apply(q, k, v, attn_mask, causal, scale, sinks, alibi, window, softcap)
 
 
 def _register_op():
@@ -119,7 +141,7 @@ def _register_op():
                                attn_mask: Optional[torch.Tensor], is_causal: bool, scale: Optional[float],
                                out: torch.Tensor, lse: torch.Tensor,
                                dout: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-            dq, dk, dv, dmask = _backward(query, key, value, attn_mask, is_causal, scale, out, lse, dout)
+            dq, dk, dv, dmask, _ = _backward(query, key, value, attn_mask, is_causal, scale, out, lse, dout)
             return dq, dk, dv, dmask if dmask is not None else query.new_empty(0)
 
         @attention_backward.register_fake
@@ -147,32 +169,40 @@ def _register_op():
     library.define("attention_forward(Tensor query, Tensor key, Tensor value, Tensor? attn_mask, bool is_causal, "
                    "float? scale) -> (Tensor, Tensor)")
     # The autograd function is the implementation for every dispatch key, so the op is differentiable.
-    library.impl("attention_forward", _Attention.apply, "CompositeImplicitAutograd")
+    library.impl("attention_forward", _attention, "CompositeImplicitAutograd")
     _register_op.library = library  # a Library unregisters its ops when collected
-    return _Attention.apply
+    return _attention
 
 
 _attention_forward = _register_op()
 
 
-def _top_left_causal(tq: int, tk: int) -> torch.Tensor:
-    return torch.ones(tq, tk, dtype=torch.bool).tril()
-
-
 def scaled_dot_product_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                                  attn_mask: Optional[torch.Tensor] = None, dropout_p: float = 0.0,
                                  is_causal: bool = False, scale: Optional[float] = None, *,
-                                 causal_alignment: str = "top_left") -> torch.Tensor:
+                                 causal_alignment: str = "top_left", window: Optional[Tuple[int, int]] = None,
+                                 softcap: Optional[float] = None, alibi: Union[None, str, torch.Tensor] = None,
+                                 sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
     """torch.nn.functional.scaled_dot_product_attention, computed by qkv and differentiable.
 
-    query [B, H, Tq, E], key [B, H, Tk, E], value [B, H, Tk, Ev] -> [B, H, Tq, Ev], float32
-    (the fused kernel) or float64 (the float64 reference); B, or B and H, may be left out.
+    query [B, H, Tq, E], key [B, Hkv, Tk, E], value [B, Hkv, Tk, Ev] -> [B, H, Tq, Ev], float32
+    (the fused kernel) or float64 (the float64 reference); B, or B and H, may be left out. Hkv may
+    be any divisor of H (grouped-query attention, as PyTorch's enable_gqa=True): query head h
+    reads key/value head h // (H // Hkv), and key.grad, value.grad have key's and value's shapes.
     attn_mask: broadcastable to [B, H, Tq, Tk]; bool (True = may attend) or a float bias added to
         the scores (its gradient is computed when it requires grad). It combines with is_causal.
     is_causal: with causal_alignment="top_left" (PyTorch's convention) query i sees keys j <= i;
         with "bottom_right" (qkv's, and FlashAttention's) j <= i + Tk - Tq, so that with a KV
         cache the last query sees every key. The two agree when Tq == Tk.
     scale: 1/sqrt(E) when None.
+    window: None or (left, right): query i sees keys i + o - left <= j <= i + o + right, -1 for an
+        unbounded side; o is the diagonal's offset, 0 top-left and Tk - Tq bottom-right.
+    softcap: None or c > 0: the scaled scores x become c * tanh(x / c) before attn_mask is added.
+    alibi: None, "auto" (qkv.alibi_slopes(H)) or [H] slopes m_h: adds -m_h * |i + o - j|.
+    sinks: None or [H] logits that join every row's softmax with no value; they get a gradient
+        when they require grad.
+    The window's and ALiBi's o follows causal_alignment when is_causal; without is_causal it is
+    bottom-right, and top_left (the default) with Tq != Tk is refused for them.
 
     Differs from PyTorch's: a query whose every key is masked gives 0 (and zero gradients), not
     NaN. dropout_p > 0 is refused: qkv has no dropout yet.
@@ -183,20 +213,21 @@ def scaled_dot_product_attention(query: torch.Tensor, key: torch.Tensor, value: 
         raise ValueError(f"causal_alignment: expected \"top_left\" or \"bottom_right\", got {causal_alignment!r}")
     if scale is not None and not math.isfinite(scale):
         raise ValueError(f"scale: expected a finite number, got {scale}")
+    if isinstance(alibi, str):
+        if alibi != "auto":
+            raise ValueError(f"alibi: expected None, \"auto\" or a tensor of [H] slopes, got {alibi!r}")
+        alibi = torch.tensor(_qkv.alibi_slopes(query.shape[-3] if query.ndim >= 3 else 1), dtype=query.dtype)
     if attn_mask is not None and not attn_mask.is_floating_point() and attn_mask.dtype != torch.bool:
         attn_mask = attn_mask != 0  # an integer mask reads as bool: nonzero = may attend
     tq, tk = query.shape[-2] if query.ndim >= 2 else 0, key.shape[-2] if key.ndim >= 2 else 0
-    causal = is_causal
-    if is_causal and causal_alignment == "top_left" and tq != tk:
-        # qkv's causal flag is bottom-right; PyTorch's triangle comes as an explicit mask.
-        causal = False
-        triangle = _top_left_causal(tq, tk)
-        if attn_mask is None:
-            attn_mask = triangle
-        elif attn_mask.dtype == torch.bool:
-            attn_mask = attn_mask & triangle
-        else:
-            attn_mask = attn_mask.masked_fill(~triangle, float("-inf"))
+    top_left = causal_alignment == "top_left" and tq != tk
+    if top_left and not is_causal and (window is not None or alibi is not None):
+        # qkv takes the alignment with causality alone; a silent bottom-right window would mislead.
+        raise ValueError(f"causal_alignment: \"top_left\" places the window and ALiBi only with is_causal=True; "
+                         f"pass is_causal=True or causal_alignment=\"bottom_right\" (Tq = {tq}, Tk = {tk})")
+    causal = ("top-left" if top_left else True) if is_causal else False
+    if causal == "top-left" or any(x is not None for x in (window, softcap, alibi, sinks)):
+        return _attention(query, key, value, attn_mask, causal, scale, sinks, alibi, window, softcap)[0]
     return _attention_forward(query, key, value, attn_mask, causal, scale)[0]
 
 

@@ -139,6 +139,18 @@ AttentionMask<T> Inputs::mask(const py::object& mask, bool causal, bool allow_no
 }
 
 template <class T>
+TensorView<const T> Inputs::per_head(const py::object& values, std::string_view name, bool allow_nonfinite) {
+  py::array array = as_array(values);
+  const char kind = array.dtype().kind();
+  // A list of Python floats is float64 to numpy, which a float32 caller did not choose.
+  const bool numbers = !py::isinstance<py::array>(values) && (kind == 'f' || kind == 'i' || kind == 'u');
+  if (numbers || (kind == 'f' && static_cast<size_t>(array.itemsize()) < sizeof(T))) {
+    array = array.attr("astype")(py::dtype::of<T>());
+  }
+  return floats<T>(array, name, "q", allow_nonfinite);
+}
+
+template <class T>
 py::array_t<T> new_array(const Shape& shape, std::string_view what, bool zeroed) {
   check_allocation_fits(static_cast<double>(shape.numel()) * sizeof(T), what);
   py::array_t<T> array(std::vector<py::ssize_t>(shape.dims().begin(), shape.dims().end()));
@@ -199,6 +211,7 @@ AttentionImpl impl_of(std::string_view impl) {
 #define QKV_PYTHON_INSTANTIATE(T)                                                                                      \
   template TensorView<const T> Inputs::floats(const py::object&, std::string_view, std::string_view, bool, NonFinite); \
   template AttentionMask<T> Inputs::mask(const py::object&, bool, bool);                                               \
+  template TensorView<const T> Inputs::per_head(const py::object&, std::string_view, bool);                            \
   template py::array_t<T> new_array(const Shape&, std::string_view, bool);                                             \
   template TensorView<T> view_of(py::array_t<T>&);
 QKV_PYTHON_INSTANTIATE(float)

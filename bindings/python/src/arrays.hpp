@@ -45,6 +45,12 @@ class Inputs {
   template <class T>
   AttentionMask<T> mask(const py::object& mask, bool causal, bool allow_nonfinite);
 
+  // A vector of one value per head (sinks, ALiBi slopes): an array of T's dtype (float32 is widened
+  // for float64 operands, the other way is refused), or numbers that are not an array (a list), taken
+  // as T. Non-finite values are refused unless `allow_nonfinite`; the op checks the shape.
+  template <class T>
+  TensorView<const T> per_head(const py::object& values, std::string_view name, bool allow_nonfinite);
+
  private:
   py::array hold(py::array array);
   std::vector<py::array> held_;

@@ -6,9 +6,11 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <algorithm>
 #include <chrono>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "arrays.hpp"
 #include "module.hpp"
@@ -21,14 +23,64 @@ namespace {
 
 using namespace pybind11::literals;
 
-struct ForwardRequest {
-  std::optional<double> scale;
+// causal=: False, True (= "bottom-right") or "bottom-right" / "top-left".
+struct Causality {
   bool causal = false;
-  py::object mask;
-  std::string impl;
+  CausalAlignment alignment = CausalAlignment::bottom_right;
+};
+
+Causality causality_of(const py::object& causal) {
+  if (py::isinstance<py::str>(causal)) {
+    const std::string name = causal.cast<std::string>();
+    if (name == "bottom-right") return {true, CausalAlignment::bottom_right};
+    if (name == "top-left") return {true, CausalAlignment::top_left};
+  } else if (PyBool_Check(causal.ptr()) || py::isinstance(causal, py::module_::import("numpy").attr("bool_"))) {
+    return {causal.cast<bool>(), CausalAlignment::bottom_right};
+  }
+  throw ValueError(fmt::format("causal: expected True, False, \"bottom-right\" or \"top-left\", got {}",
+                               py::repr(causal).cast<std::string>()));
+}
+
+// window=: None or (left, right), each an int, -1 for unbounded (the op checks the values).
+std::optional<AttentionWindow> window_of(const py::object& window) {
+  if (window.is_none()) return std::nullopt;
+  const auto refuse = [&] {
+    return ValueError(fmt::format("window: expected None or a pair (left, right) of ints (-1 = unbounded), got {}",
+                                  py::repr(window).cast<std::string>()));
+  };
+  if (py::isinstance<py::str>(window) || !py::isinstance<py::sequence>(window)) throw refuse();
+  const auto bounds = window.cast<py::sequence>();
+  if (bounds.size() != 2) throw refuse();
+  int64_t values[2];
+  for (size_t side = 0; side < 2; ++side) {
+    const py::object bound = bounds[side];
+    // bool is an int to Python, but window=(True, False) is a mistake rather than (1, 0).
+    if (PyBool_Check(bound.ptr()) || !PyIndex_Check(bound.ptr())) throw refuse();
+    const auto index = py::reinterpret_steal<py::object>(PyNumber_Index(bound.ptr()));
+    if (!index) throw py::error_already_set();
+    const long long value = PyLong_AsLongLong(index.ptr());
+    if (value == -1 && PyErr_Occurred()) {
+      PyErr_Clear();
+      throw refuse();
+    }
+    values[side] = value;
+  }
+  return AttentionWindow{values[0], values[1]};
+}
+
+// The keyword arguments of a forward (and of the backward, which must be given the same ones).
+struct ForwardRequest {
+  std::optional<double> scale = std::nullopt;
+  Causality causality = {};
+  std::optional<AttentionWindow> window = std::nullopt;
+  py::object mask = py::none();
+  std::string impl = "auto";
   bool return_lse = false;
   bool return_weights = false;
   bool allow_nonfinite = false;
+  std::optional<double> softcap = std::nullopt;
+  py::object alibi = py::none();  // None, "auto" or [H] slopes
+  py::object sinks = py::none();  // None or [H]
 };
 
 // float64 runs the plain-loop reference unless told otherwise: its float64 accumulation is what a
@@ -83,11 +135,45 @@ struct ForwardArrays {
   }
 };
 
+// The mask with causality's alignment and the window, which the dot-product and the additive
+// attention share.
+template <class T>
+AttentionMask<T> mask_of(Inputs& in, const ForwardRequest& r) {
+  AttentionMask<T> mask = in.mask<T>(r.mask, r.causality.causal, r.allow_nonfinite);
+  mask.alignment = r.causality.alignment;
+  mask.window = r.window;
+  return mask;
+}
+
+// alibi="auto": the standard slopes for q's heads, as an array that `in` keeps alive.
+template <class T>
+TensorView<const T> standard_alibi_slopes(Inputs& in, TensorView<const T> q) {
+  const std::vector<double> slopes = alibi_slopes(as_bhtd(q, "q").shape[1]);
+  py::array_t<T> array(static_cast<py::ssize_t>(slopes.size()));
+  std::copy(slopes.begin(), slopes.end(), array.mutable_data());
+  return in.floats<T>(array, "alibi", "q", true);
+}
+
 template <class T>
 AttentionParams<T> attention_params(Inputs& in, const py::object& q, const py::object& k, const py::object& v,
                                     const ForwardRequest& r) {
-  return {in.floats<T>(q, "q", "", r.allow_nonfinite), in.floats<T>(k, "k", "q", r.allow_nonfinite),
-          in.floats<T>(v, "v", "q", r.allow_nonfinite), r.scale, in.mask<T>(r.mask, r.causal, r.allow_nonfinite)};
+  AttentionParams<T> p{in.floats<T>(q, "q", "", r.allow_nonfinite), in.floats<T>(k, "k", "q", r.allow_nonfinite),
+                       in.floats<T>(v, "v", "q", r.allow_nonfinite), r.scale, mask_of<T>(in, r)};
+  p.softcap = r.softcap;
+  if (py::isinstance<py::str>(r.alibi)) {
+    if (r.alibi.cast<std::string>() != "auto") {
+      throw ValueError(
+          fmt::format("alibi: expected None, \"auto\" or [H] slopes, got {}", py::repr(r.alibi).cast<std::string>()));
+    }
+    p.mask.alibi_slopes = standard_alibi_slopes<T>(in, p.q);
+  } else if (!r.alibi.is_none()) {
+    const TensorView<const T> slopes = in.per_head<T>(r.alibi, "alibi", r.allow_nonfinite);
+    // The op would name its own field, alibi_slopes.
+    check_shape("alibi", slopes.shape, Shape{as_bhtd(p.q, "q").shape[1]});
+    p.mask.alibi_slopes = slopes;
+  }
+  if (!r.sinks.is_none()) p.sinks = in.per_head<T>(r.sinks, "sinks", r.allow_nonfinite);
+  return p;
 }
 
 template <class T>
@@ -107,9 +193,20 @@ py::object attention_as(const py::object& q, const py::object& k, const py::obje
 }
 
 py::object attention(const py::object& q, const py::object& k, const py::object& v, std::optional<double> scale,
-                     bool causal, const py::object& mask, const std::string& impl, bool return_lse, bool return_weights,
-                     bool allow_nonfinite) {
-  const ForwardRequest r{scale, causal, mask, impl, return_lse, return_weights, allow_nonfinite};
+                     const py::object& causal, const py::object& mask, const std::string& impl, bool return_lse,
+                     bool return_weights, bool allow_nonfinite, const py::object& window, std::optional<double> softcap,
+                     const py::object& alibi, const py::object& sinks) {
+  const ForwardRequest r{.scale = scale,
+                         .causality = causality_of(causal),
+                         .window = window_of(window),
+                         .mask = mask,
+                         .impl = impl,
+                         .return_lse = return_lse,
+                         .return_weights = return_weights,
+                         .allow_nonfinite = allow_nonfinite,
+                         .softcap = softcap,
+                         .alibi = alibi,
+                         .sinks = sinks};
   if (precision_of(q, "q") == Precision::float32) return attention_as<float>(q, k, v, r);
   return attention_as<double>(q, k, v, r);
 }
@@ -134,21 +231,38 @@ py::tuple attention_backward_as(const py::object& q, const py::object& k, const 
   auto dq = new_array<T>(p.q.shape, "dq", true);
   auto dk = new_array<T>(p.k.shape, "dk", true);
   auto dv = new_array<T>(p.v.shape, "dv", true);
-  std::optional<py::array_t<T>> dbias;
+  std::optional<py::array_t<T>> dbias, dsinks;
   AttentionGradients<T> grads{view_of(dq), view_of(dk), view_of(dv), std::nullopt};
   if (p.mask.bias) {
     dbias = new_array<T>(p.mask.bias->shape, "dbias", true);
     grads.dbias = view_of(*dbias);
   }
+  if (p.sinks) {
+    dsinks = new_array<T>(p.sinks->shape, "dsinks", true);
+    grads.dsinks = view_of(*dsinks);
+  }
   run_without_gil([&] { attention_backward(p, dout_view, grads, saved, impl); });
-  if (dbias) return py::make_tuple(dq, dk, dv, *dbias);
-  return py::make_tuple(dq, dk, dv);
+  py::list results;
+  for (const auto& grad : {dq, dk, dv}) results.append(grad);
+  if (dbias) results.append(*dbias);
+  if (dsinks) results.append(*dsinks);
+  return py::tuple(results);
 }
 
 py::tuple attention_backward(const py::object& q, const py::object& k, const py::object& v, const py::object& dout,
-                             const py::object& out, const py::object& lse, std::optional<double> scale, bool causal,
-                             const py::object& mask, const std::string& impl, bool allow_nonfinite) {
-  const ForwardRequest r{scale, causal, mask, impl, false, false, allow_nonfinite};
+                             const py::object& out, const py::object& lse, std::optional<double> scale,
+                             const py::object& causal, const py::object& mask, const std::string& impl,
+                             bool allow_nonfinite, const py::object& window, std::optional<double> softcap,
+                             const py::object& alibi, const py::object& sinks) {
+  const ForwardRequest r{.scale = scale,
+                         .causality = causality_of(causal),
+                         .window = window_of(window),
+                         .mask = mask,
+                         .impl = impl,
+                         .allow_nonfinite = allow_nonfinite,
+                         .softcap = softcap,
+                         .alibi = alibi,
+                         .sinks = sinks};
   if (precision_of(q, "q") == Precision::float32) return attention_backward_as<float>(q, k, v, dout, out, lse, r);
   return attention_backward_as<double>(q, k, v, dout, out, lse, r);
 }
@@ -157,10 +271,13 @@ template <class T>
 AdditiveAttentionParams<T> additive_params(Inputs& in, const py::object& q, const py::object& k, const py::object& v,
                                            const py::object& w_q, const py::object& w_k, const py::object& w,
                                            const ForwardRequest& r) {
-  return {in.floats<T>(q, "q", "", r.allow_nonfinite),      in.floats<T>(k, "k", "q", r.allow_nonfinite),
-          in.floats<T>(v, "v", "q", r.allow_nonfinite),     in.floats<T>(w_q, "w_q", "q", r.allow_nonfinite),
-          in.floats<T>(w_k, "w_k", "q", r.allow_nonfinite), in.floats<T>(w, "w", "q", r.allow_nonfinite),
-          in.mask<T>(r.mask, r.causal, r.allow_nonfinite)};
+  return {in.floats<T>(q, "q", "", r.allow_nonfinite),
+          in.floats<T>(k, "k", "q", r.allow_nonfinite),
+          in.floats<T>(v, "v", "q", r.allow_nonfinite),
+          in.floats<T>(w_q, "w_q", "q", r.allow_nonfinite),
+          in.floats<T>(w_k, "w_k", "q", r.allow_nonfinite),
+          in.floats<T>(w, "w", "q", r.allow_nonfinite),
+          mask_of<T>(in, r)};
 }
 
 template <class T>
@@ -175,9 +292,16 @@ py::object additive_as(const py::object& q, const py::object& k, const py::objec
 }
 
 py::object additive_attention(const py::object& q, const py::object& k, const py::object& v, const py::object& w_q,
-                              const py::object& w_k, const py::object& w, bool causal, const py::object& mask,
-                              bool return_lse, bool return_weights, bool allow_nonfinite) {
-  const ForwardRequest r{std::nullopt, causal, mask, "reference", return_lse, return_weights, allow_nonfinite};
+                              const py::object& w_k, const py::object& w, const py::object& causal,
+                              const py::object& mask, bool return_lse, bool return_weights, bool allow_nonfinite,
+                              const py::object& window) {
+  const ForwardRequest r{.causality = causality_of(causal),
+                         .window = window_of(window),
+                         .mask = mask,
+                         .impl = "reference",
+                         .return_lse = return_lse,
+                         .return_weights = return_weights,
+                         .allow_nonfinite = allow_nonfinite};
   if (precision_of(q, "q") == Precision::float32) return additive_as<float>(q, k, v, w_q, w_k, w, r);
   return additive_as<double>(q, k, v, w_q, w_k, w, r);
 }
@@ -209,9 +333,13 @@ py::tuple additive_backward_as(const py::object& q, const py::object& k, const p
 
 py::tuple additive_attention_backward(const py::object& q, const py::object& k, const py::object& v,
                                       const py::object& w_q, const py::object& w_k, const py::object& w,
-                                      const py::object& dout, bool causal, const py::object& mask,
-                                      bool allow_nonfinite) {
-  const ForwardRequest r{std::nullopt, causal, mask, "reference", false, false, allow_nonfinite};
+                                      const py::object& dout, const py::object& causal, const py::object& mask,
+                                      bool allow_nonfinite, const py::object& window) {
+  const ForwardRequest r{.causality = causality_of(causal),
+                         .window = window_of(window),
+                         .mask = mask,
+                         .impl = "reference",
+                         .allow_nonfinite = allow_nonfinite};
   if (precision_of(q, "q") == Precision::float32) return additive_backward_as<float>(q, k, v, w_q, w_k, w, dout, r);
   return additive_backward_as<double>(q, k, v, w_q, w_k, w, dout, r);
 }
@@ -220,7 +348,7 @@ py::tuple additive_attention_backward(const py::object& q, const py::object& k, 
 // `calls` calls timed in C++ into outputs allocated once, with no Python between them.
 double time_fused_forward(const py::object& q, const py::object& k, const py::object& v, int64_t calls) {
   if (calls < 1) throw ValueError(fmt::format("calls: expected at least 1, got {}", calls));
-  const ForwardRequest r{std::nullopt, false, py::none(), "fused", true, false, false};
+  const ForwardRequest r{.impl = "fused", .return_lse = true};
   Inputs in;
   const AttentionParams<float> p = attention_params<float>(in, q, k, v, r);
   ForwardArrays<float> arrays(p.q, p.k, p.v, r);
@@ -236,44 +364,60 @@ double time_fused_forward(const py::object& q, const py::object& k, const py::ob
 
 constexpr const char* kAttentionDoc = R"(Scaled dot-product attention: out = softmax(scale * q @ k^T + bias) @ v.
 
-Shapes (B batch, H heads, Tq queries, Tk keys, Dk and Dv feature widths):
-    q    [B, H, Tq, Dk]     out      [B, H, Tq, Dv]
-    k    [B, H, Tk, Dk]     lse      [B, H, Tq]       log sum_j exp(s_ij)
-    v    [B, H, Tk, Dv]     weights  [B, H, Tq, Tk]   alpha, each row sums to 1
+Shapes (B batch, H heads, Hkv key/value heads, Tq queries, Tk keys, Dk and Dv feature widths):
+    q    [B, H, Tq, Dk]       out      [B, H, Tq, Dv]
+    k    [B, Hkv, Tk, Dk]     lse      [B, H, Tq]       log (sum_j exp(s_ij) + exp(sink_h))
+    v    [B, Hkv, Tk, Dv]     weights  [B, H, Tq, Tk]   alpha, each row sums to 1 (less the sink)
 B and H may be left out together, or B alone: [Tq, Dk] and [H, Tq, Dk] work, and the outputs keep
-q's leading dims. q, k and v have the same leading dims.
+q's leading dims. k and v have q's leading dims, except that Hkv may be any divisor of H
+(grouped-query attention, Hkv = 1 multi-query): query head h reads key/value head h // (H // Hkv).
 
 Arguments:
     scale: multiplies q . k; 1/sqrt(Dk) when None.
-    causal: query i sees key j iff j <= i + Tk - Tq (aligned bottom-right: with Tq < Tk, as with a
-        KV cache, the last query sees every key; with Tq == Tk the usual lower triangle).
+    causal: False, True or "bottom-right" (query i sees key j iff j <= i + Tk - Tq: with Tq < Tk,
+        as with a KV cache, the last query sees every key), or "top-left" (j <= i, PyTorch's
+        is_causal). The two agree when Tq == Tk. The window and ALiBi measure from the same
+        diagonal: top-left with causal="top-left", bottom-right otherwise.
+    window: None or (left, right): query i sees keys i + o - left <= j <= i + o + right, with o
+        the diagonal's offset (Tk - Tq bottom-right, 0 top-left); -1 leaves a side unbounded.
+        (0, 0) leaves each query its diagonal key alone; (-1, 0) is causal.
     mask: broadcastable to [B, H, Tq, Tk]. bool or integer: nonzero = may attend. float (q's dtype,
         or float32 for float64 q): a bias added to the scaled scores, -inf masks a key. It combines
-        with causal.
+        with causal and the window.
+    softcap: None or c > 0: the scaled scores x become c * tanh(x / c) before the bias is added.
+    alibi: None, "auto" (the standard slopes, alibi_slopes(H)) or [H] slopes m_h: adds
+        -m_h * |i + o - j| to the scores.
+    sinks: None or [H] logits, one per head, that join every row's softmax with no value: the
+        weights of a row then sum to 1 - exp(sink_h - lse_i).
     impl: "auto" (the fused kernel for float32, the float64 reference for float64, the reference
         whenever weights are asked for), "fused" (tiled FlashAttention-2 kernel: O(T) memory, SIMD,
         threads; cannot return weights) or "reference" (plain loops accumulating in float64).
     return_lse, return_weights: also return lse and weights, in that order: (out, lse, weights).
-    allow_nonfinite: accept NaN and infinities in q, k, v and the bias (refused otherwise).
+    allow_nonfinite: accept NaN and infinities in q, k, v, the bias, alibi and sinks (refused
+        otherwise).
 
 dtype: float32 or float64, the same for q, k and v; the outputs have it too. Other dtypes are
-refused (convert with .astype). C-contiguous arrays, and strided views whose last dim is
-contiguous, are read in place; anything else is copied once.
+refused (convert with .astype). alibi and sinks take q's dtype (float32 too for float64 q), or
+are lists of numbers. C-contiguous arrays, and strided views whose last dim is contiguous, are
+read in place; anything else is copied once.
 
-A query whose every key is masked has out 0, lse -inf and a weights row of 0: never NaN.
+A query whose every key is masked has out 0, lse -inf (the sink's logit, with sinks) and a weights
+row of 0: never NaN.
 The GIL is released while it computes; Ctrl-C interrupts it (KeyboardInterrupt).
 Raises ValueError (qkv.ShapeError for shapes and dtypes) and MemoryError (qkv.ResourceError) when
 the outputs, or the reference's per-head scores, would not fit in memory.)";
 
 constexpr const char* kAttentionBackwardDoc =
-    R"(Gradients of attention(q, k, v, ...): (dq, dk, dv), and dbias when mask is a float bias.
+    R"(Gradients of attention(q, k, v, ...): (dq, dk, dv), then dbias when mask is a float bias, then dsinks when sinks are given.
 
 dout [B, H, Tq, Dv] is the gradient of the loss with respect to out. The gradients are those of
-L = sum(dout * out) with respect to q [B, H, Tq, Dk], k [B, H, Tk, Dk], v [B, H, Tk, Dv] and the
-bias (dbias has the mask's shape, summed over the dims along which it was broadcast). Fully masked
-rows give zero gradients.
+L = sum(dout * out) with respect to q [B, H, Tq, Dk], k [B, Hkv, Tk, Dk], v [B, Hkv, Tk, Dv] (summed
+over the query heads of each group), the bias (dbias has the mask's shape, summed over the dims
+along which it was broadcast) and the sinks (dsinks [H], summed over B and Tq). Fully masked rows
+give zero gradients.
 
-Arguments as in attention(), plus:
+Arguments as in attention(), which must be given the same scale, causal, window, mask, softcap,
+alibi and sinks, plus:
     out, lse: what attention(..., return_lse=True) returned, so that the fused kernel recomputes
         the probabilities tile by tile instead of running the forward again. Both or neither.
     impl: "auto" (fused for float32, the float64 reference for float64), "fused" or "reference".
@@ -287,8 +431,9 @@ Shapes (A is the hidden size of the score network):
     q    [B, H, Tq, Dq]     w_q  [A, Dq]     out      [B, H, Tq, Dv]
     k    [B, H, Tk, Dk]     w_k  [A, Dk]     lse      [B, H, Tq]
     v    [B, H, Tk, Dv]     w    [A]         weights  [B, H, Tq, Tk]
-Leading dims as in attention(); queries and keys may have different widths. No scale: tanh bounds
-the scores. causal, mask, return_lse, return_weights and allow_nonfinite as in attention().
+Leading dims as in attention(), but k and v have as many heads as q; queries and keys may have
+different widths. No scale: tanh bounds the scores. causal, window, mask, return_lse,
+return_weights and allow_nonfinite as in attention().
 Runs the reference implementation (float64 accumulation); float32 or float64 in and out.)";
 
 constexpr const char* kAdditiveBackwardDoc =
@@ -302,16 +447,22 @@ over every batch and head. Arguments as in additive_attention().)";
 void add_attention(py::module_& m) {
   m.def("attention", &attention, kAttentionDoc, "q"_a, "k"_a, "v"_a, py::kw_only(), "scale"_a = py::none(),
         "causal"_a = false, "mask"_a = py::none(), "impl"_a = "auto", "return_lse"_a = false,
-        "return_weights"_a = false, "allow_nonfinite"_a = false);
+        "return_weights"_a = false, "allow_nonfinite"_a = false, "window"_a = py::none(), "softcap"_a = py::none(),
+        "alibi"_a = py::none(), "sinks"_a = py::none());
   m.def("attention_backward", &attention_backward, kAttentionBackwardDoc, "q"_a, "k"_a, "v"_a, "dout"_a, py::kw_only(),
         "out"_a = py::none(), "lse"_a = py::none(), "scale"_a = py::none(), "causal"_a = false, "mask"_a = py::none(),
-        "impl"_a = "auto", "allow_nonfinite"_a = false);
+        "impl"_a = "auto", "allow_nonfinite"_a = false, "window"_a = py::none(), "softcap"_a = py::none(),
+        "alibi"_a = py::none(), "sinks"_a = py::none());
   m.def("additive_attention", &additive_attention, kAdditiveDoc, "q"_a, "k"_a, "v"_a, "w_q"_a, "w_k"_a, "w"_a,
         py::kw_only(), "causal"_a = false, "mask"_a = py::none(), "return_lse"_a = false, "return_weights"_a = false,
-        "allow_nonfinite"_a = false);
+        "allow_nonfinite"_a = false, "window"_a = py::none());
   m.def("additive_attention_backward", &additive_attention_backward, kAdditiveBackwardDoc, "q"_a, "k"_a, "v"_a, "w_q"_a,
-        "w_k"_a, "w"_a, "dout"_a, py::kw_only(), "causal"_a = false, "mask"_a = py::none(),
-        "allow_nonfinite"_a = false);
+        "w_k"_a, "w"_a, "dout"_a, py::kw_only(), "causal"_a = false, "mask"_a = py::none(), "allow_nonfinite"_a = false,
+        "window"_a = py::none());
+  m.def(
+      "alibi_slopes", [](int64_t heads) { return alibi_slopes(heads); }, "heads"_a,
+      "ALiBi's slopes for `heads` heads (Press et al.), what alibi=\"auto\" uses: 2^(-8(h+1)/heads) when heads is "
+      "a power of two; otherwise those of the power of two below, then every other slope of the one above.");
   m.def("_time_fused_forward", &time_fused_forward, "q"_a, "k"_a, "v"_a, "calls"_a);
 }
 
