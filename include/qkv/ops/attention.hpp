@@ -55,6 +55,21 @@ struct AttentionMask {
   // [H] ALiBi slopes (alibi_slopes(H) gives the standard ones): adds −slope_h·|i + o − j|, computed
   // where it is used, never stored.
   std::optional<TensorView<const T>> alibi_slopes = std::nullopt;
+  // Packed variable-length batches (B = 1): [N+1] increasing offsets from 0 to Tq (to Tk), sequence
+  // n holding queries [cu_q[n], cu_q[n+1]) and keys [cu_k[n], cu_k[n+1]). A query sees only its own
+  // sequence's keys; causality, the window and ALiBi count i and j within the sequence. Both or
+  // neither.
+  std::optional<TensorView<const int64_t>> cu_seqlens_q = std::nullopt;
+  std::optional<TensorView<const int64_t>> cu_seqlens_k = std::nullopt;
+};
+
+// Dropout on α: weight (b, h, i, j) is dropped with probability p and the kept ones are scaled
+// by 1/(1 − p). Which are dropped is a function of (seed, b, h, i, j) alone (Philox 4x32-10,
+// qkv/core/rng.hpp), the same for every implementation, thread count and SIMD target, so the
+// backward replays the forward's mask from the seed. p = 0 is exactly no dropout.
+struct AttentionDropout {
+  double p = 0.0;  // in [0, 1)
+  uint64_t seed = 0;
 };
 
 template <class T>
@@ -70,6 +85,8 @@ struct AttentionParams {
   // [H] one logit per head that joins every row's softmax with no value (an attention sink): the
   // weights of a row sum to 1 − exp(sink_h − lse_i).
   std::optional<TensorView<const T>> sinks = std::nullopt;
+  // Out is Σ_j α_ij·keep_ij/(1 − p)·v_j; weights and lse are those before dropout.
+  std::optional<AttentionDropout> dropout = std::nullopt;
 };
 
 // Written by the forward (overwritten, not accumulated). Shapes take the same leading dims as q.
