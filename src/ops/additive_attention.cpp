@@ -42,6 +42,7 @@ Problem<T> check_params(const AdditiveAttentionParams<T>& params) {
   Problem<T> p;
   static_cast<detail::AttentionOperands<T>&>(p) =
       detail::make_attention_operands(params.q, params.k, params.v, params.mask, detail::KeyDim::any);
+  if (p.packed()) throw ValueError("cu_seqlens_q: additive attention takes no packed sequences; call it per sequence");
   if (p.kv_heads() != p.heads()) {
     throw ShapeError(fmt::format("k: additive attention needs as many key heads as query heads ({}), got shape {}",
                                  p.heads(), params.k.shape.str()));

@@ -102,6 +102,13 @@ namespace detail {
 template <class T>
 void forward_reference(const AttentionProblem<T>& p, const AttentionOutputs<T>& outputs) {
   check_forward_outputs(p, outputs);
+  if (p.packed()) {
+    for (int64_t n = 0; n < p.sequences(); ++n) {
+      const SequenceRange r = sequence_range(p, n);
+      forward_reference(sequence_problem(p, r), sequence_outputs(outputs, r));
+    }
+    return;
+  }
   check_fits_reference(p, 1, "attention_forward_reference");
 
   const TensorView<T> out = as_bhtd(outputs.out, "out");
@@ -124,7 +131,7 @@ void forward_reference(const AttentionProblem<T>& p, const AttentionOutputs<T>& 
         for (int64_t i = 0; i < p.tq(); ++i) {
           std::fill(s.acc.begin(), s.acc.end(), 0.0);
           for (int64_t j = 0; j < p.tk(); ++j) {
-            const double alpha = s.probs[static_cast<size_t>(i * p.tk() + j)];
+            const double alpha = s.probs[static_cast<size_t>(i * p.tk() + j)] * p.dropout_factor(b, h, i, j);
             if (alpha == 0.0) continue;
             for (int64_t d = 0; d < p.dv(); ++d)
               s.acc[static_cast<size_t>(d)] += alpha * static_cast<double>(p.v(b, hk, j, d));
@@ -144,7 +151,8 @@ void forward_reference(const AttentionProblem<T>& p, const AttentionOutputs<T>& 
 //   out_i = Σ_j P_ij v_j                 ⇒ dV_j  = Σ_i P_ij dO_i,     dP_ij = dO_i · v_j
 //   P_ij = exp(s_ij) / Σ_l exp(s_il)     ⇒ dS_ij = P_ij (dP_ij − D_i), D_i = Σ_j P_ij dP_ij (= dO_i · out_i)
 //   s_ij = x_ij + bias_ij, x = scale·q·k ⇒ dQ_i = scale Σ_j dX_ij k_j, dK_j = scale Σ_i dX_ij q_i, dbias_ij = dS_ij
-// with dX = dS, or dX = dS (1 − tanh²(x / c)) through a softcap c·tanh(x / c). A sink is a score
+// with dX = dS, or dX = dS (1 − tanh²(x / c)) through a softcap c·tanh(x / c). Dropout scales
+// P_ij by its factor m_ij in out: dV_j = Σ_i P_ij m_ij dO_i and dP_ij = m_ij dO_i · v_j. A sink is a score
 // with no value (dP = 0): d sink_h = Σ_i −P_sink,i D_i. Masked entries have P_ij = 0 and hence
 // dS_ij = 0: no gradient reaches a key a query cannot see, and a fully masked row contributes
 // nothing. The heads of a group share K and V: one task runs them in order, summing dK and dV.
@@ -152,6 +160,14 @@ template <class T>
 void backward_reference(const AttentionProblem<T>& p, TensorView<const T> dout, const AttentionGradients<T>& grads) {
   check_backward_arguments(p, dout, grads);
   check_sink_gradient(p, grads);
+  if (p.packed()) {
+    for (int64_t n = 0; n < p.sequences(); ++n) {
+      const SequenceRange r = sequence_range(p, n);
+      backward_reference(sequence_problem(p, r), token_range(as_bhtd(dout, "dout"), 2, r.q0, r.q1),
+                         sequence_gradients(p, grads, r));
+    }
+    return;
+  }
   check_fits_reference(p, 2, "attention_backward_reference");
 
   const TensorView<const T> dout4 = as_bhtd(dout, "dout");
@@ -188,12 +204,16 @@ void backward_reference(const AttentionProblem<T>& p, TensorView<const T> dout, 
             double row_dot = 0.0;  // D_i
             for (int64_t j = 0; j < p.tk(); ++j) {
               const double pij = prob_row[j];
-              double dp = 0.0;
+              double dp = 0.0;  // ∂L/∂P_ij: dO_i·v_j through the dropout factor
               if (pij != 0.0) {
+                const double factor = p.dropout_factor(b, h, i, j);
                 for (int64_t d = 0; d < p.dv(); ++d)
                   dp += static_cast<double>(dout4(b, h, i, d)) * static_cast<double>(p.v(b, hk, j, d));
-                for (int64_t d = 0; d < p.dv(); ++d)
-                  s.dv_acc[static_cast<size_t>(j * p.dv() + d)] += pij * static_cast<double>(dout4(b, h, i, d));
+                dp *= factor;
+                for (int64_t d = 0; d < p.dv(); ++d) {
+                  s.dv_acc[static_cast<size_t>(j * p.dv() + d)] +=
+                      pij * factor * static_cast<double>(dout4(b, h, i, d));
+                }
               }
               s.dscores[static_cast<size_t>(j)] = dp;
               row_dot += pij * dp;

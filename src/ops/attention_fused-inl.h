@@ -103,6 +103,8 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "qkv/core/rng.hpp"
+
 namespace qkv::fused {
 
 // A [B, H, T, C] operand with any strides: element (b, h, t, c) is
@@ -163,6 +165,11 @@ struct Inputs {
   T scale = 1;               // multiplies q·k
   T softcap = 0;             // > 0: scale·q·k becomes softcap·tanh(scale·q·k / softcap); 0: none
   const T* alibi = nullptr;  // [H] slopes: −slope_h·|i + o − j| is added; null: none
+  // Dropout on P (off when dropout_scale is 0): kept weights are scaled by dropout_scale =
+  // 1/(1 − p), those that `dropout` drops at (dropout_batch0 + b, h, i, j) become 0.
+  DropoutDraw dropout = {};
+  int64_t dropout_batch0 = 0;
+  T dropout_scale = 0;
 
   int64_t heads_total() const { return batch * heads; }
   int64_t kv_head(int64_t h) const { return h / group; }
@@ -223,6 +230,7 @@ struct BackwardParams {
 #endif
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <limits>
 #include <type_traits>
@@ -514,6 +522,31 @@ HWY_INLINE V SoftmaxExp(D d, V x) {
   }
 }
 
+// ---- Dropout --------------------------------------------------------------------------------------
+
+// Dropout factors of one vector's (query, key) pairs: 0 or 1/(1 − p). The four keys j..j+3 with
+// j a multiple of 4 share one Philox draw; consecutive lanes along keys reuse it.
+template <class D, class T = hn::TFromD<D>>
+HWY_INLINE hn::Vec<D> DropoutFactors(D d, const Inputs<T>& in, int64_t b, int64_t h, const LaneRun& run) {
+  HWY_ALIGN T factors[hn::MaxLanes(d)];
+  std::array<uint32_t, 4> words{};
+  int64_t drawn_i = -1, drawn_block = -1;
+  for (size_t l = 0; l < hn::Lanes(d); ++l) {
+    const int64_t i = run.i + static_cast<int64_t>(l) * run.di, j = run.j + static_cast<int64_t>(l) * run.dj;
+    if (l >= run.count) {
+      factors[l] = T{0};
+      continue;
+    }
+    if (i != drawn_i || (j >> 2) != drawn_block) {
+      words = in.dropout.words(in.dropout_batch0 + b, h, i, j);
+      drawn_i = i;
+      drawn_block = j >> 2;
+    }
+    factors[l] = words[static_cast<size_t>(j & 3)] >= in.dropout.threshold ? in.dropout_scale : T{0};
+  }
+  return hn::Load(d, factors);
+}
+
 // ---- Forward ---------------------------------------------------------------------------------------
 
 template <class T>
@@ -756,7 +789,7 @@ void AttendQueryBlock(D d, const Inputs<T>& in, int64_t b, int64_t h, int64_t q0
   // the first query sees none before q0 + band_lo, the last none after q0 + nq − 1 + band_hi.
   key_begin = std::max(key_begin, q0 + in.band_lo);
   key_end = std::min(key_end, q0 + static_cast<int64_t>(nq) + in.band_hi);
-  if (few_query_layout && nq <= kFewQueries) {
+  if (few_query_layout && nq <= kFewQueries && in.dropout_scale == 0) {
     AttendFewQueries(d, in, b, h, q0, nq, key_begin, key_end, s);
     return;
   }
@@ -785,6 +818,20 @@ void AttendQueryBlock(D d, const Inputs<T>& in, int64_t b, int64_t h, int64_t q0
                           .depth = ToSize(in.dk)},
                   ld / N);
     OnlineSoftmaxStep(d, in, b, h, q0, nq, j0, nk, s);
+    if (in.dropout_scale != 0) {
+      // l has summed the weights before dropout (the softmax's); only out sees the mask.
+      for (size_t j = 0; j < nk; ++j) {
+        T* HWY_RESTRICT row = s.st.get() + j * ld;
+        for (size_t i = 0; i < ld; i += N) {
+          const LaneRun run{.i = q0 + static_cast<int64_t>(i),
+                            .j = j0 + static_cast<int64_t>(j),
+                            .di = 1,
+                            .dj = 0,
+                            .count = std::min(N, nq - i)};
+          hn::Store(hn::Mul(hn::Load(d, row + i), DropoutFactors(d, in, b, h, run)), d, row + i);
+        }
+      }
+    }
     for (size_t i = 0; i < ld; i += N) {
       const hn::Vec<D> corr = hn::Load(d, s.corr.get() + i);
       if (hn::AllTrue(d, hn::Eq(corr, hn::Set(d, T{1})))) continue;
@@ -1001,9 +1048,9 @@ struct BackwardScratch {
 };
 
 // P = exp((s − lse_hi) − lse_lo) and dS = P ∘ (dP − D) for one vector of (query, key) pairs, in
-// place: p_inout holds q·k, ds_inout dO·v. With a softcap, ds_inout receives dS times the cap's
-// slope (the gradient of scale·q·k) and ds_bias, when given, dS itself (the bias's gradient).
-// Shared by both tile layouts, so that both give bit-identical P and dS.
+// place: p_inout holds q·k, ds_inout dO·v; with dropout p_inout receives P times the dropout factors. With a softcap,
+// ds_inout receives dS times the cap's slope (the gradient of scale·q·k) and ds_bias, when given, dS itself (the bias's
+// gradient). Shared by both tile layouts, so that both give bit-identical P and dS.
 template <class D, class T = hn::TFromD<D>>
 HWY_INLINE void ProbabilityAndScoreGradient(D d, const Inputs<T>& in, int64_t b, int64_t h, const LaneRun& run,
                                             hn::Vec<D> lse_hi, hn::Vec<D> lse_lo, hn::Vec<D> delta,
@@ -1012,8 +1059,16 @@ HWY_INLINE void ProbabilityAndScoreGradient(D d, const Inputs<T>& in, int64_t b,
   hn::Vec<D> cap_slope = hn::Set(d, T{1});
   const hn::Vec<D> s = Scores(d, in, b, h, run, hn::Load(d, p_inout), &cap_slope);
   const hn::Vec<D> p = SoftmaxExp(d, hn::Sub(hn::Sub(s, lse_hi), lse_lo));
-  hn::Store(p, d, p_inout);
-  const hn::Vec<D> ds = hn::Mul(p, hn::Sub(hn::Load(d, ds_inout), delta));
+  hn::Vec<D> dp = hn::Load(d, ds_inout);
+  if (in.dropout_scale != 0) {
+    // out = Σ_j P_ij m_ij v_j with m the dropout factors: dV takes P·m, and dS = P (dP·m − D).
+    const hn::Vec<D> m = DropoutFactors(d, in, b, h, run);
+    hn::Store(hn::Mul(p, m), d, p_inout);
+    dp = hn::Mul(dp, m);
+  } else {
+    hn::Store(p, d, p_inout);
+  }
+  const hn::Vec<D> ds = hn::Mul(p, hn::Sub(dp, delta));
   if (in.softcap > 0) {
     if (ds_bias != nullptr) hn::Store(ds, d, ds_bias);
     hn::Store(hn::Mul(ds, cap_slope), d, ds_inout);

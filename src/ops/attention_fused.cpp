@@ -76,7 +76,10 @@ fused::Inputs<T> kernel_inputs(const detail::AttentionProblem<T>& p, const std::
                       .group = std::max<int64_t>(1, p.heads() / std::max<int64_t>(1, p.kv_heads())),
                       .scale = static_cast<T>(p.scale),
                       .softcap = static_cast<T>(p.softcap),
-                      .alibi = p.alibi ? alibi.data() : nullptr};
+                      .alibi = p.alibi ? alibi.data() : nullptr,
+                      .dropout = p.dropout,
+                      .dropout_batch0 = p.batch0,
+                      .dropout_scale = p.dropout_p > 0.0 ? static_cast<T>(1.0 / (1.0 - p.dropout_p)) : T{0}};
   if (p.allowed) in.allowed = strided_of(*p.allowed);
   if (p.bias) in.bias = strided_of(*p.bias);
   return in;
@@ -153,6 +156,13 @@ void forward_fused(const AttentionProblem<T>& problem, const AttentionOutputs<T>
         "to get them");
   }
   check_forward_outputs(problem, outputs);
+  if (problem.packed()) {
+    for (int64_t n = 0; n < problem.sequences(); ++n) {
+      const SequenceRange r = sequence_range(problem, n);
+      forward_fused(sequence_problem(problem, r), sequence_outputs(outputs, r));
+    }
+    return;
+  }
   const std::vector<T> alibi = per_head(problem.alibi), sinks = per_head(problem.sinks);
   dispatch_forward(forward_params(kernel_inputs(problem, alibi), sinks, outputs.out, outputs.lse));
 }
@@ -165,6 +175,19 @@ void backward_fused(const AttentionProblem<T>& problem, TensorView<const T> dout
   if (saved) {
     check_shape("saved.out", saved->out.shape, problem.with_leading({problem.tq(), problem.dv()}));
     check_shape("saved.lse", saved->lse.shape, problem.with_leading({problem.tq()}));
+  }
+  if (problem.packed()) {
+    for (int64_t n = 0; n < problem.sequences(); ++n) {
+      const SequenceRange r = sequence_range(problem, n);
+      std::optional<AttentionSaved<T>> part;
+      if (saved) {
+        part = AttentionSaved<T>{.out = token_range(as_bhtd(saved->out, "saved.out"), 2, r.q0, r.q1),
+                                 .lse = row_stat_range(saved->lse, r)};
+      }
+      backward_fused(sequence_problem(problem, r), token_range(as_bhtd(dout, "dout"), 2, r.q0, r.q1),
+                     sequence_gradients(problem, grads, r), part);
+    }
+    return;
   }
   const std::vector<T> alibi = per_head(problem.alibi), sinks = per_head(problem.sinks);
   const fused::Inputs<T> in = kernel_inputs(problem, alibi);

@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "qkv/core/error.hpp"
+#include "qkv/core/rng.hpp"
 #include "qkv/ops/attention.hpp"
 
 namespace qkv::detail {
@@ -38,6 +39,14 @@ struct AttentionOperands {
   int64_t band_lo = -kUnbounded;
   int64_t band_hi = kUnbounded;
   int64_t diagonal = 0;  // o: Tk − Tq bottom-right aligned, 0 top-left
+  // What the band is made of, to set it again for each sequence of a packed batch.
+  bool causal = false;
+  CausalAlignment alignment = CausalAlignment::bottom_right;
+  std::optional<AttentionWindow> window;
+  // Packed sequences: [N+1] offsets of each sequence's queries and keys; empty when not packed.
+  std::vector<int64_t> cu_q, cu_k;
+  // The batch index that b = 0 stands for in dropout's coordinates: the sequence, once unpacked.
+  int64_t batch0 = 0;
   // The arguments' shapes as given, which their gradients must have; q's leading dims (rank 0 to
   // 2) are those of every output.
   Shape q_shape, k_shape, v_shape;
@@ -59,7 +68,18 @@ struct AttentionOperands {
     return leading_dims_with(q_shape, q_shape.rank() - 2, tail);
   }
 
-  bool banded() const { return band_lo != -kUnbounded || band_hi != kUnbounded; }
+  bool packed() const { return !cu_q.empty(); }
+  int64_t sequences() const { return static_cast<int64_t>(cu_q.size()) - 1; }
+
+  // The band of this problem's Tq and Tk.
+  void set_band() {
+    diagonal = alignment == CausalAlignment::bottom_right ? tk() - tq() : 0;
+    band_lo = -kUnbounded;
+    band_hi = kUnbounded;
+    if (window && window->left >= 0) band_lo = diagonal - window->left;
+    if (window && window->right >= 0) band_hi = diagonal + window->right;
+    if (causal) band_hi = std::min(band_hi, diagonal);
+  }
 
   // Whether query i of head (b, h) may see key j, before any additive bias.
   bool visible(int64_t b, int64_t h, int64_t i, int64_t j) const {
@@ -75,12 +95,20 @@ struct AttentionOperands {
   }
 };
 
-// A dot-product attention call: its operands, the scale of q·k, the softcap and the sinks.
+// A dot-product attention call: its operands, the scale of q·k, the softcap, the sinks, dropout.
 template <class T>
 struct AttentionProblem : AttentionOperands<T> {
   double scale = 1.0;
   double softcap = 0.0;                                     // 0: none
   std::optional<TensorView<const T>> sinks = std::nullopt;  // [H]
+  double dropout_p = 0.0;                                   // 0: none
+  DropoutDraw dropout = {};
+
+  // The factor of weight (b, h, i, j) under dropout: 0 when dropped, 1/(1 − p) when kept.
+  double dropout_factor(int64_t b, int64_t h, int64_t i, int64_t j) const {
+    if (dropout_p == 0.0) return 1.0;
+    return dropout.keeps(this->batch0 + b, h, i, j) ? 1.0 / (1.0 - dropout_p) : 0.0;
+  }
 
   // scale·q·k (dot), softcapped.
   double capped(double dot) const {
@@ -100,6 +128,29 @@ void check_dims_not_negative(TensorView<const T> view, std::string_view name) {
           fmt::format("{}: dimension {} must not be negative, got shape {}", name, axis, view.shape.str()));
     }
   }
+}
+
+// [N+1] offsets of packed sequences along an axis of `total` tokens: 0 first, never decreasing (a
+// sequence may be empty), `total` last.
+inline std::vector<int64_t> sequence_offsets(TensorView<const int64_t> cu, std::string_view name, int64_t total,
+                                             std::string_view axis) {
+  if (cu.rank() != 1 || cu.shape[0] < 1) {
+    throw ShapeError(fmt::format("{}: expected shape [N+1], the offsets of N sequences, got {}", name, cu.shape.str()));
+  }
+  std::vector<int64_t> offsets(static_cast<size_t>(cu.shape[0]));
+  for (int64_t n = 0; n < cu.shape[0]; ++n) offsets[static_cast<size_t>(n)] = cu(n);
+  if (offsets.front() != 0) throw ValueError(fmt::format("{}: expected 0 first, got {}", name, offsets.front()));
+  for (size_t n = 1; n < offsets.size(); ++n) {
+    if (offsets[n] < offsets[n - 1]) {
+      throw ValueError(fmt::format("{}: offsets must not decrease, got {} after {} at index {}", name, offsets[n],
+                                   offsets[n - 1], n));
+    }
+  }
+  if (offsets.back() != total) {
+    throw ValueError(
+        fmt::format("{}: expected the last offset to be {} = {}, got {}", name, axis, total, offsets.back()));
+  }
+  return offsets;
 }
 
 template <class T>
@@ -151,7 +202,6 @@ AttentionOperands<T> make_attention_operands(TensorView<const T> q, TensorView<c
     check_shape("alibi_slopes", mask.alibi_slopes->shape, Shape{p.heads()});
     p.alibi = *mask.alibi_slopes;
   }
-  p.diagonal = mask.alignment == CausalAlignment::bottom_right ? p.tk() - p.tq() : 0;
   if (mask.window) {
     const auto bound = [](int64_t value, std::string_view side) {
       if (value < -1) {
@@ -160,10 +210,32 @@ AttentionOperands<T> make_attention_operands(TensorView<const T> q, TensorView<c
     };
     bound(mask.window->left, "left");
     bound(mask.window->right, "right");
-    if (mask.window->left >= 0) p.band_lo = p.diagonal - mask.window->left;
-    if (mask.window->right >= 0) p.band_hi = p.diagonal + mask.window->right;
   }
-  if (mask.causal) p.band_hi = std::min(p.band_hi, p.diagonal);
+  p.causal = mask.causal;
+  p.alignment = mask.alignment;
+  p.window = mask.window;
+  p.set_band();
+  if (mask.cu_seqlens_q || mask.cu_seqlens_k) {
+    if (!mask.cu_seqlens_q || !mask.cu_seqlens_k) {
+      throw ValueError(fmt::format("{}: given without {}; packed sequences need the offsets of both",
+                                   mask.cu_seqlens_q ? "cu_seqlens_q" : "cu_seqlens_k",
+                                   mask.cu_seqlens_q ? "cu_seqlens_k" : "cu_seqlens_q"));
+    }
+    if (p.batch() != 1) {
+      throw ShapeError(fmt::format(
+          "cu_seqlens_q: packed sequences lie along T of a batch of one ([H, T, D] or [1, H, T, D]), got q of shape {}",
+          q.shape.str()));
+    }
+    p.cu_q = sequence_offsets(*mask.cu_seqlens_q, "cu_seqlens_q", p.tq(), "Tq");
+    p.cu_k = sequence_offsets(*mask.cu_seqlens_k, "cu_seqlens_k", p.tk(), "Tk");
+    if (p.cu_q.size() != p.cu_k.size()) {
+      throw ShapeError(fmt::format("cu_seqlens_k: expected {} offsets, as many as cu_seqlens_q, got {}", p.cu_q.size(),
+                                   p.cu_k.size()));
+    }
+    if (p.cu_q.size() < 2) {
+      throw ShapeError("cu_seqlens_q: expected at least 2 offsets (one sequence), got 1");
+    }
+  }
   return p;
 }
 
@@ -181,6 +253,12 @@ AttentionProblem<T> make_attention_problem(const AttentionParams<T>& params) {
   if (params.sinks) {
     check_shape("sinks", params.sinks->shape, Shape{p.heads()});
     p.sinks = *params.sinks;
+  }
+  if (params.dropout) {
+    const double rate = params.dropout->p;
+    if (!(rate >= 0.0 && rate < 1.0)) throw ValueError(fmt::format("dropout: p must be in [0, 1), got {}", rate));
+    p.dropout_p = rate;
+    p.dropout = DropoutDraw{.seed = params.dropout->seed, .threshold = dropout_threshold(rate)};
   }
   return p;
 }
@@ -210,6 +288,80 @@ template <class T>
 void check_sink_gradient(const AttentionProblem<T>& p, const AttentionGradients<T>& grads) {
   if (grads.dsinks && !p.sinks) throw ShapeError("dsinks: given, but the call has no sinks");
   if (grads.dsinks) check_shape("dsinks", grads.dsinks->shape, Shape{p.heads()});
+}
+
+// ---- Packed sequences: each one is an attention call of its own, on views of the packed tensors.
+
+// Tokens [begin, end) along `axis` of a rank-4 view.
+template <class T>
+TensorView<T> token_range(TensorView<T> view4, int axis, int64_t begin, int64_t end) {
+  TensorView<T> part = view4;
+  part.data += begin * view4.strides[static_cast<size_t>(axis)];
+  part.shape[axis] = end - begin;
+  return part;
+}
+
+// Sequence n's queries [q0, q1) and keys [k0, k1).
+struct SequenceRange {
+  int64_t index, q0, q1, k0, k1;
+};
+
+template <class T>
+SequenceRange sequence_range(const AttentionOperands<T>& p, int64_t n) {
+  const auto at = static_cast<size_t>(n);
+  return {n, p.cu_q[at], p.cu_q[at + 1], p.cu_k[at], p.cu_k[at + 1]};
+}
+
+// The problem of one sequence, unpacked: rank-4 views of its tokens, its own band.
+template <class P>
+P sequence_problem(const P& p, const SequenceRange& r) {
+  P s = p;
+  s.q = token_range(p.q, 2, r.q0, r.q1);
+  s.k = token_range(p.k, 2, r.k0, r.k1);
+  s.v = token_range(p.v, 2, r.k0, r.k1);
+  if (p.allowed) s.allowed = token_range(token_range(*p.allowed, 2, r.q0, r.q1), 3, r.k0, r.k1);
+  if (p.bias) {
+    s.bias = token_range(token_range(*p.bias, 2, r.q0, r.q1), 3, r.k0, r.k1);
+    s.bias_shape = s.bias->shape;
+  }
+  s.q_shape = s.q.shape;
+  s.k_shape = s.k.shape;
+  s.v_shape = s.v.shape;
+  s.cu_q.clear();
+  s.cu_k.clear();
+  s.batch0 = r.index;
+  s.set_band();
+  return s;
+}
+
+// Queries [q0, q1) of a per-row statistic (lse) [B, H, Tq] or [H, Tq], as [1, H, q1 − q0].
+template <class T>
+TensorView<T> row_stat_range(TensorView<T> stat, const SequenceRange& r) {
+  const TensorView<T> part = token_range(as_rank4(stat), 3, r.q0, r.q1);  // [1, 1, H, n]
+  return {part.data,
+          Shape{part.shape[1], part.shape[2], part.shape[3]},
+          {part.strides[1], part.strides[2], part.strides[3]}};
+}
+
+template <class T>
+AttentionOutputs<T> sequence_outputs(const AttentionOutputs<T>& o, const SequenceRange& r) {
+  AttentionOutputs<T> s{.out = token_range(as_bhtd(o.out, "out"), 2, r.q0, r.q1), .weights = {}, .lse = {}};
+  if (o.weights) s.weights = token_range(token_range(as_bhtd(*o.weights, "weights"), 2, r.q0, r.q1), 3, r.k0, r.k1);
+  if (o.lse) s.lse = row_stat_range(*o.lse, r);
+  return s;
+}
+
+// dbias over the packed scores is seen through the bias's broadcast, so that each sequence's part
+// keeps the bias's strides (0 along broadcast dims) and its gradient sums where the bias repeats.
+template <class T, class Gradients>
+Gradients sequence_gradients(const AttentionOperands<T>& p, const Gradients& g, const SequenceRange& r) {
+  Gradients s = g;
+  s.dq = token_range(as_bhtd(g.dq, "dq"), 2, r.q0, r.q1);
+  s.dk = token_range(as_bhtd(g.dk, "dk"), 2, r.k0, r.k1);
+  s.dv = token_range(as_bhtd(g.dv, "dv"), 2, r.k0, r.k1);
+  if (g.dbias)
+    s.dbias = token_range(token_range(broadcast_to(*g.dbias, p.scores(), "dbias"), 2, r.q0, r.q1), 3, r.k0, r.k1);
+  return s;
 }
 
 // The implementations behind attention_forward and attention_backward, on a problem built once

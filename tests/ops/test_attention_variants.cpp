@@ -6,6 +6,7 @@
 
 #include <gtest/gtest.h>
 
+#include <array>
 #include <cmath>
 #include <limits>
 #include <optional>
@@ -14,6 +15,7 @@
 
 #include "attention_checks.hpp"
 #include "qkv/core/error.hpp"
+#include "qkv/core/rng.hpp"
 #include "qkv/ops/additive_attention.hpp"
 #include "qkv/ops/attention.hpp"
 #include "support/attention_problems.hpp"
@@ -365,7 +367,8 @@ TEST(AttentionVariants, RowsThatTheWindowAndMaskEmptyGiveZeroAndNoNaN) {
             for (int64_t d = 0; d < c.dv; ++d) EXPECT_EQ(f.out.view()(0, h, i, d), 0.0);
             for (int64_t d = 0; d < c.dk; ++d) EXPECT_EQ(g.dq.view()(0, h, i, d), 0.0);
             // Without a sink the empty row has no distribution (lse −inf); with one, only the sink.
-            const double sink = sinks ? static_cast<double>(static_cast<float>((*p.sinks)[h])) : -std::numeric_limits<double>::infinity();
+            const double sink = sinks ? static_cast<double>(static_cast<float>((*p.sinks)[h]))
+                                      : -std::numeric_limits<double>::infinity();
             EXPECT_EQ(f.lse.view()(0, h, i), sink);
           }
         }
@@ -414,6 +417,218 @@ TEST(AttentionVariants, AlibiSlopesAreTheStandardOnes) {
   EXPECT_TRUE(alibi_slopes(0).empty());
 }
 
+// --- packed variable-length batches ---------------------------------------------------------------
+
+// Sequences of query lengths 0, 1, 69, 5, 130 and key lengths 3, 1, 70, 9, 130, packed along T.
+Problem packed_problem(const Variant& c, uint64_t seed) {
+  const std::vector<int64_t> cu_q{0, 0, 1, 70, 75, 205}, cu_k{0, 3, 4, 74, 83, 213};
+  Variant all = c;
+  all.b = 1;
+  all.tq = cu_q.back();
+  all.tk = cu_k.back();
+  Problem p = make_problem(all, seed);
+  p.cu_seqlens_q = Tensor<int64_t>({static_cast<int64_t>(cu_q.size())}, cu_q);
+  p.cu_seqlens_k = Tensor<int64_t>({static_cast<int64_t>(cu_k.size())}, cu_k);
+  return p;
+}
+
+// Tokens [begin, end) of axis 2 of a [1, H, T, D] tensor.
+Tensor<double> tokens(const Tensor<double>& x, int64_t begin, int64_t end) {
+  Tensor<double> part({x.shape()[0], x.shape()[1], end - begin, x.shape()[3]});
+  for (int64_t h = 0; h < x.shape()[1]; ++h) {
+    for (int64_t t = begin; t < end; ++t) {
+      for (int64_t d = 0; d < x.shape()[3]; ++d) part.view()(0, h, t - begin, d) = x.view()(0, h, t, d);
+    }
+  }
+  return part;
+}
+
+const Variant kPackedEverything{.h = 4,
+                                .hkv = 2,
+                                .dk = 8,
+                                .dv = 6,
+                                .causal = true,
+                                .window = AttentionWindow{.left = 40, .right = -1},
+                                .softcap = 4.0,
+                                .alibi = true,
+                                .sinks = true};
+
+TEST(AttentionVariants, PackedSequencesMatchTheFormula) {
+  for (const Variant& c :
+       {Variant{.name = "plain"}, Variant{.name = "mask bias", .bias = true, .mask = true}, kPackedEverything}) {
+    SCOPED_TRACE(c.name);
+    const Problem p = packed_problem(c, 1000);
+    const Tensor<double> dout = random_dout(p, 1001);
+    const testing::NaiveAttention<double> want = testing::naive_attention<double>(p, dout);
+    const testing::Forward got = reference_forward(p);
+    EXPECT_TRUE(all_close("out", got.out, want.out, 1e-12));
+    EXPECT_TRUE(all_close("lse", got.lse, want.lse, 1e-12));
+    const Grads g = reference_backward(p, dout);
+    EXPECT_TRUE(all_close("dq", g.dq, want.dq, 1e-11));
+    EXPECT_TRUE(all_close("dk", g.dk, want.dk, 1e-11));
+    EXPECT_TRUE(all_close("dv", g.dv, want.dv, 1e-11));
+    if (p.bias) {
+      EXPECT_TRUE(all_close("dbias", g.dbias, want.dbias, 1e-11));
+    }
+    if (p.sinks) {
+      EXPECT_TRUE(all_close("dsinks", g.dsinks, want.dsinks, 1e-11));
+    }
+    expect_float32_matches_reference(p, 1002, c.name + " packed");
+  }
+}
+
+TEST(AttentionVariants, PackedSequencesAreExactlyTheSeparateCalls) {
+  const Problem packed = packed_problem(kPackedEverything, 1010);
+  const Tensor<double> dout = random_dout(packed, 1011);
+  const std::vector<int64_t>& cu_q = packed.cu_seqlens_q->values();
+  const std::vector<int64_t>& cu_k = packed.cu_seqlens_k->values();
+  on_every_target([&] {
+    const testing::Forward f = run_forward<float>(packed, AttentionImpl::fused);
+    const Grads g = run_backward<float>(packed, dout, AttentionImpl::fused);
+    Tensor<double> dsinks_sum({kPackedEverything.h});
+    for (size_t n = 0; n + 1 < cu_q.size(); ++n) {
+      SCOPED_TRACE("sequence " + std::to_string(n));
+      Problem one{.q = tokens(packed.q, cu_q[n], cu_q[n + 1]),
+                  .k = tokens(packed.k, cu_k[n], cu_k[n + 1]),
+                  .v = tokens(packed.v, cu_k[n], cu_k[n + 1])};
+      one.causal = packed.causal;
+      one.window = packed.window;
+      one.softcap = packed.softcap;
+      one.alibi = packed.alibi;
+      one.sinks = packed.sinks;
+      const testing::Forward fn = run_forward<float>(one, AttentionImpl::fused);
+      const Grads gn = run_backward<float>(one, tokens(dout, cu_q[n], cu_q[n + 1]), AttentionImpl::fused);
+      EXPECT_TRUE(bit_identical(tokens(f.out, cu_q[n], cu_q[n + 1]), fn.out));
+      EXPECT_TRUE(bit_identical(tokens(g.dq, cu_q[n], cu_q[n + 1]), gn.dq));
+      EXPECT_TRUE(bit_identical(tokens(g.dk, cu_k[n], cu_k[n + 1]), gn.dk));
+      EXPECT_TRUE(bit_identical(tokens(g.dv, cu_k[n], cu_k[n + 1]), gn.dv));
+      for (int64_t h = 0; h < dsinks_sum.numel(); ++h) {
+        dsinks_sum[h] = static_cast<double>(static_cast<float>(dsinks_sum[h]) + static_cast<float>(gn.dsinks[h]));
+      }
+    }
+    EXPECT_TRUE(bit_identical(g.dsinks, dsinks_sum));
+  });
+}
+
+// --- dropout ------------------------------------------------------------------------------------------
+
+// With V the identity (Tk = Dv), out_i is row i of the dropped weights α_ij·m_ij: the mask shows.
+Problem identity_values(Problem p) {
+  const int64_t tk = p.k.shape()[2];
+  p.v = Tensor<double>({p.k.shape()[0], p.k.shape()[1], tk, tk});
+  for (int64_t b = 0; b < p.v.shape()[0]; ++b) {
+    for (int64_t h = 0; h < p.v.shape()[1]; ++h) {
+      for (int64_t j = 0; j < tk; ++j) p.v.view()(b, h, j, j) = 1.0;
+    }
+  }
+  return p;
+}
+
+int64_t count_zeros(const Tensor<double>& t) {
+  int64_t zeros = 0;
+  for (int64_t i = 0; i < t.numel(); ++i) zeros += t[i] == 0.0 ? 1 : 0;
+  return zeros;
+}
+
+TEST(AttentionVariants, DropoutMasksAgreeEverywhereAndKeepOneMinusP) {
+  // 4 heads × 512 × 512 = 2^20 weights, none of them 0 before dropout.
+  Variant c{.h = 4, .hkv = 4, .tq = 512, .tk = 512, .dk = 8};
+  Problem p = identity_values(make_problem(c, 1100, 0.3));
+  constexpr double kRate = 0.3;
+  p.dropout = AttentionDropout{.p = kRate, .seed = 42};
+  const testing::Forward reference = run_forward<double>(p, AttentionImpl::reference);
+  const double n = static_cast<double>(reference.out.numel());
+  const double kept = n - static_cast<double>(count_zeros(reference.out));
+  EXPECT_LE(std::abs(kept - n * (1 - kRate)), 4.0 * std::sqrt(n * kRate * (1 - kRate))) << kept << " of " << n;
+  // The same zeros from the fused kernel on every target and thread count, and the same values.
+  on_every_target([&] {
+    for (const int workers : {1, 2}) {
+      const WorkersScope scope(workers);
+      const testing::Forward fused = run_forward<double>(p, AttentionImpl::fused);
+      for (int64_t i = 0; i < fused.out.numel(); ++i) {
+        ASSERT_EQ(fused.out[i] == 0.0, reference.out[i] == 0.0) << "weight " << i << ", " << workers << " threads";
+      }
+      EXPECT_TRUE(all_close("out", fused.out, reference.out, 1e-15));
+    }
+  });
+  // Another seed drops other weights; p = 0 is exactly no dropout.
+  Problem other = p;
+  other.dropout->seed = 43;
+  const testing::Forward reseeded = run_forward<double>(other, AttentionImpl::fused);
+  int64_t differ = 0;
+  for (int64_t i = 0; i < reseeded.out.numel(); ++i) differ += (reseeded.out[i] == 0.0) != (reference.out[i] == 0.0);
+  EXPECT_GT(static_cast<double>(differ), 0.3 * n);
+  Problem zero = p;
+  zero.dropout = AttentionDropout{.p = 0.0, .seed = 42};
+  Problem none = p;
+  none.dropout = std::nullopt;
+  EXPECT_TRUE(bit_identical(run_forward<float>(zero, AttentionImpl::fused).out,
+                            run_forward<float>(none, AttentionImpl::fused).out));
+}
+
+TEST(AttentionVariants, DropoutBackwardReplaysTheMask) {
+  uint64_t seed = 1200;
+  for (Variant c : {Variant{.name = "dropout", .tq = 70, .tk = 90}, Variant{.name = "dropout with everything",
+                                                                    .h = 4,
+                                                                    .hkv = 2,
+                                                                    .tq = 75,
+                                                                    .tk = 140,
+                                                                    .causal = true,
+                                                                    .window = AttentionWindow{.left = 30, .right = -1},
+                                                                    .softcap = 3.0,
+                                                                    .alibi = true,
+                                                                    .sinks = true,
+                                                                    .bias = true}}) {
+    Problem p = make_problem(c, seed);
+    p.dropout = AttentionDropout{.p = 0.25, .seed = 7};
+    const Tensor<double> dout = random_dout(p, seed + 1);
+    const testing::NaiveAttention<double> want = testing::naive_attention<double>(p, dout);
+    const Grads g = reference_backward(p, dout);
+    EXPECT_TRUE(all_close("reference out", reference_forward(p).out, want.out, 1e-12));
+    EXPECT_TRUE(all_close("reference dq", g.dq, want.dq, 1e-11));
+    EXPECT_TRUE(all_close("reference dk", g.dk, want.dk, 1e-11));
+    EXPECT_TRUE(all_close("reference dv", g.dv, want.dv, 1e-11));
+    expect_float32_matches_reference(p, seed + 2, c.name);
+    // The packed form numbers each sequence's weights from 0, as its own batch.
+    Problem packed = packed_problem(c, seed + 3);
+    packed.dropout = p.dropout;
+    expect_float32_matches_reference(packed, seed + 4, c.name + " packed");
+    seed += 5;
+  }
+  // A different seed gives different gradients.
+  Problem p = make_problem(Variant{.tq = 30, .tk = 30}, 1300);
+  p.dropout = AttentionDropout{.p = 0.5, .seed = 1};
+  const Tensor<double> dout = random_dout(p, 1301);
+  Problem other = p;
+  other.dropout->seed = 2;
+  EXPECT_FALSE(bit_identical(run_backward<double>(p, dout, AttentionImpl::fused).dq,
+                             run_backward<double>(other, dout, AttentionImpl::fused).dq));
+}
+
+TEST(AttentionVariants, DropoutGradientsMatchFiniteDifferences) {
+  for (const AttentionImpl impl : {AttentionImpl::reference, AttentionImpl::fused}) {
+    Problem p = make_problem(Variant{.h = 2, .hkv = 1, .tq = 5, .tk = 7, .dk = 3, .dv = 2, .sinks = true}, 1400);
+    p.dropout = AttentionDropout{.p = 0.4, .seed = 3};
+    const Tensor<double> dout = random_dout(p, 1401);
+    const Grads g = run_backward<double>(p, dout, impl, false);
+    auto loss = [&] { return testing::dot(run_forward<double>(p, impl).out, dout); };
+    EXPECT_TRUE(all_close("dq", g.dq, testing::numeric_gradient(loss, p.q), 1e-7));
+    EXPECT_TRUE(all_close("dk", g.dk, testing::numeric_gradient(loss, p.k), 1e-7));
+    EXPECT_TRUE(all_close("dv", g.dv, testing::numeric_gradient(loss, p.v), 1e-7));
+    EXPECT_TRUE(all_close("dsinks", g.dsinks, testing::numeric_gradient(loss, *p.sinks), 1e-7));
+  }
+}
+
+TEST(AttentionVariants, PhiloxMatchesItsPublishedAnswers) {
+  // The known-answer vectors of Random123's Philox 4x32-10.
+  EXPECT_EQ(philox4x32({0, 0, 0, 0}, {0, 0}),
+            (std::array<uint32_t, 4>{0x6627e8d5, 0xe169c58d, 0xbc57ac4c, 0x9b00dbd8}));
+  EXPECT_EQ(philox4x32({0xffffffff, 0xffffffff, 0xffffffff, 0xffffffff}, {0xffffffff, 0xffffffff}),
+            (std::array<uint32_t, 4>{0x408f276d, 0x41c83b0e, 0xa20bc7c6, 0x6d5451fd}));
+  EXPECT_EQ(philox4x32({0x243f6a88, 0x85a308d3, 0x13198a2e, 0x03707344}, {0xa4093822, 0x299f31d0}),
+            (std::array<uint32_t, 4>{0xd16cfe09, 0x94fdcceb, 0x5001e420, 0x24126ea1}));
+}
+
 // --- refusals ---------------------------------------------------------------------------------
 
 using testing::throws_naming;
@@ -444,6 +659,55 @@ TEST(AttentionVariants, RefusesBadArgumentsNamingThem) {
           ValueError(""));
   refused([](Problem& p) { p.alibi = Tensor<double>({2}); }, {"alibi_slopes", "[6]", "[2]"}, ShapeError(""));
   refused([](Problem& p) { p.sinks = Tensor<double>({1, 6}); }, {"sinks", "[6]", "[1, 6]"}, ShapeError(""));
+  refused([](Problem& p) { p.dropout = AttentionDropout{.p = 1.0, .seed = 0}; },
+          {"dropout: p must be in [0, 1), got 1"}, ValueError(""));
+  refused([](Problem& p) { p.dropout = AttentionDropout{.p = -0.1, .seed = 0}; }, {"dropout", "got -0.1"},
+          ValueError(""));
+  refused([](Problem& p) { p.dropout = AttentionDropout{.p = std::nan(""), .seed = 0}; }, {"dropout", "nan"},
+          ValueError(""));
+  const auto offsets = [](const std::vector<int64_t>& values) {
+    return Tensor<int64_t>({static_cast<int64_t>(values.size())}, values);
+  };
+  // base: Tq = 9, Tk = 11.
+  refused(
+      [&](Problem& p) {
+        p.cu_seqlens_q = offsets({0, 4, 9});
+      },
+      {"cu_seqlens_q: given without cu_seqlens_k"}, ValueError(""));
+  refused(
+      [&](Problem& p) {
+        p.cu_seqlens_q = offsets({0, 5, 4, 9});
+        p.cu_seqlens_k = offsets({0, 3, 6, 11});
+      },
+      {"cu_seqlens_q: offsets must not decrease, got 4 after 5 at index 2"}, ValueError(""));
+  refused(
+      [&](Problem& p) {
+        p.cu_seqlens_q = offsets({0, 4, 9});
+        p.cu_seqlens_k = offsets({0, 3, 10});
+      },
+      {"cu_seqlens_k: expected the last offset to be Tk = 11, got 10"}, ValueError(""));
+  refused(
+      [&](Problem& p) {
+        p.cu_seqlens_q = offsets({1, 4, 9});
+        p.cu_seqlens_k = offsets({0, 3, 11});
+      },
+      {"cu_seqlens_q: expected 0 first, got 1"}, ValueError(""));
+  refused(
+      [&](Problem& p) {
+        p.cu_seqlens_q = offsets({0, 4, 9});
+        p.cu_seqlens_k = offsets({0, 11});
+      },
+      {"cu_seqlens_k: expected 3 offsets, as many as cu_seqlens_q, got 2"}, ShapeError(""));
+  refused(
+      [&](Problem& p) {
+        Rng rng(2);
+        p.q = random_tensor<double>({2, 6, 9, 8}, rng);
+        p.k = random_tensor<double>({2, 2, 11, 8}, rng);
+        p.v = random_tensor<double>({2, 2, 11, 5}, rng);
+        p.cu_seqlens_q = offsets({0, 9});
+        p.cu_seqlens_k = offsets({0, 11});
+      },
+      {"cu_seqlens_q: packed sequences lie along T of a batch of one", "[2, 6, 9, 8]"}, ShapeError(""));
 }
 
 TEST(AttentionVariants, RefusesSinkGradientsWithoutSinks) {

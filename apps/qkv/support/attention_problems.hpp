@@ -119,6 +119,8 @@ struct AttentionProblem {
   std::optional<double> softcap = std::nullopt;
   std::optional<Tensor<double>> alibi = std::nullopt;  // [H] slopes
   std::optional<Tensor<double>> sinks = std::nullopt;  // [H] logits
+  std::optional<Tensor<int64_t>> cu_seqlens_q = std::nullopt, cu_seqlens_k = std::nullopt;
+  std::optional<AttentionDropout> dropout = std::nullopt;
 
   Shape scores() const { return {q.shape()[0], q.shape()[1], q.shape()[2], k.shape()[2]}; }
 };
@@ -171,6 +173,9 @@ struct AttentionOperands {
     if (alibi) a.mask.alibi_slopes = alibi->view();
     a.softcap = problem->softcap;
     if (sinks) a.sinks = sinks->view();
+    if (problem->cu_seqlens_q) a.mask.cu_seqlens_q = problem->cu_seqlens_q->view();
+    if (problem->cu_seqlens_k) a.mask.cu_seqlens_k = problem->cu_seqlens_k->view();
+    a.dropout = problem->dropout;
     return a;
   }
 };
@@ -194,8 +199,9 @@ NaiveAttention<T> naive_attention(const AttentionProblem& p, const Tensor<double
   const int64_t B = p.q.shape()[0], H = p.q.shape()[1], Tq = p.q.shape()[2], Tk = p.k.shape()[2], Dk = p.q.shape()[3],
                 Dv = p.v.shape()[3];
   const int64_t group = H / std::max<int64_t>(1, p.k.shape()[1]);
-  const int64_t diagonal = p.alignment == CausalAlignment::bottom_right ? Tk - Tq : 0;
   const auto softcap = static_cast<T>(p.softcap.value_or(0.0));
+  const DropoutDraw draw{.seed = p.dropout ? p.dropout->seed : 0,
+                         .threshold = p.dropout ? dropout_threshold(p.dropout->p) : 0};
   const T scale = static_cast<T>(p.scale.value_or(1.0 / std::sqrt(static_cast<double>(Dk))));
   const TensorView<const T> q = ops.q.view(), k = ops.k.view(), v = ops.v.view();
   const Tensor<T> dout_t = cast<T>(dout_d);
@@ -222,13 +228,32 @@ NaiveAttention<T> naive_attention(const AttentionProblem& p, const Tensor<double
     for (int64_t h = 0; h < H; ++h)
       for (int64_t i = 0; i < Tq; ++i) {
         const int64_t hk = h / group;
+        // A packed query sees the keys of its own sequence n, with indices counted from its start.
+        int64_t n = 0, q0 = 0, k0 = 0, k1 = Tk, tq = Tq;
+        if (p.cu_seqlens_q) {
+          while ((*p.cu_seqlens_q)[n + 1] <= i) ++n;
+          q0 = (*p.cu_seqlens_q)[n];
+          tq = (*p.cu_seqlens_q)[n + 1] - q0;
+          k0 = (*p.cu_seqlens_k)[n];
+          k1 = (*p.cu_seqlens_k)[n + 1];
+        }
+        const int64_t li = i - q0;
+        const int64_t diagonal = p.alignment == CausalAlignment::bottom_right ? (k1 - k0) - tq : 0;
+        const int64_t dropout_b = p.cu_seqlens_q ? n : b;
         std::vector<T> s(static_cast<size_t>(Tk), -inf);
         std::vector<T> cap_slope(static_cast<size_t>(Tk), T{1});  // d s / d(scale·q·k)
+        std::vector<T> keep(static_cast<size_t>(Tk), T{1});       // the dropout factors
         for (int64_t j = 0; j < Tk; ++j) {
-          if (p.causal && j > i + diagonal) continue;
-          if (p.window && p.window->left >= 0 && j < i + diagonal - p.window->left) continue;
-          if (p.window && p.window->right >= 0 && j > i + diagonal + p.window->right) continue;
+          const int64_t lj = j - k0;
+          if (j < k0 || j >= k1) continue;
+          if (p.causal && lj > li + diagonal) continue;
+          if (p.window && p.window->left >= 0 && lj < li + diagonal - p.window->left) continue;
+          if (p.window && p.window->right >= 0 && lj > li + diagonal + p.window->right) continue;
           if (allowed && (*allowed)(b, h, i, j) == 0) continue;
+          if (p.dropout && p.dropout->p > 0) {
+            keep[static_cast<size_t>(j)] =
+                draw.keeps(dropout_b, h, li, lj) ? static_cast<T>(1 / (1 - p.dropout->p)) : T{0};
+          }
           T dot = 0;
           for (int64_t d = 0; d < Dk; ++d) dot += q(b, h, i, d) * k(b, hk, j, d);
           T x = scale * dot;
@@ -238,7 +263,7 @@ NaiveAttention<T> naive_attention(const AttentionProblem& p, const Tensor<double
             cap_slope[static_cast<size_t>(j)] = 1 - t * t;
           }
           T score = x + (bias ? (*bias)(b, h, i, j) : T{0});
-          if (p.alibi) score -= static_cast<T>((*p.alibi)[h]) * static_cast<T>(std::abs(i + diagonal - j));
+          if (p.alibi) score -= static_cast<T>((*p.alibi)[h]) * static_cast<T>(std::abs(li + diagonal - lj));
           s[static_cast<size_t>(j)] = score;
         }
         const T sink = p.sinks ? static_cast<T>((*p.sinks)[h]) : -inf;
@@ -255,7 +280,9 @@ NaiveAttention<T> naive_attention(const AttentionProblem& p, const Tensor<double
         for (size_t j = 0; j < s.size(); ++j) prob[j] = std::exp(s[j] - m) / z;
         for (int64_t j = 0; j < Tk; ++j) {
           r.weights.view()(b, h, i, j) = prob[static_cast<size_t>(j)];
-          for (int64_t d = 0; d < Dv; ++d) r.out.view()(b, h, i, d) += prob[static_cast<size_t>(j)] * v(b, hk, j, d);
+          for (int64_t d = 0; d < Dv; ++d) {
+            r.out.view()(b, h, i, d) += prob[static_cast<size_t>(j)] * keep[static_cast<size_t>(j)] * v(b, hk, j, d);
+          }
         }
         if (dout_d.numel() == 0) continue;
         T row_dot = 0;  // D_i
@@ -264,11 +291,13 @@ NaiveAttention<T> naive_attention(const AttentionProblem& p, const Tensor<double
         if (p.sinks) r.dsinks[h] -= term(std::exp(sink - m) / z * row_dot);
         for (int64_t j = 0; j < Tk; ++j) {
           const T pij = prob[static_cast<size_t>(j)];
+          const T mij = keep[static_cast<size_t>(j)];
           T dp = 0;
           for (int64_t d = 0; d < Dv; ++d) {
             dp += dout(b, h, i, d) * v(b, hk, j, d);
-            r.dv.view()(b, hk, j, d) += pij * term(dout(b, h, i, d));
+            r.dv.view()(b, hk, j, d) += pij * mij * term(dout(b, h, i, d));
           }
+          dp *= mij;
           const T ds = term(pij * (dp - row_dot));
           const T dx = ds * cap_slope[static_cast<size_t>(j)];
           for (int64_t d = 0; d < Dk; ++d) {
