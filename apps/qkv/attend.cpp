@@ -35,7 +35,9 @@ namespace {
 
 constexpr const char* kAttendFooter =
     R"(Shapes: Q [..., Tq, Dk], K [..., Tk, Dk], V [..., Tk, Dv], with the same leading dims: none,
-[H] or [B, H]. Out is [..., Tq, Dv], --weights [..., Tq, Tk] (rows sum to 1), --lse [..., Tq].
+[H] or [B, H], except that K and V may have fewer heads Hkv, a divisor of H (grouped-query
+attention: query head h reads K and V head h / (H / Hkv); Hkv = 1 is multi-query).
+Out is [..., Tq, Dv], --weights [..., Tq, Tk] (rows sum to 1), --lse [..., Tq].
 Inputs may be float32 or float64 .npy files. When Q, K or V is float64, the run is float64 end to
 end (the other inputs are widened, the outputs are float64); else it is float32 (a float64 mask or
 dOut is rounded). --score additive runs in float32 only.
@@ -46,26 +48,46 @@ Scores: s_ij = scale * q_i.k_j + mask_ij, scale = 1/sqrt(Dk) unless --scale. Wit
 s_ij = w . tanh(Wq q_i + Wk k_j) + mask_ij (--wq [A, Dq], --wk [A, Dk], --ww [A]; Q may then have
 Dq != Dk, and there is no scale).
 Mask (--mask, broadcast to [B, H, Tq, Tk]): a bool mask says which keys a query may attend to
-(true = visible), and so does a uint8 or int64 mask (nonzero = visible); a float mask is a bias
+(true = visible), and so does a uint8, int32 or int64 mask (nonzero = visible); a float mask is a bias
 added to the scores, where -inf masks the key.
-Causal (--causal) is bottom-right aligned: query i sees key j <= i + Tk - Tq, the usual lower
-triangle when Tq == Tk; with Tq < Tk (a KV cache) the last query sees every key. A query that
-sees no key gets output 0, weights 0 and lse -inf, never NaN.
+Causal (--causal, the same as --causal bottom-right) is bottom-right aligned: query i sees key
+j <= i + o with o = Tk - Tq, the usual lower triangle when Tq == Tk; with Tq < Tk (a KV cache) the
+last query sees every key. --causal top-left puts the diagonal at o = 0 (torch's is_causal): with
+Tq < Tk the last keys are seen by no query. --window and --alibi measure from the same diagonal:
+top-left with --causal top-left, bottom-right otherwise.
+Variants, which combine with each other and with --mask:
+  --window L,R  query i sees keys i + o - L to i + o + R (-1: unbounded); with --causal, a band
+  --softcap C   the scaled scores x become C * tanh(x / C), before the mask is added
+  --alibi auto  adds -m_h * |i + o - j| to head h (auto: the standard slopes m_h; or a .npy [H])
+  --sinks S     S [H]: one logit per head joins each row's softmax with no value (rows sum to < 1)
+  --cu-seqlens-q/-k  packed sequences (B = 1): [N+1] offsets from 0 to Tq (Tk); a query sees only
+                its own sequence's keys, and causality, the window and ALiBi count within it
+  --dropout P   drops each weight with probability P and scales the kept ones by 1/(1 - P); the
+                dropped ones are a function of --seed alone; --weights and --lse are before dropout
+--score additive takes --window, --causal and --alibi; --softcap, --sinks and --dropout are for
+dot-product scores. A query that sees no key gets output 0, weights 0 and lse -inf (the sink's
+logit, with --sinks), never NaN.
 Example:
-  qkv attend --q q.npy --k k.npy --v v.npy --causal -o out.npy --weights attn.npy)";
+  qkv attend --q q.npy --k k.npy --v v.npy --causal -o out.npy --weights attn.npy
+  qkv attend --q q.npy --k k.npy --v v.npy --causal top-left --window 128,0 --alibi auto -o out.npy)";
 
 constexpr const char* kAttendBackwardFooter =
     R"(Gradients of L = <dO, Out> for Out = attention(Q, K, V) as in `qkv attend --help`: the same
 inputs with the same meaning, plus --dout dO [..., Tq, Dv].
 Outputs (at least one; only those given are written): --dq [..., Tq, Dk], --dk [..., Tk, Dk],
---dv [..., Tk, Dv]; --dbias (needs a float --mask: its shape, summed over the dims it was broadcast
-along); with --score additive --dwq [A, Dq], --dwk [A, Dk], --dww [A] (summed over batch and heads).
-Mask: bool, uint8 or int64 = may attend (nonzero = visible), float = additive bias (-inf masks); it
-broadcasts to [B, H, Tq, Tk]. Causal: query i sees key j <= i + Tk - Tq (bottom-right aligned). A query that sees
-no key has zero gradients.
+--dv [..., Tk, Dv] (with fewer K and V heads, summed over each group of query heads); --dbias
+(needs a float --mask: its shape, summed over the dims it was broadcast along); --dsinks [H] (needs
+--sinks; summed over batch and queries); with --score additive --dwq [A, Dq], --dwk [A, Dk],
+--dww [A] (summed over batch and heads).
+Mask: bool, uint8, int32 or int64 = may attend (nonzero = visible), float = additive bias (-inf
+masks); it broadcasts to [B, H, Tq, Tk]. Causal: query i sees key j <= i + Tk - Tq (bottom-right
+aligned), or j <= i with --causal top-left. --window, --softcap, --alibi, --sinks, --cu-seqlens-q/-k
+and --dropout with --seed mean what they mean for attend; dropout drops the same weights as the
+forward of the same seed. A query that sees no key has zero gradients.
 Example:
   qkv attend-backward --q q.npy --k k.npy --v v.npy --mask bias.npy --dout dout.npy \
-      --dq dq.npy --dk dk.npy --dv dv.npy --dbias dbias.npy)";
+      --dq dq.npy --dk dk.npy --dv dv.npy --dbias dbias.npy
+  qkv attend-backward --q q.npy --k k.npy --v v.npy --sinks sinks.npy --dout dout.npy --dsinks dsinks.npy)";
 
 enum class Score { dot, additive };
 
@@ -74,7 +96,17 @@ struct InputOptions {
   std::string q, k, v, mask;
   double scale = 0.0;
   const CLI::Option* scale_option = nullptr;  // tells whether --scale was given
-  bool causal = false;
+  std::string causal;                         // "" (not causal), bottom-right or top-left
+  std::string window;                         // "L,R"
+  double softcap = 0.0;
+  const CLI::Option* softcap_option = nullptr;
+  std::string alibi;  // auto or a file of slopes
+  std::string sinks;
+  std::string cu_seqlens_q, cu_seqlens_k;
+  double dropout = 0.0;
+  const CLI::Option* dropout_option = nullptr;
+  uint64_t seed = 0;
+  const CLI::Option* seed_option = nullptr;
   std::string impl = "auto";
   std::string score = "dot";
   std::string w_q, w_k, w;
@@ -97,10 +129,11 @@ struct OutputOption {
 struct BackwardOptions {
   InputOptions in;
   std::string dout;
-  std::array<OutputOption, 7> outputs{{{"--dq", "write dQ.npy [..., Tq, Dk]", ""},
+  std::array<OutputOption, 8> outputs{{{"--dq", "write dQ.npy [..., Tq, Dk]", ""},
                                        {"--dk", "write dK.npy [..., Tk, Dk]", ""},
                                        {"--dv", "write dV.npy [..., Tk, Dv]", ""},
                                        {"--dbias", "write dBias.npy, the shape of the float --mask", ""},
+                                       {"--dsinks", "write dSinks.npy [H], the gradient of --sinks", ""},
                                        {"--dwq", "write dWQ.npy [A, Dq] (--score additive)", ""},
                                        {"--dwk", "write dWK.npy [A, Dk] (--score additive)", ""},
                                        {"--dww", "write dW.npy [A] (--score additive)", ""}}};
@@ -111,10 +144,45 @@ void add_input_options(CLI::App& cmd, InputOptions& o) {
   cmd.add_option("--k", o.k, "keys K.npy [..., Tk, Dk]")->type_name("FILE")->required();
   cmd.add_option("--v", o.v, "values V.npy [..., Tk, Dv]")->type_name("FILE")->required();
   o.scale_option = cmd.add_option("--scale", o.scale, "multiplies q.k before the mask is added (default 1/sqrt(Dk))");
-  cmd.add_flag("--causal", o.causal, "query i sees key j <= i + Tk - Tq (bottom-right aligned)");
+  cmd.add_option("--causal", o.causal,
+                 "causal mask, bottom-right aligned when given alone (query i sees key j <= i + Tk - Tq) or "
+                 "top-left (j <= i, torch's is_causal); the alignment also places --window and --alibi")
+      ->expected(0, 1)
+      ->default_str("bottom-right")
+      ->check(CLI::IsMember({"bottom-right", "top-left"}))
+      ->type_name("[ALIGN]");
+  cmd.add_option("--window", o.window,
+                 "sliding window: query i sees keys i + o - L to i + o + R, o the causal diagonal's offset; -1 is "
+                 "unbounded, e.g. 128,0 or -1,0 (causal)")
+      ->type_name("L,R");
+  o.softcap_option =
+      cmd.add_option("--softcap", o.softcap, "logit softcap C > 0: the scaled scores x become C * tanh(x / C)")
+          ->type_name("C");
+  cmd.add_option("--alibi", o.alibi,
+                 "ALiBi: adds -m_h * |i + o - j| to head h; auto for the standard slopes, or SLOPES.npy [H]")
+      ->type_name("auto|FILE");
+  cmd.add_option("--sinks", o.sinks, "S.npy [H]: one attention-sink logit per head, joining every row's softmax")
+      ->type_name("FILE");
+  cmd.add_option("--cu-seqlens-q", o.cu_seqlens_q,
+                 "F.npy [N+1], int32 or int64: packed sequences (B = 1), sequence n holding queries "
+                 "cu[n] to cu[n+1] - 1; needs --cu-seqlens-k")
+      ->type_name("FILE");
+  cmd.add_option("--cu-seqlens-k", o.cu_seqlens_k,
+                 "F.npy [N+1], int32 or int64: the keys of each packed sequence; needs --cu-seqlens-q")
+      ->type_name("FILE");
+  o.dropout_option = cmd.add_option("--dropout", o.dropout,
+                                    "drop each attention weight with probability P in [0, 1), scaling the kept ones "
+                                    "by 1/(1 - P); --weights and --lse stay those before dropout")
+                         ->type_name("P");
+  o.seed_option = cmd.add_option("--seed", o.seed,
+                                 "seed of --dropout's mask (default 0), the same on every machine and thread count; "
+                                 "only with --dropout")
+                      ->check(CLI::Validator(uint64_error, "0..2^64-1"))
+                      ->type_name("N");
   cmd.add_option(
          "--mask", o.mask,
-         "M.npy, broadcast to [B, H, Tq, Tk]: bool, uint8 or int64 = may attend (nonzero), float = additive bias")
+         "M.npy, broadcast to [B, H, Tq, Tk]: bool, uint8, int32 or int64 = may attend (nonzero), float = additive "
+         "bias")
       ->type_name("FILE");
   cmd.add_option("--impl", o.impl,
                  "auto (the fastest implementation that supports the request), fused (tiled online softmax, O(T) "
@@ -145,6 +213,13 @@ struct Operands {
   Tensor<float> w;                         // [A], additive scores only
   std::optional<double> scale;
   bool causal = false;
+  CausalAlignment alignment = CausalAlignment::bottom_right;
+  std::optional<AttentionWindow> window;
+  std::optional<double> softcap;
+  std::optional<Tensor<T>> alibi;  // [H] slopes
+  std::optional<Tensor<T>> sinks;  // [H]
+  std::optional<Tensor<int64_t>> cu_seqlens_q, cu_seqlens_k;
+  std::optional<AttentionDropout> dropout;
   AttentionImpl impl = AttentionImpl::automatic;
   Shape leading;  // the leading dims of Q as given: none, [H] or [B, H]
   int64_t tq = 0, tk = 0, dv = 0;
@@ -154,12 +229,25 @@ struct Operands {
   }
 
   AttentionMask<T> mask() const {
+    const auto view = [](const auto& tensor) { return tensor ? std::optional(tensor->cview()) : std::nullopt; };
     return {.causal = causal,
-            .allowed = allowed ? std::optional(allowed->cview()) : std::nullopt,
-            .bias = bias ? std::optional(bias->cview()) : std::nullopt};
+            .alignment = alignment,
+            .window = window,
+            .allowed = view(allowed),
+            .bias = view(bias),
+            .alibi_slopes = view(alibi),
+            .cu_seqlens_q = view(cu_seqlens_q),
+            .cu_seqlens_k = view(cu_seqlens_k)};
   }
   AttentionParams<T> dot_params() const {
-    return {.q = q.cview(), .k = k.cview(), .v = v.cview(), .scale = scale, .mask = mask()};
+    return {.q = q.cview(),
+            .k = k.cview(),
+            .v = v.cview(),
+            .scale = scale,
+            .mask = mask(),
+            .softcap = softcap,
+            .sinks = sinks ? std::optional(sinks->cview()) : std::nullopt,
+            .dropout = dropout};
   }
   AdditiveAttentionParams<float> additive_params() const {
     return {.q = q.cview(),
@@ -195,13 +283,61 @@ void check_scoring_options(const InputOptions& o, Score score) {
   }
 }
 
+// The variants' options that fit together, from their values alone, before any file is read. The
+// shapes of --sinks and --alibi are checked once read; the offsets of --cu-seqlens-q/-k and whether
+// K's heads divide Q's are the library's to check (naming_options names the option).
+void check_variant_options(const InputOptions& o, Score score) {
+  if (!o.window.empty()) parse_window(o.window, "--window");
+  if (o.softcap_option->count() > 0 && (!(o.softcap > 0.0) || !std::isfinite(o.softcap))) {
+    throw ValueError(fmt::format("--softcap: expected a positive finite number, got {}", o.softcap));
+  }
+  if (o.dropout_option->count() > 0 && (!(o.dropout >= 0.0 && o.dropout < 1.0))) {
+    throw ValueError(fmt::format("--dropout: expected a probability in [0, 1), got {}", o.dropout));
+  }
+  if (o.seed_option->count() > 0 && o.dropout_option->count() == 0) {
+    throw ValueError(
+        fmt::format("--seed: only used by --dropout (it picks the dropped weights), got --seed {} "
+                    "without --dropout",
+                    o.seed));
+  }
+  if (o.cu_seqlens_q.empty() != o.cu_seqlens_k.empty()) {
+    const bool has_q = !o.cu_seqlens_q.empty();
+    throw ValueError(fmt::format("{}: packed sequences need both --cu-seqlens-q and --cu-seqlens-k, got only {} {}",
+                                 has_q ? "--cu-seqlens-k" : "--cu-seqlens-q",
+                                 has_q ? "--cu-seqlens-q" : "--cu-seqlens-k", has_q ? o.cu_seqlens_q : o.cu_seqlens_k));
+  }
+  if (score == Score::additive) {
+    // AdditiveAttentionParams has no softcap, sinks or dropout; the window, the alignment and ALiBi
+    // belong to the mask, which additive attention shares.
+    struct DotOnly {
+      std::string_view arg, what;
+      bool given;
+      std::string value;
+    };
+    const std::array<DotOnly, 3> dot_only{{
+        {"--softcap", "softcap", o.softcap_option->count() > 0, fmt::format("{}", o.softcap)},
+        {"--sinks", "sinks", !o.sinks.empty(), o.sinks},
+        {"--dropout", "dropout", o.dropout_option->count() > 0, fmt::format("{}", o.dropout)},
+    }};
+    for (const DotOnly& option : dot_only) {
+      if (option.given) {
+        throw ValueError(
+            fmt::format("{}: only used with --score dot (additive attention has no {}), got {} {} with "
+                        "--score additive",
+                        option.arg, option.what, option.arg, option.value));
+      }
+    }
+  }
+}
+
 void expect_shape(std::string_view arg, const Shape& actual, const Shape& expected, std::string_view meaning) {
   if (!(actual == expected)) {
     throw ShapeError(fmt::format("{}: expected shape {} ({}), got {}", arg, expected.str(), meaning, actual.str()));
   }
 }
 
-constexpr std::string_view kMaskDtypes = "bool, uint8 or int64 (nonzero = may attend) or float32/float64 (a bias)";
+constexpr std::string_view kMaskDtypes =
+    "bool, uint8, int32 or int64 (nonzero = may attend) or float32/float64 (a bias)";
 
 template <class T>
 Tensor<T> to_tensor(NpyArray array, std::string_view arg) {
@@ -216,7 +352,8 @@ Tensor<T> to_tensor(NpyArray array, std::string_view arg) {
 template <class T>
 void load_mask(const InputOptions& o, const Shape& scores, Operands<T>& x) {
   NpyArray array = read_input(o.mask, "--mask", kMaskDtypes);
-  if (array.dtype == DType::boolean || array.dtype == DType::uint8 || array.dtype == DType::int64) {
+  if (array.dtype == DType::boolean || array.dtype == DType::uint8 || array.dtype == DType::int32 ||
+      array.dtype == DType::int64) {
     x.allowed = to_bool(std::move(array), "--mask");
   } else if (array.dtype == DType::float32 || array.dtype == DType::float64) {
     x.bias = to_tensor<T>(std::move(array), "--mask");
@@ -232,6 +369,44 @@ void load_mask(const InputOptions& o, const Shape& scores, Operands<T>& x) {
   if (!broadcasts) {
     throw ShapeError(fmt::format("--mask: expected a shape that broadcasts to the scores [B, H, Tq, Tk] = {}, got {}",
                                  scores.str(), shape.str()));
+  }
+}
+
+// One value per head of Q, as --alibi and --sinks give them.
+template <class T>
+Tensor<T> load_per_head(NpyArray array, std::string_view arg, int64_t heads, std::string_view meaning) {
+  Tensor<T> values = to_tensor<T>(std::move(array), arg);
+  expect_shape(arg, values.shape(), Shape{heads}, meaning);
+  return values;
+}
+
+// The offsets of --cu-seqlens-q or --cu-seqlens-k as int64, whatever the integer width of the file.
+Tensor<int64_t> load_offsets(const std::string& path, std::string_view arg) {
+  return to_int64(read_input(path, arg, "int32 or int64"), arg);
+}
+
+// --alibi, --sinks and --cu-seqlens-q/-k, read and shaped against the `heads` of Q.
+template <class T>
+void load_variants(const InputOptions& o, int64_t heads, Operands<T>& x) {
+  if (o.alibi == "auto") {
+    const std::vector<double> slopes = alibi_slopes(heads);
+    x.alibi = Tensor<T>(Shape{heads}, std::vector<T>(slopes.begin(), slopes.end()));
+  } else if (!o.alibi.empty()) {
+    NpyArray array;
+    try {
+      array = read_input(o.alibi, "--alibi", kFloatDtypes);
+    } catch (const IoError& e) {
+      throw IoError(fmt::format("{} (--alibi takes auto or a .npy file of one slope per head)", e.what()));
+    }
+    x.alibi = load_per_head<T>(std::move(array), "--alibi", heads, "[H]: one slope per head of --q");
+  }
+  if (!o.sinks.empty()) {
+    x.sinks = load_per_head<T>(read_input(o.sinks, "--sinks", kFloatDtypes), "--sinks", heads,
+                               "[H]: one logit per head of --q");
+  }
+  if (!o.cu_seqlens_q.empty()) {
+    x.cu_seqlens_q = load_offsets(o.cu_seqlens_q, "--cu-seqlens-q");
+    x.cu_seqlens_k = load_offsets(o.cu_seqlens_k, "--cu-seqlens-k");
   }
 }
 
@@ -251,6 +426,7 @@ Score score_of(const InputOptions& o) { return o.score == "additive" ? Score::ad
 // The options that fit together, checked before any file is read.
 void check_input_options(const InputOptions& o) {
   check_scoring_options(o, score_of(o));
+  check_variant_options(o, score_of(o));
   if (score_of(o) == Score::additive && impl_of(o.impl) == AttentionImpl::fused) {
     throw ValueError(
         "--impl: fused computes dot-product scores only; --score additive has only the reference "
@@ -276,8 +452,12 @@ Operands<T> load_operands(const InputOptions& o, InputArrays in) {
   Operands<T> x;
   x.score = score_of(o);
   x.impl = impl_of(o.impl);
-  x.causal = o.causal;
+  x.causal = !o.causal.empty();
+  if (o.causal == "top-left") x.alignment = CausalAlignment::top_left;
   if (o.scale_option->count() > 0) x.scale = o.scale;
+  if (!o.window.empty()) x.window = parse_window(o.window, "--window");
+  if (o.softcap_option->count() > 0) x.softcap = o.softcap;
+  if (o.dropout_option->count() > 0) x.dropout = AttentionDropout{.p = o.dropout, .seed = o.seed};
 
   x.q = to_tensor<T>(std::move(in.q), "--q");
   const TensorView<const T> q4 = as_bhtd(x.q.cview(), "--q");
@@ -292,18 +472,27 @@ Operands<T> load_operands(const InputOptions& o, InputArrays in) {
   as_bhtd(x.k.cview(), "--k");  // refuses a rank outside 2 to 4 before Tk is read off the shape
   x.tk = x.k.shape().from_back(2);
   const int64_t dk = x.k.shape().from_back(1);
+  // K and V take their heads from K: whether they divide Q's is the library's check, in its words.
+  Shape kv_leading = x.leading;
+  if (kv_leading.rank() >= 1 && x.k.shape().rank() == x.q.shape().rank()) {
+    kv_leading[kv_leading.rank() - 1] = x.k.shape().from_back(3);
+  }
+  const auto kv_shape = [&](int64_t t, int64_t d) { return leading_dims_with(kv_leading, kv_leading.rank(), {t, d}); };
   if (x.score == Score::dot) {
-    expect_shape("--k", x.k.shape(), x.with_leading({x.tk, dq}), "[..., Tk, Dk]: the leading dims and Dk of --q");
+    expect_shape("--k", x.k.shape(), kv_shape(x.tk, dq),
+                 "[..., Hkv, Tk, Dk]: the leading dims of --q but for the heads, and Dk of --q");
   } else {
-    expect_shape("--k", x.k.shape(), x.with_leading({x.tk, dk}), "[..., Tk, Dk]: the leading dims of --q");
+    expect_shape("--k", x.k.shape(), kv_shape(x.tk, dk),
+                 "[..., Hkv, Tk, Dk]: the leading dims of --q but for the heads");
   }
 
   x.v = to_tensor<T>(std::move(in.v), "--v");
   as_bhtd(x.v.cview(), "--v");  // the same for Dv
   x.dv = x.v.shape().from_back(1);
-  expect_shape("--v", x.v.shape(), x.with_leading({x.tk, x.dv}), "[..., Tk, Dv]: the leading dims of --q, Tk of --k");
+  expect_shape("--v", x.v.shape(), kv_shape(x.tk, x.dv), "[..., Hkv, Tk, Dv]: the leading dims and Tk of --k");
 
   if (!o.mask.empty()) load_mask(o, Shape{q4.shape[0], q4.shape[1], x.tq, x.tk}, x);
+  load_variants(o, q4.shape[1], x);
 
   if (x.score == Score::additive) {
     x.w_q = load_float32(o.w_q, "--wq");
@@ -323,6 +512,8 @@ Operands<T> load_operands(const InputOptions& o, InputArrays in) {
     check_input_finite(x.k.cview(), "--k");
     check_input_finite(x.v.cview(), "--v");
     if (x.bias) check_input_finite(x.bias->cview(), "--mask", NonFinite::minus_infinity_allowed);
+    if (x.alibi) check_input_finite(x.alibi->cview(), "--alibi");
+    if (x.sinks) check_input_finite(x.sinks->cview(), "--sinks");
     if (x.score == Score::additive) {
       check_input_finite(x.w_q.cview(), "--wq");
       check_input_finite(x.w_k.cview(), "--wk");
@@ -330,6 +521,48 @@ Operands<T> load_operands(const InputOptions& o, InputArrays in) {
     }
   }
   return x;
+}
+
+// The library's messages name its arguments as its API spells them; the CLI's name the option
+// that gave each, with the library's wording kept.
+constexpr std::array<std::pair<std::string_view, std::string_view>, 17> kOptionOfArgument{{
+    {"q", "--q"},
+    {"k", "--k"},
+    {"v", "--v"},
+    {"mask", "--mask"},
+    {"bias", "--mask"},
+    {"scale", "--scale"},
+    {"window", "--window"},
+    {"softcap", "--softcap"},
+    {"alibi_slopes", "--alibi"},
+    {"sinks", "--sinks"},
+    {"cu_seqlens_q", "--cu-seqlens-q"},
+    {"cu_seqlens_k", "--cu-seqlens-k"},
+    {"dropout", "--dropout"},
+    {"dout", "--dout"},
+    {"w_q", "--wq"},
+    {"w_k", "--wk"},
+    {"w", "--ww"},
+}};
+
+std::string with_option_names(std::string_view message) {
+  for (const auto& [argument, option] : kOptionOfArgument) {
+    const std::string prefix = fmt::format("{}: ", argument);
+    if (message.starts_with(prefix)) return fmt::format("{}: {}", option, message.substr(prefix.size()));
+  }
+  return std::string(message);
+}
+
+// Runs a library call, its refusals renamed by with_option_names.
+template <class Call>
+void naming_options(Call&& call) {
+  try {
+    std::forward<Call>(call)();
+  } catch (const ShapeError& e) {
+    throw ShapeError(with_option_names(e.what()));
+  } catch (const ValueError& e) {
+    throw ValueError(with_option_names(e.what()));
+  }
 }
 
 template <class T>
@@ -375,15 +608,15 @@ void attend(const Operands<T>& x, const std::optional<HeatmapFormat>& heatmap, O
   const AttentionOutputs<T> outputs{.out = out.view(),
                                     .weights = weights ? std::optional(weights->view()) : std::nullopt,
                                     .lse = lse ? std::optional(lse->view()) : std::nullopt};
-  if constexpr (std::is_same_v<T, float>) {
-    if (x.score == Score::additive) {
-      additive_attention_forward(x.additive_params(), outputs);
-    } else {
-      attention_forward(x.dot_params(), outputs, x.impl);
+  naming_options([&] {
+    if constexpr (std::is_same_v<T, float>) {
+      if (x.score == Score::additive) {
+        additive_attention_forward(x.additive_params(), outputs);
+        return;
+      }
     }
-  } else {
     attention_forward(x.dot_params(), outputs, x.impl);
-  }
+  });
 
   // Every head of the first batch entry, written with the arrays: all the files or none.
   if (heatmap) files.set("--heatmap", render_heatmap(weights->cview(), *heatmap, {}));
@@ -403,7 +636,11 @@ void run_attend_backward(const BackwardOptions& o) {
   }
   if (files.empty()) {
     throw ValueError(
-        "attend-backward: expected at least one of --dq, --dk, --dv, --dbias, --dwq, --dwk, --dww, got none");
+        "attend-backward: expected at least one of --dq, --dk, --dv, --dbias, --dsinks, --dwq, --dwk, --dww, got "
+        "none");
+  }
+  if (files.planned("--dsinks") && o.in.sinks.empty()) {
+    throw ValueError("--dsinks: needs --sinks (it is their gradient), got no --sinks");
   }
   for (const std::string_view arg : {"--dwq", "--dwk", "--dww"}) {
     if (files.planned(arg) && o.in.score != "additive") {
@@ -437,10 +674,16 @@ void attend_backward(const BackwardOptions& o, const Operands<T>& x, OutputFiles
   std::optional<Tensor<T>> dbias;
   if (files.planned("--dbias")) dbias = allocate_output<T>(x.bias->shape(), "--dbias");
   const std::optional<TensorView<T>> dbias_view = dbias ? std::optional(dbias->view()) : std::nullopt;
+  std::optional<Tensor<T>> dsinks;
+  if (files.planned("--dsinks")) dsinks = allocate_output<T>(x.sinks->shape(), "--dsinks");
 
   if (x.score == Score::dot) {
-    const AttentionGradients<T> grads{.dq = dq.view(), .dk = dk.view(), .dv = dv.view(), .dbias = dbias_view};
-    attention_backward<T>(x.dot_params(), dout.cview(), grads, std::nullopt, x.impl);
+    const AttentionGradients<T> grads{.dq = dq.view(),
+                                      .dk = dk.view(),
+                                      .dv = dv.view(),
+                                      .dbias = dbias_view,
+                                      .dsinks = dsinks ? std::optional(dsinks->view()) : std::nullopt};
+    naming_options([&] { attention_backward<T>(x.dot_params(), dout.cview(), grads, std::nullopt, x.impl); });
   } else if constexpr (std::is_same_v<T, float>) {
     Tensor<float> dw_q = allocate_output(x.w_q.shape(), "--dwq");
     Tensor<float> dw_k = allocate_output(x.w_k.shape(), "--dwk");
@@ -452,7 +695,7 @@ void attend_backward(const BackwardOptions& o, const Operands<T>& x, OutputFiles
                                                   .dw_k = dw_k.view(),
                                                   .dw = dw.view(),
                                                   .dbias = dbias_view};
-    additive_attention_backward(x.additive_params(), dout.cview(), grads);
+    naming_options([&] { additive_attention_backward(x.additive_params(), dout.cview(), grads); });
     files.set("--dwq", std::move(dw_q));
     files.set("--dwk", std::move(dw_k));
     files.set("--dww", std::move(dw));
@@ -461,6 +704,7 @@ void attend_backward(const BackwardOptions& o, const Operands<T>& x, OutputFiles
   files.set("--dk", std::move(dk));
   files.set("--dv", std::move(dv));
   if (dbias) files.set("--dbias", std::move(*dbias));
+  if (dsinks) files.set("--dsinks", std::move(*dsinks));
   files.commit();
 }
 

@@ -5,6 +5,7 @@
 //   qkv bench                                   # forward, T = 256, 1024, 4096, 8192, B=1 H=8 d=64
 //   qkv bench --T 4096 --backward --json        # forward + backward, machine-readable
 //   qkv bench --decode                          # Tq = 1, Tk = 32768, H = 32, d = 128 against a triad
+//   qkv bench --compare gqa --kv-heads 2        # a variant against the call without it, one ratio
 //
 // Per shape it prints the median time of one call, GFLOP/s and the peak extra memory, and ratios
 // against the baselines: the reference (T <= 1024, where it takes seconds, not minutes), one thread
@@ -13,6 +14,11 @@
 // the forward 4·B·H·Tq·Tk·d (the same for causal, so skipped blocks show as speed), the backward
 // 2.5× that, so forward + backward 3.5×. Decode reports the GB/s of K and V read against a
 // streaming triad and a read stream timed in the same rounds.
+//
+// The variants (--kv-heads, --window, --softcap, --alibi, --sinks, --varlen, --dropout) change the
+// call that every row times, baselines included. --compare times one variant against the same call
+// without it in the same rounds, with FLOPs counted over the (q, k) pairs each call's mask leaves
+// visible, so that a window's or a packed batch's skipped work is not counted as speed.
 //
 // Memory: Linux lets a process reset its own peak resident set (writing 5 to /proc/self/clear_refs),
 // so each measurement reads VmHWM after the run minus VmRSS before it, the inputs, outputs and
@@ -25,6 +31,7 @@
 
 #include <CLI/CLI.hpp>
 #include <algorithm>
+#include <charconv>
 #include <chrono>
 #include <cmath>
 #include <cstdint>
@@ -38,6 +45,7 @@
 #include <thread>
 #include <vector>
 
+#include "cli_io.hpp"
 #include "commands.hpp"
 #include "qkv/core/error.hpp"
 #include "qkv/core/memory.hpp"
@@ -63,9 +71,14 @@ constexpr double kLongCallMs = 1000.0;
 constexpr int64_t kTriadFloats = int64_t{1} << 25;
 constexpr double kForwardFlopsPerMac = 4.0;
 constexpr double kBackwardOverForward = 2.5;
+// --varlen random: as many sequences as a training batch packs, of lengths from short to long.
+constexpr int64_t kRandomSequences = 16;
+constexpr int64_t kRandomMinLength = 100;
+constexpr int64_t kRandomMaxLength = 4000;
 
 constexpr const char* kFooter =
-    R"(FLOPs: forward 4·B·H·Tq·Tk·d (counted the same for causal), backward 2.5× forward.
+    R"(FLOPs: forward 4·B·H·Tq·Tk·d (counted the same for causal), backward 2.5× forward; "vis GFLOP/s"
+(JSON: visible_flops) counts only the (q, k) pairs that causality, --window and --varlen leave.
 Memory: peak resident set during the measurement (VmHWM, reset through /proc/self/clear_refs) minus
 the resident set before it, with inputs, outputs and gradients already allocated ("peak extra").
 Baselines: the reference (T <= 1024), 1 thread (when --threads > 1) and the non-causal run (with
@@ -77,17 +90,40 @@ Warnings, on stderr at once and after the results (JSON: "warnings"): a load ave
 that says other programs hold cores the threads need, and a decode whose K and V fit in the
 last-level cache (its GB/s are then the cache's).
 Progress goes to stderr; stdout holds only the results.
+Variants change the call that is timed, baselines included, and the report names them: --kv-heads
+(grouped-query attention), --window, --softcap, --alibi (the standard slopes), --sinks, --dropout
+(with --seed) and --varlen (one packed batch, B = 1, T = the sum of the lengths; "random" draws 16
+lengths from 100 to 4000 with --seed).
+--compare times one variant against the same call without it, in the same rounds, and prints the
+ratio of their GFLOP/s, each counted over the (q, k) pairs its mask leaves visible:
+  gqa     the call with --kv-heads against K and V with --heads heads (the same FLOPs)
+  window  the call with --window against the same call without it (add --causal for a causal band)
+  varlen  the packed --varlen batch against separate calls, one per sequence, and against the
+          sequences padded to the longest ([N, H, Tmax, d] with a key mask), all counted over the
+          packed batch's pairs
 Examples:
   qkv bench --T 1024,4096 --backward
   qkv bench --T 65536 --heads 1 --backward --repeats 1 --baselines none
-  qkv bench --decode --json)";
+  qkv bench --decode --json
+  qkv bench --compare gqa --heads 32 --kv-heads 8 --T 4096
+  qkv bench --compare window --T 16384 --window 1024,0 --causal
+  qkv bench --compare varlen --varlen random --causal)";
 
 struct BenchOptions {
   std::vector<int64_t> t;
   int64_t d = 64;
   int64_t heads = 8;
+  int64_t kv_heads = 0;
   int64_t batch = 1;
   bool causal = false;
+  std::string window;  // "L,R"
+  double softcap = 0.0;
+  bool alibi = false;
+  bool sinks = false;
+  std::string varlen;  // comma-separated lengths, or "random"
+  double dropout = 0.0;
+  uint64_t seed = 0;
+  std::string compare;  // gqa, window or varlen
   bool backward = false;
   bool decode = false;
   int threads = 0;
@@ -98,7 +134,27 @@ struct BenchOptions {
   CLI::Option* t_option = nullptr;
   CLI::Option* d_option = nullptr;
   CLI::Option* heads_option = nullptr;
+  CLI::Option* kv_heads_option = nullptr;
+  CLI::Option* softcap_option = nullptr;
+  CLI::Option* dropout_option = nullptr;
+  CLI::Option* batch_option = nullptr;
+  CLI::Option* seed_option = nullptr;
   CLI::Option* threads_option = nullptr;
+};
+
+// The attention variant of one timed call: what its params carry besides Q, K and V.
+struct Variant {
+  int64_t kv_heads = 0;  // K's and V's heads: H unless grouped
+  bool causal = false;
+  std::optional<AttentionWindow> window;
+  std::optional<double> softcap;
+  bool alibi = false;
+  bool sinks = false;
+  std::optional<AttentionDropout> dropout;
+  // The lengths of the sequences packed into one batch entry (cu_seqlens); empty: not packed.
+  std::vector<int64_t> packed;
+  // Batch entry b sees only its first key_lengths[b] keys (a key mask, as padding needs); empty: all.
+  std::vector<int64_t> key_lengths;
 };
 
 // Decode's shape when --T, --d and --heads are not given: one token of a 32-head model, d = 128,
@@ -266,49 +322,129 @@ void print_warnings(const std::vector<std::string>& warnings) {
 }
 
 // Inputs, outputs and gradients of one problem, allocated and written before any timing so that the
-// memory measurement sees only what the kernel adds.
+// memory measurement sees only what the kernel adds. K and V have variant.kv_heads heads.
 struct Problem {
   Tensor<float> q, k, v, out, lse, dout, dq, dk, dv;
+  std::optional<Tensor<float>> alibi, sinks, dsinks;  // [H]
+  std::optional<Tensor<int64_t>> cu_seqlens;          // [N+1], of queries and keys alike
+  std::optional<Tensor<uint8_t>> allowed;             // [B, 1, 1, Tk]
 
-  Problem(int64_t batch, int64_t heads, int64_t tq, int64_t tk, int64_t d, bool backward)
+  Problem(int64_t batch, int64_t heads, int64_t tq, int64_t tk, int64_t d, bool backward, const Variant& variant)
       : q({batch, heads, tq, d}),
-        k({batch, heads, tk, d}),
-        v({batch, heads, tk, d}),
+        k({batch, variant.kv_heads, tk, d}),
+        v({batch, variant.kv_heads, tk, d}),
         out({batch, heads, tq, d}),
         lse({batch, heads, tq}) {
     if (backward) {
       dout = Tensor<float>({batch, heads, tq, d});
       dq = Tensor<float>({batch, heads, tq, d});
-      dk = Tensor<float>({batch, heads, tk, d});
-      dv = Tensor<float>({batch, heads, tk, d});
+      dk = Tensor<float>({batch, variant.kv_heads, tk, d});
+      dv = Tensor<float>({batch, variant.kv_heads, tk, d});
     }
     Rng rng(1);
     for (Tensor<float>* t : {&q, &k, &v}) rng.fill_normal(t->view());
     if (backward) rng.fill_normal(dout.view());
+    if (variant.alibi) {
+      const std::vector<double> slopes = alibi_slopes(heads);
+      alibi = Tensor<float>(Shape{heads}, std::vector<float>(slopes.begin(), slopes.end()));
+    }
+    if (variant.sinks) {
+      sinks = Tensor<float>(Shape{heads});
+      rng.fill_normal(sinks->view());
+      if (backward) dsinks = Tensor<float>(Shape{heads});
+    }
+    if (!variant.packed.empty()) {
+      std::vector<int64_t> offsets{0};
+      for (const int64_t length : variant.packed) offsets.push_back(offsets.back() + length);
+      const Shape shape{std::ssize(offsets)};
+      cu_seqlens = Tensor<int64_t>(shape, std::move(offsets));
+    }
+    if (!variant.key_lengths.empty()) {
+      allowed = Tensor<uint8_t>(Shape{batch, 1, 1, tk});
+      for (int64_t b = 0; b < batch; ++b) {
+        for (int64_t j = 0; j < variant.key_lengths[static_cast<size_t>(b)]; ++j) allowed->view()(b, 0, 0, j) = 1;
+      }
+    }
   }
 
-  static double bytes(int64_t batch, int64_t heads, int64_t tq, int64_t tk, int64_t d, bool backward) {
+  static double bytes(int64_t batch, int64_t heads, int64_t kv_heads, int64_t tq, int64_t tk, int64_t d,
+                      bool backward) {
     const auto f = static_cast<double>(sizeof(float));
-    const double b = static_cast<double>(batch) * static_cast<double>(heads) * static_cast<double>(d) * f;
-    const double forward = b * (2.0 * static_cast<double>(tq) + 2.0 * static_cast<double>(tk)) +
-                           static_cast<double>(batch * heads * tq) * f;
-    return backward ? forward + b * (2.0 * static_cast<double>(tq) + 2.0 * static_cast<double>(tk)) : forward;
+    const double per_token = static_cast<double>(batch) * static_cast<double>(d) * f;
+    // Q and Out, K and V; their gradients the same again.
+    const double tensors =
+        per_token * (2.0 * static_cast<double>(heads * tq) + 2.0 * static_cast<double>(kv_heads * tk));
+    const double forward = tensors + static_cast<double>(batch * heads * tq) * f;
+    return backward ? forward + tensors : forward;
   }
 
   // One forward asking for out alone, as inference does, or a forward with lse (what training saves)
-  // and a backward (the gradients accumulate; only time matters).
-  void run(bool causal, bool backward, AttentionImpl impl) {
-    AttentionParams<float> params{.q = q.cview(), .k = k.cview(), .v = v.cview(), .scale = {}, .mask = {}};
-    params.mask.causal = causal;
+  // and a backward (the gradients accumulate; only time matters). `variant` is the problem's, or
+  // one with less of it (no window, not causal): the arrays it needs are the problem's.
+  void run(const Variant& variant, bool backward, AttentionImpl impl) {
+    const auto view = [](const auto& tensor) { return tensor ? std::optional(tensor->cview()) : std::nullopt; };
+    const bool packed = !variant.packed.empty();
+    AttentionParams<float> params{.q = q.cview(),
+                                  .k = k.cview(),
+                                  .v = v.cview(),
+                                  .scale = {},
+                                  .mask = {.causal = variant.causal,
+                                           .window = variant.window,
+                                           .allowed = variant.key_lengths.empty() ? std::nullopt : view(allowed),
+                                           .bias = {},
+                                           .alibi_slopes = variant.alibi ? view(alibi) : std::nullopt,
+                                           .cu_seqlens_q = packed ? view(cu_seqlens) : std::nullopt,
+                                           .cu_seqlens_k = packed ? view(cu_seqlens) : std::nullopt},
+                                  .softcap = variant.softcap,
+                                  .sinks = variant.sinks ? view(sinks) : std::nullopt,
+                                  .dropout = variant.dropout};
     AttentionOutputs<float> outputs{.out = out.view(), .weights = {}, .lse = {}};
     if (backward) outputs.lse = lse.view();
     attention_forward(params, outputs, impl);
     if (backward) {
-      attention_backward<float>(params, dout.cview(), {.dq = dq.view(), .dk = dk.view(), .dv = dv.view(), .dbias = {}},
+      const AttentionGradients<float> grads{.dq = dq.view(),
+                                            .dk = dk.view(),
+                                            .dv = dv.view(),
+                                            .dbias = {},
+                                            .dsinks = params.sinks ? std::optional(dsinks->view()) : std::nullopt};
+      attention_backward<float>(params, dout.cview(), grads,
                                 AttentionSaved<float>{.out = out.cview(), .lse = lse.cview()}, impl);
     }
   }
 };
+
+// The (q, k) pairs of one Tq×Tk sequence that causality and the window leave visible, with the
+// library's bottom-right alignment.
+double visible_pairs(int64_t tq, int64_t tk, const Variant& variant) {
+  const int64_t diagonal = tk - tq;
+  int64_t lo = -tk, hi = tk;  // j − i, unbounded within the sequence
+  if (variant.window && variant.window->left >= 0) lo = diagonal - variant.window->left;
+  if (variant.window && variant.window->right >= 0) hi = diagonal + variant.window->right;
+  if (variant.causal) hi = std::min(hi, diagonal);
+  double pairs = 0.0;
+  for (int64_t i = 0; i < tq; ++i) {
+    const int64_t first = std::max<int64_t>(0, i + lo), last = std::min(tk - 1, i + hi);
+    if (last >= first) pairs += static_cast<double>(last - first + 1);
+  }
+  return pairs;
+}
+
+// The sequence lengths of a problem of `batch` entries of t tokens: the packed ones, else `batch`
+// sequences of t.
+std::vector<int64_t> sequences(int64_t batch, int64_t t, const Variant& variant) {
+  return variant.packed.empty() ? std::vector<int64_t>(static_cast<size_t>(batch), t) : variant.packed;
+}
+
+// FLOPs of one call (forward, or forward + backward as `mac_factor` says) over every (q, k) pair
+// of each sequence, or only over those the mask leaves visible.
+double flops_of(const std::vector<int64_t>& lengths, int64_t heads, int64_t d, double mac_factor,
+                const Variant& variant, bool visible_only) {
+  double pairs = 0.0;
+  for (const int64_t t : lengths) {
+    pairs += visible_only ? visible_pairs(t, t, variant) : static_cast<double>(t) * static_cast<double>(t);
+  }
+  return mac_factor * static_cast<double>(heads) * static_cast<double>(d) * pairs;
+}
 
 struct Baseline {
   std::string name;  // reference, one_thread, non_causal
@@ -319,6 +455,7 @@ struct Baseline {
 struct Result {
   int64_t tq = 0, tk = 0;
   double flops = 0.0;
+  double visible_flops = 0.0;  // over the (q, k) pairs the mask leaves visible
   double tensor_bytes = 0.0;
   Timing timing;
   std::vector<Baseline> baselines;
@@ -327,6 +464,40 @@ struct Result {
 bool wants(const BenchOptions& o, const std::string& baseline) {
   return std::find(o.baselines.begin(), o.baselines.end(), "none") == o.baselines.end() &&
          (o.baselines.empty() || std::find(o.baselines.begin(), o.baselines.end(), baseline) != o.baselines.end());
+}
+
+// Decode's heads and head dimension: the options', else decode's own defaults.
+int64_t decode_heads(const BenchOptions& o) { return o.heads_option->count() > 0 ? o.heads : kDecodeHeads; }
+int64_t decode_dim(const BenchOptions& o) { return o.d_option->count() > 0 ? o.d : kDecodeDim; }
+
+// The lengths --varlen gives: its comma-separated list, or for "random" kRandomSequences lengths
+// drawn uniformly from kRandomMinLength to kRandomMaxLength with `seed`.
+std::vector<int64_t> varlen_lengths(const std::string& text, uint64_t seed) {
+  std::vector<int64_t> lengths;
+  if (text == "random") {
+    Rng rng(seed);
+    for (int64_t n = 0; n < kRandomSequences; ++n) {
+      lengths.push_back(
+          kRandomMinLength +
+          static_cast<int64_t>(rng.uniform() * static_cast<double>(kRandomMaxLength - kRandomMinLength + 1)));
+    }
+    return lengths;
+  }
+  std::string_view rest = text;
+  while (true) {
+    const size_t comma = rest.find(',');
+    const std::string_view part = rest.substr(0, comma);
+    int64_t length = 0;
+    const auto [ptr, ec] = std::from_chars(part.data(), part.data() + part.size(), length);
+    if (ec != std::errc() || ptr != part.data() + part.size() || part.empty() || length < 1) {
+      throw ValueError(fmt::format(
+          "--varlen: expected sequence lengths >= 1, comma-separated, or random ({} lengths from {} to {}), got {}",
+          kRandomSequences, kRandomMinLength, kRandomMaxLength, text));
+    }
+    lengths.push_back(length);
+    if (comma == std::string_view::npos) return lengths;
+    rest.remove_prefix(comma + 1);
+  }
 }
 
 void check_options(const BenchOptions& o) {
@@ -342,6 +513,108 @@ void check_options(const BenchOptions& o) {
   if (o.decode && o.causal) {
     throw ValueError("--causal: decode (--decode) has Tq = 1, whose one query sees every key anyway, got both");
   }
+  const int64_t heads = o.decode ? decode_heads(o) : o.heads;
+  if (o.kv_heads_option->count() > 0 && (o.kv_heads < 1 || heads % o.kv_heads != 0)) {
+    throw ValueError(
+        fmt::format("--kv-heads: expected a divisor of the {} query heads (--heads), got {}", heads, o.kv_heads));
+  }
+  if (!o.window.empty()) parse_window(o.window, "--window");
+  if (o.softcap_option->count() > 0 && (!(o.softcap > 0.0) || !std::isfinite(o.softcap))) {
+    throw ValueError(fmt::format("--softcap: expected a positive finite number, got {}", o.softcap));
+  }
+  if (o.dropout_option->count() > 0 && !(o.dropout >= 0.0 && o.dropout < 1.0)) {
+    throw ValueError(fmt::format("--dropout: expected a probability in [0, 1), got {}", o.dropout));
+  }
+  if (o.seed_option->count() > 0 && o.dropout_option->count() == 0 && o.varlen != "random") {
+    throw ValueError(
+        fmt::format("--seed: only used by --dropout and --varlen random, got --seed {} with neither", o.seed));
+  }
+  if (!o.varlen.empty()) {
+    varlen_lengths(o.varlen, o.seed);
+    if (o.batch_option->count() > 0 && o.batch != 1) {
+      throw ValueError(
+          fmt::format("--batch: --varlen packs its sequences into one batch entry, got --batch {}", o.batch));
+    }
+    if (o.t_option->count() > 0) {
+      throw ValueError(fmt::format("--T: --varlen sets T (the sum of its lengths), got --T {}", fmt::join(o.t, ",")));
+    }
+  }
+  if (o.decode) {
+    if (!o.window.empty()) {
+      throw ValueError(
+          fmt::format("--window: decode (--decode) counts all of K and V as read, which a window does "
+                      "not read, got --window {}",
+                      o.window));
+    }
+    if (!o.varlen.empty()) {
+      throw ValueError(
+          fmt::format("--varlen: decode (--decode) has one query and one sequence, got --varlen {}", o.varlen));
+    }
+    if (!o.compare.empty()) {
+      throw ValueError(fmt::format(
+          "--compare: decode (--decode) has its own baselines (a triad and a read stream), got --compare {}",
+          o.compare));
+    }
+  }
+  if (o.compare == "gqa" && (o.kv_heads_option->count() == 0 || o.kv_heads == heads)) {
+    throw ValueError(
+        fmt::format("--compare: gqa times --kv-heads K and V heads against --heads ({}), so it needs "
+                    "--kv-heads below {}, got {}",
+                    heads, heads, o.kv_heads_option->count() == 0 ? "none" : fmt::format("--kv-heads {}", o.kv_heads)));
+  }
+  if (!o.compare.empty() && !o.baselines.empty()) {
+    throw ValueError(fmt::format("--baselines: --compare {} times its own baselines, got --baselines {}", o.compare,
+                                 fmt::join(o.baselines, ",")));
+  }
+  if (o.compare == "window" && o.window.empty()) {
+    throw ValueError("--compare: window times --window L,R against the call without it, got no --window");
+  }
+  if (o.compare == "varlen" && o.varlen.empty()) {
+    throw ValueError(
+        "--compare: varlen times the packed --varlen batch against separate and padded calls, got no --varlen");
+  }
+}
+
+// The variant the options describe, once check_options has passed them, for a call of `heads` heads.
+Variant variant_of(const BenchOptions& o, int64_t heads) {
+  Variant v;
+  v.kv_heads = o.kv_heads_option->count() > 0 ? o.kv_heads : heads;
+  v.causal = o.causal;
+  if (!o.window.empty()) v.window = parse_window(o.window, "--window");
+  if (o.softcap_option->count() > 0) v.softcap = o.softcap;
+  v.alibi = o.alibi;
+  v.sinks = o.sinks;
+  if (o.dropout_option->count() > 0) v.dropout = AttentionDropout{.p = o.dropout, .seed = o.seed};
+  if (!o.varlen.empty()) v.packed = varlen_lengths(o.varlen, o.seed);
+  return v;
+}
+
+// The variant in the reports: JSON fields (null where not used) and a line of text.
+std::string variant_json(const Variant& v) {
+  const auto or_null = [](const auto& value) { return value ? fmt::format("{}", *value) : std::string("null"); };
+  return fmt::format(
+      R"("variant": {{"kv_heads": {}, "window": {}, "softcap": {}, "alibi": {}, "sinks": {}, "dropout": {}, )"
+      R"("seed": {}, "varlen": {}}})",
+      v.kv_heads, v.window ? fmt::format("[{}, {}]", v.window->left, v.window->right) : "null", or_null(v.softcap),
+      v.alibi, v.sinks, v.dropout ? fmt::format("{}", v.dropout->p) : "null",
+      v.dropout ? fmt::format("{}", v.dropout->seed) : "null",
+      v.packed.empty() ? "null" : fmt::format("[{}]", fmt::join(v.packed, ", ")));
+}
+
+std::string variant_text(const Variant& v, int64_t heads) {
+  std::vector<std::string> parts;
+  if (v.kv_heads != heads) {
+    parts.push_back(fmt::format("K and V with {} head{} (grouped-query)", v.kv_heads, v.kv_heads == 1 ? "" : "s"));
+  }
+  if (v.window) parts.push_back(fmt::format("window ({}, {})", v.window->left, v.window->right));
+  if (v.softcap) parts.push_back(fmt::format("softcap {}", *v.softcap));
+  if (v.alibi) parts.emplace_back("ALiBi (standard slopes)");
+  if (v.sinks) parts.emplace_back("sinks");
+  if (v.dropout) parts.push_back(fmt::format("dropout {} (seed {})", v.dropout->p, v.dropout->seed));
+  if (!v.packed.empty()) {
+    parts.push_back(fmt::format("{} packed sequences ({})", v.packed.size(), fmt::join(v.packed, ", ")));
+  }
+  return fmt::format("variant: {}", parts.empty() ? "none" : fmt::format("{}", fmt::join(parts, ", ")));
 }
 
 std::string json_timing(const Timing& t, double flops) {
@@ -349,44 +622,59 @@ std::string json_timing(const Timing& t, double flops) {
                      t.median_ms, flops * 1e-9 / (t.median_ms * 1e-3), t.extra_bytes, t.peak_bytes);
 }
 
+double gflops(double flops, const Timing& t) { return flops * 1e-9 / (t.median_ms * 1e-3); }
+
+double mac_factor_of(const BenchOptions& o) {
+  return kForwardFlopsPerMac * (o.backward ? 1.0 + kBackwardOverForward : 1.0);
+}
+
+// The T of each row: --T (or its defaults), or with --varlen the one packed batch.
+std::vector<int64_t> sizes_of(const BenchOptions& o, const Variant& variant) {
+  if (!variant.packed.empty()) return {std::reduce(variant.packed.begin(), variant.packed.end(), int64_t{0})};
+  return o.t.empty() ? std::vector<int64_t>{256, 1024, 4096, 8192} : o.t;
+}
+
 // Every --T of the attention benchmark, with its baselines.
-std::vector<Result> measure_attention(const BenchOptions& o) {
+std::vector<Result> measure_attention(const BenchOptions& o, const Variant& variant) {
   const AttentionImpl impl = parse_impl(o.impl);
-  const std::vector<int64_t> sizes = o.t.empty() ? std::vector<int64_t>{256, 1024, 4096, 8192} : o.t;
-  const double mac_factor = kForwardFlopsPerMac * (o.backward ? 1.0 + kBackwardOverForward : 1.0);
+  const std::vector<int64_t> sizes = sizes_of(o, variant);
+  const double mac_factor = mac_factor_of(o);
+  Variant non_causal = variant;
+  non_causal.causal = false;
   Progress progress("[bench] attention", std::ssize(sizes), "shapes");
   std::vector<Result> results;
   for (const int64_t t : sizes) {
-    const double bytes = Problem::bytes(o.batch, o.heads, t, t, o.d, o.backward);
+    const double bytes = Problem::bytes(o.batch, o.heads, variant.kv_heads, t, t, o.d, o.backward);
     check_allocation_fits(bytes, fmt::format("qkv bench at T = {}", t));
-    Problem p(o.batch, o.heads, t, t, o.d, o.backward);
+    Problem p(o.batch, o.heads, t, t, o.d, o.backward, variant);
     set_max_workers(o.threads);
     // The kernel and its baselines, timed in alternating rounds.
     std::vector<std::string> names;
-    std::vector<std::function<void()>> calls = {[&] { p.run(o.causal, o.backward, impl); }};
+    std::vector<std::function<void()>> calls = {[&] { p.run(variant, o.backward, impl); }};
     if (impl != AttentionImpl::reference && t <= kReferenceMaxT && wants(o, "reference")) {
       names.emplace_back("reference");
-      calls.emplace_back([&] { p.run(o.causal, o.backward, AttentionImpl::reference); });
+      calls.emplace_back([&] { p.run(variant, o.backward, AttentionImpl::reference); });
     }
     if (o.threads > 1 && wants(o, "threads")) {
       names.emplace_back("one_thread");
       calls.emplace_back([&] {
         set_max_workers(1);
-        p.run(o.causal, o.backward, impl);
+        p.run(variant, o.backward, impl);
         set_max_workers(o.threads);
       });
     }
     if (o.causal && wants(o, "causal")) {
       names.emplace_back("non_causal");
-      calls.emplace_back([&] { p.run(false, o.backward, impl); });
+      calls.emplace_back([&] { p.run(non_causal, o.backward, impl); });
     }
     progress.update(std::ssize(results),
                     fmt::format("T={} {}{}{}", t, o.impl, names.empty() ? "" : " and ", fmt::join(names, ", ")));
     const std::vector<Timing> timings = time_in_rounds(calls, o.repeats);
+    const std::vector<int64_t> lengths = sequences(o.batch, t, variant);
     Result r{.tq = t,
              .tk = t,
-             .flops = mac_factor * static_cast<double>(o.batch * o.heads) * static_cast<double>(t) *
-                      static_cast<double>(t) * static_cast<double>(o.d),
+             .flops = flops_of(lengths, o.heads, o.d, mac_factor, variant, false),
+             .visible_flops = flops_of(lengths, o.heads, o.d, mac_factor, variant, true),
              .tensor_bytes = bytes,
              .timing = timings.front(),
              .baselines = {}};
@@ -399,7 +687,7 @@ std::vector<Result> measure_attention(const BenchOptions& o) {
   return results;
 }
 
-void report_attention(const BenchOptions& o, const std::vector<Result>& results,
+void report_attention(const BenchOptions& o, const Variant& variant, const std::vector<Result>& results,
                       const std::vector<std::string>& warnings) {
   const std::string mode = o.backward ? "forward+backward" : "forward";
   const bool reset = results.empty() || results.front().timing.memory_reset;
@@ -412,34 +700,201 @@ void report_attention(const BenchOptions& o, const std::vector<Result>& results,
             fmt::format(R"("{}": {{{}, "speedup": {:.6g}, "speedup_min": {:.6g}, "speedup_max": {:.6g}}})", b.name,
                         json_timing(b.timing, r.flops), b.speedup.median, b.speedup.min, b.speedup.max));
       }
-      rows.push_back(
-          fmt::format(R"(    {{"Tq": {}, "Tk": {}, "flops": {:.6g}, "tensor_bytes": {:.0f}, {}, "baselines": {{{}}}}})",
-                      r.tq, r.tk, r.flops, r.tensor_bytes, json_timing(r.timing, r.flops), fmt::join(baselines, ", ")));
+      rows.push_back(fmt::format(
+          R"(    {{"Tq": {}, "Tk": {}, "flops": {:.6g}, "visible_flops": {:.6g}, "tensor_bytes": {:.0f}, {}, )"
+          R"("visible_gflops": {:.6g}, "baselines": {{{}}}}})",
+          r.tq, r.tk, r.flops, r.visible_flops, r.tensor_bytes, json_timing(r.timing, r.flops),
+          gflops(r.visible_flops, r.timing), fmt::join(baselines, ", ")));
     }
     fmt::print(
         "{{\n  \"mode\": \"{}\", \"impl\": \"{}\", \"simd\": \"{}\", {}, \"dtype\": \"float32\", \"batch\": {}, "
-        "\"heads\": {}, \"d\": {}, \"causal\": {}, \"threads\": {}, \"repeats\": {},\n  \"memory_method\": \"{}\",\n"
-        "  \"results\": [\n{}\n  ]\n}}\n",
+        "\"heads\": {}, \"d\": {}, \"causal\": {}, \"threads\": {}, \"repeats\": {},\n  {},\n  \"memory_method\": "
+        "\"{}\",\n  \"results\": [\n{}\n  ]\n}}\n",
         mode, o.impl, simd_target(), machine_json(warnings), o.batch, o.heads, o.d, o.causal, o.threads, o.repeats,
-        memory_method(reset), fmt::join(rows, ",\n"));
+        variant_json(variant), memory_method(reset), fmt::join(rows, ",\n"));
     std::fflush(stdout);
     return;
   }
   fmt::print("qkv bench: {}{}, fp32, B={} H={} d={}, {} thread{}, impl {}, median of {} rounds\n", mode,
              o.causal ? " causal" : "", o.batch, o.heads, o.d, o.threads, o.threads == 1 ? "" : "s", o.impl, o.repeats);
+  fmt::print("{}\n", variant_text(variant, o.heads));
   fmt::print("{}\n", cpu_line());
   fmt::print("memory: {}\n\n", memory_method(reset));
-  fmt::print("{:>7}  {:>11}  {:>9}  {:>11}  {:>11}  {:>11}  {}\n", "T", "median ms", "GFLOP/s", "peak extra",
-             "peak RSS", "tensors", "speedup against baselines: median of rounds (min–max; their ms)");
+  fmt::print("{:>7}  {:>11}  {:>9}  {:>11}  {:>11}  {:>11}  {:>11}  {}\n", "T", "median ms", "GFLOP/s", "vis GFLOP/s",
+             "peak extra", "peak RSS", "tensors", "speedup against baselines: median of rounds (min–max; their ms)");
   for (const Result& r : results) {
     std::vector<std::string> against;
     for (const Baseline& b : r.baselines) {
       against.push_back(fmt::format("{:.2f}× {} ({:.2f}–{:.2f}; {:.3g})", b.speedup.median, b.name, b.speedup.min,
                                     b.speedup.max, b.timing.median_ms));
     }
-    fmt::print("{:>7}  {:>11.3f}  {:>9.1f}  {:>11}  {:>11}  {:>11}  {}\n", r.tq, r.timing.median_ms,
-               r.flops * 1e-9 / (r.timing.median_ms * 1e-3), format_bytes(r.timing.extra_bytes),
+    fmt::print("{:>7}  {:>11.3f}  {:>9.1f}  {:>11.1f}  {:>11}  {:>11}  {:>11}  {}\n", r.tq, r.timing.median_ms,
+               gflops(r.flops, r.timing), gflops(r.visible_flops, r.timing), format_bytes(r.timing.extra_bytes),
                format_bytes(r.timing.peak_bytes), format_bytes(r.tensor_bytes), fmt::join(against, ", "));
+  }
+  print_warnings(warnings);
+  std::fflush(stdout);
+}
+
+// ---- --compare ------------------------------------------------------------------------------
+
+Spread scaled(Spread s, double factor) { return {s.median * factor, s.min * factor, s.max * factor}; }
+
+std::string json_spread(const std::string& name, const Spread& s) {
+  return fmt::format(R"("{0}": {1:.6g}, "{0}_min": {2:.6g}, "{0}_max": {3:.6g})", name, s.median, s.min, s.max);
+}
+
+// A call that --compare times the variant against, with the FLOPs it is credited with.
+struct CompareBaseline {
+  std::string name;
+  double flops = 0.0;
+  Timing timing;
+  Spread ratio;  // the variant's GFLOP/s over this call's, round by round
+};
+
+struct CompareResult {
+  int64_t t = 0;
+  double flops = 0.0;
+  double tensor_bytes = 0.0;
+  Timing timing;
+  std::vector<CompareBaseline> baselines;
+};
+
+// What --compare `name` times against what, for the report.
+std::string compare_text(const BenchOptions& o, const Variant& v) {
+  if (o.compare == "gqa") {
+    return fmt::format("the call with K and V of {} head{} against multi_head, K and V of {} heads (the same FLOPs)",
+                       v.kv_heads, v.kv_heads == 1 ? "" : "s", o.heads);
+  }
+  if (o.compare == "window") {
+    return fmt::format("the call with window ({}, {}) against no_window, the same call without it{}", v.window->left,
+                       v.window->right, v.causal ? " (both causal)" : "");
+  }
+  return fmt::format(
+      "the packed batch (B = 1, cu_seqlens) against separate, one call per sequence, and padded, "
+      "[{}, H, {}, d] with a key mask; all credited with the packed batch's FLOPs",
+      v.packed.size(), *std::max_element(v.packed.begin(), v.packed.end()));
+}
+
+// Each row of --compare: the variant and what it is compared with, timed in alternating rounds.
+std::vector<CompareResult> measure_compare(const BenchOptions& o, const Variant& variant) {
+  const AttentionImpl impl = parse_impl(o.impl);
+  const std::vector<int64_t> sizes = sizes_of(o, variant);
+  const double mac_factor = mac_factor_of(o);
+  set_max_workers(o.threads);
+  Progress progress(fmt::format("[bench] compare {}", o.compare), std::ssize(sizes), "shapes");
+  std::vector<CompareResult> results;
+  for (const int64_t t : sizes) {
+    const std::vector<int64_t> lengths = sequences(o.batch, t, variant);
+    const double flops = flops_of(lengths, o.heads, o.d, mac_factor, variant, true);
+    // The problems stay where they are while the calls below hold pointers to them; the calls are
+    // made after the branch that made them, so they capture what is local to it by value.
+    std::vector<std::unique_ptr<Problem>> problems;
+    double bytes = 0.0;
+    const auto problem = [&](int64_t batch, int64_t tokens, const Variant& v) {
+      const double more = Problem::bytes(batch, o.heads, v.kv_heads, tokens, tokens, o.d, o.backward);
+      check_allocation_fits(bytes + more, fmt::format("qkv bench --compare {} at T = {}", o.compare, t));
+      bytes += more;
+      problems.push_back(std::make_unique<Problem>(batch, o.heads, tokens, tokens, o.d, o.backward, v));
+      return problems.back().get();
+    };
+    std::vector<std::function<void()>> calls;
+    std::vector<std::pair<std::string, double>> baselines;  // name, FLOPs credited
+    if (o.compare == "gqa") {
+      Variant mha = variant;
+      mha.kv_heads = o.heads;
+      Problem* grouped = problem(o.batch, t, variant);
+      Problem* full = problem(o.batch, t, mha);
+      calls = {[&, grouped] { grouped->run(variant, o.backward, impl); },
+               [&, full, mha] { full->run(mha, o.backward, impl); }};
+      baselines.emplace_back("multi_head", flops);
+    } else if (o.compare == "window") {
+      Variant full = variant;
+      full.window.reset();
+      Problem* p = problem(o.batch, t, variant);
+      calls = {[&, p] { p->run(variant, o.backward, impl); }, [&, p, full] { p->run(full, o.backward, impl); }};
+      baselines.emplace_back("no_window", flops_of(lengths, o.heads, o.d, mac_factor, full, true));
+    } else {
+      Variant single = variant;
+      single.packed.clear();
+      Variant padded = single;
+      padded.key_lengths = variant.packed;
+      const int64_t longest = *std::max_element(variant.packed.begin(), variant.packed.end());
+      Problem* packed = problem(1, t, variant);
+      std::vector<Problem*> separate;
+      for (const int64_t length : variant.packed) separate.push_back(problem(1, length, single));
+      Problem* batch = problem(std::ssize(variant.packed), longest, padded);
+      calls = {[&, packed] { packed->run(variant, o.backward, impl); },
+               [&, separate, single] {
+                 for (Problem* p : separate) p->run(single, o.backward, impl);
+               },
+               [&, batch, padded] { batch->run(padded, o.backward, impl); }};
+      baselines.emplace_back("separate", flops);
+      baselines.emplace_back("padded", flops);
+    }
+    std::vector<std::string> names;
+    for (const auto& baseline : baselines) names.push_back(baseline.first);
+    progress.update(std::ssize(results), fmt::format("T={} {} against {}", t, o.impl, fmt::join(names, ", ")));
+    const std::vector<Timing> timings = time_in_rounds(calls, o.repeats);
+    CompareResult r{.t = t, .flops = flops, .tensor_bytes = bytes, .timing = timings.front(), .baselines = {}};
+    for (size_t b = 0; b < baselines.size(); ++b) {
+      const auto& [name, baseline_flops] = baselines[b];
+      r.baselines.push_back({.name = name,
+                             .flops = baseline_flops,
+                             .timing = timings[b + 1],
+                             .ratio = scaled(ratio_by_round(timings[b + 1], timings.front()), flops / baseline_flops)});
+    }
+    results.push_back(std::move(r));
+  }
+  progress.done();
+  return results;
+}
+
+void report_compare(const BenchOptions& o, const Variant& variant, const std::vector<CompareResult>& results,
+                    const std::vector<std::string>& warnings) {
+  const std::string mode = o.backward ? "forward+backward" : "forward";
+  const bool reset = results.empty() || results.front().timing.memory_reset;
+  if (o.json) {
+    std::vector<std::string> rows;
+    for (const CompareResult& r : results) {
+      std::vector<std::string> baselines;
+      for (const CompareBaseline& b : r.baselines) {
+        baselines.push_back(fmt::format(R"("{}": {{"flops": {:.6g}, {}, {}}})", b.name, b.flops,
+                                        json_timing(b.timing, b.flops), json_spread("gflops_ratio", b.ratio)));
+      }
+      rows.push_back(fmt::format(R"(    {{"Tq": {}, "Tk": {}, "flops": {:.6g}, "tensor_bytes": {:.0f}, {}, )"
+                                 R"("baselines": {{{}}}}})",
+                                 r.t, r.t, r.flops, r.tensor_bytes, json_timing(r.timing, r.flops),
+                                 fmt::join(baselines, ", ")));
+    }
+    fmt::print(
+        "{{\n  \"mode\": \"{}\", \"compare\": \"{}\", \"impl\": \"{}\", \"simd\": \"{}\", {}, \"dtype\": \"float32\", "
+        "\"batch\": {}, \"heads\": {}, \"d\": {}, \"causal\": {}, \"threads\": {}, \"repeats\": {},\n  {},\n  "
+        "\"flops_counted\": \"visible (q, k) pairs\", \"memory_method\": \"{}\",\n  \"results\": [\n{}\n  ]\n}}\n",
+        mode, o.compare, o.impl, simd_target(), machine_json(warnings), variant.packed.empty() ? o.batch : 1, o.heads,
+        o.d, o.causal, o.threads, o.repeats, variant_json(variant), memory_method(reset), fmt::join(rows, ",\n"));
+    std::fflush(stdout);
+    return;
+  }
+  fmt::print("qkv bench --compare {}: {}{}, fp32, B={} H={} d={}, {} thread{}, impl {}, median of {} rounds\n",
+             o.compare, mode, o.causal ? " causal" : "", variant.packed.empty() ? o.batch : 1, o.heads, o.d, o.threads,
+             o.threads == 1 ? "" : "s", o.impl, o.repeats);
+  fmt::print("{}\n", variant_text(variant, o.heads));
+  fmt::print("{}\n", compare_text(o, variant));
+  fmt::print("GFLOP/s over the (q, k) pairs each call's mask leaves visible; ratio: the variant's GFLOP/s over the\n");
+  fmt::print("baseline's, median of per-round ratios (min–max)\n");
+  fmt::print("{}\n", cpu_line());
+  fmt::print("memory: {}\n\n", memory_method(reset));
+  fmt::print("{:>7}  {:>11}  {:>11}  {:>11}  {}\n", "T", "median ms", "vis GFLOP/s", "peak extra",
+             "GFLOP/s ratio against baselines (min–max; their ms, their vis GFLOP/s)");
+  for (const CompareResult& r : results) {
+    std::vector<std::string> against;
+    for (const CompareBaseline& b : r.baselines) {
+      against.push_back(fmt::format("{:.2f}× {} ({:.2f}–{:.2f}; {:.3g} ms, {:.1f})", b.ratio.median, b.name,
+                                    b.ratio.min, b.ratio.max, b.timing.median_ms, gflops(b.flops, b.timing)));
+    }
+    fmt::print("{:>7}  {:>11.3f}  {:>11.1f}  {:>11}  {}\n", r.t, r.timing.median_ms, gflops(r.flops, r.timing),
+               format_bytes(r.timing.extra_bytes), fmt::join(against, ", "));
   }
   print_warnings(warnings);
   std::fflush(stdout);
@@ -508,18 +963,9 @@ struct DecodeResult {
   Spread of_triad, of_read;
 };
 
-Spread scaled(Spread s, double factor) { return {s.median * factor, s.min * factor, s.max * factor}; }
-
-std::string json_spread(const std::string& name, const Spread& s) {
-  return fmt::format(R"("{0}": {1:.6g}, "{0}_min": {2:.6g}, "{0}_max": {3:.6g})", name, s.median, s.min, s.max);
-}
-
-// Decode's heads and head dimension: the options', else decode's own defaults.
-int64_t decode_heads(const BenchOptions& o) { return o.heads_option->count() > 0 ? o.heads : kDecodeHeads; }
-int64_t decode_dim(const BenchOptions& o) { return o.d_option->count() > 0 ? o.d : kDecodeDim; }
-
 // Every --T (Tk) of the decode benchmark, each in rounds with the two streams.
-std::vector<DecodeResult> measure_decode(const BenchOptions& o, std::vector<std::string>& warnings) {
+std::vector<DecodeResult> measure_decode(const BenchOptions& o, const Variant& variant,
+                                         std::vector<std::string>& warnings) {
   const AttentionImpl impl = parse_impl(o.impl);
   const std::vector<int64_t> sizes = o.t_option->count() > 0 ? o.t : std::vector<int64_t>{kDecodeTk};
   const int64_t heads = decode_heads(o);
@@ -530,14 +976,14 @@ std::vector<DecodeResult> measure_decode(const BenchOptions& o, std::vector<std:
   ReadStream read;
   std::vector<DecodeResult> results;
   for (const int64_t tk : sizes) {
-    const double bytes = Problem::bytes(o.batch, heads, 1, tk, d, false);
+    const double bytes = Problem::bytes(o.batch, heads, variant.kv_heads, 1, tk, d, false);
     check_allocation_fits(bytes, fmt::format("qkv bench --decode at Tk = {}", tk));
     progress.update(std::ssize(results), fmt::format("Tk={} {}, triad and read stream", tk, o.impl));
-    Problem p(o.batch, heads, 1, tk, d, false);
+    Problem p(o.batch, heads, 1, tk, d, false, variant);
     const std::vector<Timing> timings =
-        time_in_rounds({[&] { p.run(false, false, impl); }, [&] { triad.run(); }, [&] { read.run(); }}, o.repeats);
-    // The bytes decode must stream: K and V once.
-    const double kv_bytes = 2.0 * static_cast<double>(o.batch * heads * tk * d) * sizeof(float);
+        time_in_rounds({[&] { p.run(variant, false, impl); }, [&] { triad.run(); }, [&] { read.run(); }}, o.repeats);
+    // The bytes decode must stream: K and V once, shared by the query heads of each group.
+    const double kv_bytes = 2.0 * static_cast<double>(o.batch * variant.kv_heads * tk * d) * sizeof(float);
     warn(warnings,
          cache_resident_warning(fmt::format("decode at Tk = {} (K and V)", tk), kv_bytes, cpu_info().l3_bytes));
     const auto gbs = [](double bytes_moved, const Timing& t) { return bytes_moved * 1e-9 / (t.median_ms * 1e-3); };
@@ -558,7 +1004,7 @@ std::vector<DecodeResult> measure_decode(const BenchOptions& o, std::vector<std:
   return results;
 }
 
-void report_decode(const BenchOptions& o, const std::vector<DecodeResult>& results,
+void report_decode(const BenchOptions& o, const Variant& variant, const std::vector<DecodeResult>& results,
                    const std::vector<std::string>& warnings) {
   const int64_t heads = decode_heads(o);
   const int64_t d = decode_dim(o);
@@ -578,14 +1024,15 @@ void report_decode(const BenchOptions& o, const std::vector<DecodeResult>& resul
     fmt::print(
         "{{\n  \"mode\": \"decode\", \"impl\": \"{}\", \"simd\": \"{}\", {}, \"dtype\": \"float32\", \"batch\": {}, "
         "\"heads\": {}, \"d\": {}, \"threads\": {}, \"repeats\": {}, \"triad_gbs\": {:.6g}, \"read_gbs\": {:.6g},\n  "
-        "\"memory_method\": \"{}\",\n  \"results\": [\n{}\n  ]\n}}\n",
+        "{},\n  \"memory_method\": \"{}\",\n  \"results\": [\n{}\n  ]\n}}\n",
         o.impl, simd_target(), machine_json(warnings), o.batch, heads, d, o.threads, o.repeats, triad_gbs, read_gbs,
-        memory_method(reset), fmt::join(rows, ",\n"));
+        variant_json(variant), memory_method(reset), fmt::join(rows, ",\n"));
     std::fflush(stdout);
     return;
   }
   fmt::print("qkv bench: decode (Tq = 1), fp32, B={} H={} d={}, {} thread{}, impl {}, median of {} rounds\n", o.batch,
              heads, d, o.threads, o.threads == 1 ? "" : "s", o.impl, o.repeats);
+  fmt::print("{}\n", variant_text(variant, heads));
   fmt::print("{}\n", cpu_line());
   fmt::print("roofs, timed in the same rounds: a streaming triad a = b + s·c over 3 × {} arrays, and a read\n",
              format_bytes(kTriadFloats * 4.0));
@@ -615,12 +1062,16 @@ void run_bench(BenchOptions& o) {
   if (const std::optional<double> load = load_average()) {
     warn(warnings, busy_machine_warning(*load, static_cast<int>(std::thread::hardware_concurrency()), o.threads));
   }
+  const Variant variant = variant_of(o, o.decode ? decode_heads(o) : o.heads);
   if (o.decode) {
-    const std::vector<DecodeResult> results = measure_decode(o, warnings);
-    report_decode(o, results, warnings);
+    const std::vector<DecodeResult> results = measure_decode(o, variant, warnings);
+    report_decode(o, variant, results, warnings);
+  } else if (!o.compare.empty()) {
+    const std::vector<CompareResult> results = measure_compare(o, variant);
+    report_compare(o, variant, results, warnings);
   } else {
-    const std::vector<Result> results = measure_attention(o);
-    report_attention(o, results, warnings);
+    const std::vector<Result> results = measure_attention(o, variant);
+    report_attention(o, variant, results, warnings);
   }
   set_max_workers(saved_workers);
 }
@@ -638,8 +1089,31 @@ void register_bench(CLI::App& app) {
                     ->type_name("T,...");
   o->d_option = cmd->add_option("--d", o->d, "head dimension Dk = Dv (default 64; with --decode 128)");
   o->heads_option = cmd->add_option("--heads", o->heads, "heads H (default 8; with --decode 32)");
-  cmd->add_option("--batch", o->batch, "batch B")->capture_default_str();
+  o->kv_heads_option =
+      cmd->add_option("--kv-heads", o->kv_heads, "K and V heads, a divisor of H: grouped-query attention (default H)");
+  o->batch_option = cmd->add_option("--batch", o->batch, "batch B")->capture_default_str();
   cmd->add_flag("--causal", o->causal, "causal mask (blocks above the diagonal are skipped)");
+  cmd->add_option("--window", o->window, "sliding window: query i sees keys i - L to i + R (-1: unbounded)")
+      ->type_name("L,R");
+  o->softcap_option =
+      cmd->add_option("--softcap", o->softcap, "logit softcap C > 0: scores become C * tanh(x / C)")->type_name("C");
+  cmd->add_flag("--alibi", o->alibi, "ALiBi with the standard slopes");
+  cmd->add_flag("--sinks", o->sinks, "one attention-sink logit per head (and its gradient with --backward)");
+  cmd->add_option("--varlen", o->varlen,
+                  "one packed batch of sequences of these lengths (cu_seqlens, B = 1, T = their sum), or random: "
+                  "16 lengths from 100 to 4000 drawn with --seed")
+      ->type_name("N,...|random");
+  o->dropout_option =
+      cmd->add_option("--dropout", o->dropout, "dropout on the attention weights, P in [0, 1)")->type_name("P");
+  o->seed_option = cmd->add_option("--seed", o->seed, "seed of --dropout and of --varlen random (default 0)")
+                       ->check(CLI::Validator(uint64_error, "0..2^64-1"))
+                       ->type_name("N");
+  cmd->add_option("--compare", o->compare,
+                  "time one variant against the same call without it and print their GFLOP/s ratio, FLOPs counted "
+                  "over visible pairs: gqa (needs --kv-heads), window (needs --window) or varlen (needs --varlen; "
+                  "against separate calls and against padding)")
+      ->check(CLI::IsMember({"gqa", "window", "varlen"}))
+      ->type_name("WHAT");
   cmd->add_flag("--backward", o->backward, "time forward + backward (the gradients of all of Q, K and V)");
   cmd->add_flag("--decode", o->decode, "decode: one query against many keys, in GB/s against a streaming triad");
   o->threads_option = cmd->add_option("--threads", o->threads, "threads (default: OpenMP's, here the cores)");

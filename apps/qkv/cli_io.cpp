@@ -91,11 +91,27 @@ Tensor<uint8_t> to_bool(NpyArray array, std::string_view arg) {
     std::ranges::transform(bytes, bytes.begin(), [](uint8_t x) { return static_cast<uint8_t>(x != 0); });
     return Tensor<uint8_t>(shape, std::move(bytes));
   }
-  if (array.dtype != DType::int64) wrong_dtype(array, arg, "bool, uint8 or int64");
-  const auto& source = std::get<std::vector<int64_t>>(array.values);
-  std::vector<uint8_t> values(source.size());
-  std::ranges::transform(source, values.begin(), [](int64_t x) { return static_cast<uint8_t>(x != 0); });
+  std::vector<uint8_t> values(static_cast<size_t>(array.numel()));
+  if (array.dtype == DType::int32) {
+    std::ranges::transform(std::get<std::vector<int32_t>>(array.values), values.begin(),
+                           [](int32_t x) { return static_cast<uint8_t>(x != 0); });
+  } else if (array.dtype == DType::int64) {
+    std::ranges::transform(std::get<std::vector<int64_t>>(array.values), values.begin(),
+                           [](int64_t x) { return static_cast<uint8_t>(x != 0); });
+  } else {
+    wrong_dtype(array, arg, "bool, uint8, int32 or int64");
+  }
   return Tensor<uint8_t>(shape, std::move(values));
+}
+
+Tensor<int64_t> to_int64(NpyArray array, std::string_view arg) {
+  const Shape shape = shape_of(array, arg);
+  if (array.dtype == DType::int64) {
+    return Tensor<int64_t>(shape, std::move(std::get<std::vector<int64_t>>(array.values)));
+  }
+  if (array.dtype != DType::int32) wrong_dtype(array, arg, "int32 or int64");
+  const auto& source = std::get<std::vector<int32_t>>(array.values);
+  return Tensor<int64_t>(shape, std::vector<int64_t>(source.begin(), source.end()));
 }
 
 Tensor<float> load_float32(const std::filesystem::path& path, std::string_view arg) {
@@ -231,6 +247,29 @@ std::string uint64_error(const std::string& text) {
   const auto [ptr, ec] = std::from_chars(text.data(), end, value);
   if (ec == std::errc() && ptr == end && !text.empty()) return "";
   return fmt::format("expected an integer from 0 to {}, got {}", std::numeric_limits<uint64_t>::max(), text);
+}
+
+AttentionWindow parse_window(std::string_view text, std::string_view arg) {
+  const auto integer = [](std::string_view part) -> std::optional<int64_t> {
+    int64_t value = 0;
+    const char* end = part.data() + part.size();
+    const auto [ptr, ec] = std::from_chars(part.data(), end, value);
+    if (ec != std::errc() || ptr != end || part.empty()) return std::nullopt;
+    return value;
+  };
+  const size_t comma = text.find(',');
+  const std::optional<int64_t> left = comma == std::string_view::npos ? std::nullopt : integer(text.substr(0, comma));
+  const std::optional<int64_t> right = comma == std::string_view::npos ? std::nullopt : integer(text.substr(comma + 1));
+  if (!left || !right) {
+    throw ValueError(
+        fmt::format("{}: expected two integers L,R (keys from L before to R after the diagonal, -1 for "
+                    "unbounded), got {}",
+                    arg, text));
+  }
+  if (*left < -1 || *right < -1) {
+    throw ValueError(fmt::format("{}: expected L and R each -1 (unbounded) or at least 0, got {}", arg, text));
+  }
+  return {.left = *left, .right = *right};
 }
 
 TerminalColor terminal_color(std::string_view when) {

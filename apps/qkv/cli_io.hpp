@@ -16,6 +16,7 @@
 
 #include "qkv/core/tensor.hpp"
 #include "qkv/io/npy.hpp"
+#include "qkv/ops/attention.hpp"
 #include "qkv/viz/heatmap.hpp"
 
 namespace qkv::cli {
@@ -42,9 +43,13 @@ Tensor<float> to_float32(NpyArray array, std::string_view arg);
 // dtype is a ShapeError.
 Tensor<double> to_float64(NpyArray array, std::string_view arg);
 
-// A bool, uint8 or int64 array as a tensor of 0/1 bytes (nonzero = 1), rank 0 to 4; any other
+// A bool, uint8, int32 or int64 array as a tensor of 0/1 bytes (nonzero = 1), rank 0 to 4; any other
 // dtype is a ShapeError.
 Tensor<uint8_t> to_bool(NpyArray array, std::string_view arg);
+
+// An int32 or int64 array as an int64 tensor of rank 0 to 4 (int32 widened); any other dtype is a
+// ShapeError.
+Tensor<int64_t> to_int64(NpyArray array, std::string_view arg);
 
 // read_input then to_float32: the usual way to take a float operand.
 Tensor<float> load_float32(const std::filesystem::path& path, std::string_view arg);
@@ -106,6 +111,10 @@ std::optional<std::string> closest_name(std::string_view name, const std::vector
 // Why `text` is not a decimal integer from 0 to 2^64 - 1, or "" when it is: a CLI11 check for the
 // uint64 options (--seed), whose conversion would wrap -1 and saturate what is too large.
 std::string uint64_error(const std::string& text);
+
+// Option `arg`'s "L,R" as an attention window: two integers, each -1 (unbounded) or at least 0.
+// Anything else is a ValueError naming `arg` and the text given.
+AttentionWindow parse_window(std::string_view text, std::string_view arg);
 
 // ---- The terminal ---------------------------------------------------------------------------
 

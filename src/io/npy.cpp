@@ -47,7 +47,8 @@ constexpr size_t kPreambleV1 = kMagic.size() + 2 + 2;
 constexpr size_t kPreambleV2 = kMagic.size() + 2 + 4;
 // numpy aligns the data to 64 bytes so that it can be memory-mapped for any dtype and SIMD width.
 constexpr size_t kAlign = 64;
-constexpr char kSupported[] = "float32 'f4', float64 'f8', int64 'i8' (either byte order), bool '|b1', uint8 '|u1'";
+constexpr char kSupported[] =
+    "float32 'f4', float64 'f8', int32 'i4', int64 'i8' (either byte order), bool '|b1', uint8 '|u1'";
 
 [[noreturn]] void fail(const std::filesystem::path& path, std::string_view problem) {
   throw IoError(fmt::format("{}: {}", path.string(), problem));
@@ -59,6 +60,7 @@ int64_t item_size(DType dtype) {
     case DType::uint8:
       return 1;
     case DType::float32:
+    case DType::int32:
       return 4;
     case DType::float64:
     case DType::int64:
@@ -75,6 +77,8 @@ std::string_view descr_of(DType dtype) {
       return "<f8";
     case DType::boolean:
       return "|b1";
+    case DType::int32:
+      return "<i4";
     case DType::int64:
       return "<i8";
     case DType::uint8:
@@ -102,6 +106,7 @@ std::optional<ElementType> dtype_of(std::string_view descr) {
   }
   if (descr == "f4") return ElementType{DType::float32, big_endian};
   if (descr == "f8") return ElementType{DType::float64, big_endian};
+  if (descr == "i4") return ElementType{DType::int32, big_endian};
   if (descr == "i8") return ElementType{DType::int64, big_endian};
   return std::nullopt;
 }
@@ -406,6 +411,8 @@ std::string dtype_name(DType dtype) {
       return "float64";
     case DType::boolean:
       return "bool";
+    case DType::int32:
+      return "int32";
     case DType::int64:
       return "int64";
     case DType::uint8:
@@ -494,6 +501,9 @@ NpyArray parse_npy(const std::filesystem::path& path, std::string_view file) {
       break;
     case DType::float64:
       array.values = copy_values<double>(data, header.numel);
+      break;
+    case DType::int32:
+      array.values = copy_values<int32_t>(data, header.numel);
       break;
     case DType::int64:
       array.values = copy_values<int64_t>(data, header.numel);

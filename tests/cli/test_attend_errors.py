@@ -99,8 +99,9 @@ def main():
         t.refuse("Tk of V differs from K",
                  ["attend", "--q", "q.npy", "--k", "k.npy", "--v", "v_tk6.npy", "-o", "o.npy"], "--v:",
                  str([B, H, 6, Dv]))
-        t.save("k_h2.npy", np.ones((B, 2, Tk, Dk), dtype=f32))
-        t.refuse("leading dims differ", ["attend", "--q", "q.npy", "--k", "k_h2.npy", "--v", "v.npy", "-o", "o.npy"],
+        # K and V may have fewer heads than Q (grouped-query attention), but not another batch.
+        t.save("k_b1.npy", np.ones((1, H, Tk, Dk), dtype=f32))
+        t.refuse("leading dims differ", ["attend", "--q", "q.npy", "--k", "k_b1.npy", "--v", "v.npy", "-o", "o.npy"],
                  "--k:")
         t.save("q_rank1.npy", np.ones((Dk,), dtype=f32))
         t.refuse("Q of rank 1", ["attend", "--q", "q_rank1.npy", "--k", "k.npy", "--v", "v.npy", "-o", "o.npy"], "--q:")
@@ -145,9 +146,9 @@ def main():
         t.save("mask_h2.npy", np.zeros((2, Tq, Tk), dtype=f32))
         t.refuse("float mask with the wrong heads", [*attend, "--mask", "mask_h2.npy", "-o", "o.npy"], "--mask:")
         # A dtype the reader does not know: the refusal says what each option takes, not the reader's list.
-        t.save("mask_i32.npy", np.ones((Tq, Tk), dtype=np.int32))
-        t.refuse("int32 mask", [*attend, "--mask", "mask_i32.npy", "-o", "o.npy"],
-                 "--mask:", "i4", "--mask takes bool, uint8 or int64 (nonzero = may attend) or float32/float64")
+        t.save("mask_i16.npy", np.ones((Tq, Tk), dtype=np.int16))
+        t.refuse("int16 mask", [*attend, "--mask", "mask_i16.npy", "-o", "o.npy"],
+                 "--mask:", "i2", "--mask takes bool, uint8, int32 or int64 (nonzero = may attend) or float32/float64")
         t.save("q_u8.npy", np.ones((B, H, Tq, Dk), dtype=np.uint8))
         t.refuse("uint8 Q", ["attend", "--q", "q_u8.npy", "--k", "k.npy", "--v", "v.npy", "-o", "o.npy"],
                  "--q:", "expected dtype float32 or float64, got uint8")

@@ -321,6 +321,8 @@ TEST(NpyNames, DTypeNamesAndShapeStrings) {
   EXPECT_EQ(dtype_name(DType::float64), "float64");
   EXPECT_EQ(dtype_name(DType::boolean), "bool");
   EXPECT_EQ(dtype_name(DType::int64), "int64");
+  EXPECT_EQ(dtype_name(DType::int32), "int32");
+  EXPECT_EQ(dtype_name(DType::uint8), "uint8");
   NpyArray array;
   EXPECT_EQ(array.shape_str(), "[]");
   EXPECT_EQ(array.numel(), 1);
@@ -404,6 +406,25 @@ TEST_F(Npy, ReadsBigEndianAndFortranOrderAsLittleEndianCOrder) {
   big_int[7] = 5;
   EXPECT_TRUE(same_array(read_raw(npy_bytes("{'descr': '>i8', 'fortran_order': False, 'shape': ()}", big_int)),
                          DType::int64, Tensor<int64_t>(Shape{}, {5})));
+  // int32 has no Tensor of its own: the values are compared as they were read.
+  const auto int32_values = [](const NpyArray& array) {
+    EXPECT_EQ(array.dtype, DType::int32);
+    const auto* values = std::get_if<std::vector<int32_t>>(&array.values);
+    return values != nullptr ? *values : std::vector<int32_t>{};
+  };
+  const std::string big_int32("\x00\x00\x00\x07\xff\xff\xff\xfe\x80\x00\x00\x00", 12);
+  const NpyArray big32 = read_raw(npy_bytes("{'descr': '>i4', 'fortran_order': False, 'shape': (3,)}", big_int32));
+  EXPECT_EQ(big32.shape_str(), "[3]");
+  EXPECT_EQ(int32_values(big32), (std::vector<int32_t>{7, -2, std::numeric_limits<int32_t>::min()}));
+  std::string fortran_int32(6 * sizeof(int32_t), '\0');
+  const std::array<int32_t, 6> columns{1, 4, 2, 5, 3, 6};
+  std::memcpy(fortran_int32.data(), columns.data(), fortran_int32.size());
+  const NpyArray c_order =
+      read_raw(npy_bytes("{'descr': '<i4', 'fortran_order': True, 'shape': (2, 3)}", fortran_int32));
+  EXPECT_EQ(c_order.shape_str(), "[2, 3]");
+  EXPECT_EQ(int32_values(c_order), (std::vector<int32_t>{1, 2, 3, 4, 5, 6}));
+  EXPECT_EQ(int32_values(read_raw(npy_bytes("{'descr': 'i4', 'fortran_order': False, 'shape': (0,)}", ""))),
+            std::vector<int32_t>{});
   // [[1, 2, 3], [4, 5, 6]] in Fortran order is its columns one after the other.
   EXPECT_TRUE(same_array(
       read_raw(npy_bytes("{'descr': '<f4', 'fortran_order': True, 'shape': (2, 3)}", f32_bytes({1, 4, 2, 5, 3, 6}))),
@@ -419,12 +440,12 @@ TEST_F(Npy, RefusesOtherDtypes) {
                         std::string(5, '\0')),
               {"unsupported dtype [('x', '<f4'), ('y', [('z', '|b1')])]", "structured arrays are not supported",
                "float32 'f4'"}));
-  for (const std::string descr : {"<i4", "<f2", "<c8", "|S3", "<U2", "O", "", ">u2"}) {
+  for (const std::string descr : {"<i2", "<u4", "<f2", "<c8", "|S3", "<U2", "O", "", ">u2"}) {
     SCOPED_TRACE(descr);
     EXPECT_TRUE(refused(
         npy_bytes(fmt::format("{{'descr': '{}', 'fortran_order': False, 'shape': (3,)}}", descr), f32_bytes({1, 2, 3})),
-        {fmt::format("unsupported dtype '{}'", descr), "float32 'f4'", "float64 'f8'", "bool '|b1'", "int64 'i8'",
-         "uint8 '|u1'"}));
+        {fmt::format("unsupported dtype '{}'", descr), "float32 'f4'", "float64 'f8'", "bool '|b1'", "int32 'i4'",
+         "int64 'i8'", "uint8 '|u1'"}));
   }
 }
 
@@ -480,6 +501,7 @@ TEST_F(Npy, RefusesMissingAndUnreadableFiles) {
 // The value at flat index i of the arrays that the numpy scripts below make, for each dtype.
 double expected_float(int64_t i) { return static_cast<double>(i) * 0.25 - 3.0; }
 int64_t expected_int(int64_t i) { return (i - 7) * 1000000000000 + i; }
+int32_t expected_int32(int64_t i) { return static_cast<int32_t>((i - 7) * 100000 + i); }
 uint8_t expected_bool(int64_t i) { return i % 3 == 0 ? 1 : 0; }
 
 constexpr std::string_view kNumpyArrays = R"(
@@ -492,7 +514,7 @@ SHAPES = {"r0": (), "r1": (5,), "r2": (3, 4), "r3": (2, 3, 4), "r4": (2, 1, 3, 2
 def arrays(shape):
     i = np.arange(int(np.prod(shape)), dtype=np.int64).reshape(shape)
     return {"f4": (i * 0.25 - 3).astype("<f4"), "f8": (i * 0.25 - 3).astype("<f8"),
-            "i8": (i - 7) * 10**12 + i, "b1": i % 3 == 0}
+            "i8": (i - 7) * 10**12 + i, "i4": ((i - 7) * 10**5 + i).astype("<i4"), "b1": i % 3 == 0}
 )";
 
 bool has_numpy() { return std::system(fmt::format("{} -c 'import numpy' >/dev/null 2>&1", kPython).c_str()) == 0; }
@@ -535,6 +557,7 @@ for name, shape in SHAPES.items():
                              to_tensor<float, double>(numpy_expected(shape, expected_float).cview())));
       EXPECT_TRUE(same_array(read_npy(path("f8")), DType::float64, numpy_expected(shape, expected_float)));
       EXPECT_TRUE(same_array(read_npy(path("i8")), DType::int64, numpy_expected(shape, expected_int)));
+      EXPECT_TRUE(same_array(read_npy(path("i4")), DType::int32, numpy_expected(shape, expected_int32)));
       EXPECT_TRUE(same_array(read_npy(path("b1")), DType::boolean, numpy_expected(shape, expected_bool)));
     }
   }
@@ -556,7 +579,9 @@ np.save(f"{d}/mask.npy", (a > 5).astype(np.uint8) * 3)
 np.savez(f"{d}/arrays.npz", q=a, k=a.astype(">f4"))
 np.savez(f"{d}/one.npz", a)
 np.savez_compressed(f"{d}/compressed.npz", q=a)
-np.save(f"{d}/int32.npy", np.arange(3, dtype="<i4"))
+np.save(f"{d}/int32.npy", np.array([0, -5, 2**31 - 1], dtype="<i4"))
+np.save(f"{d}/int32_big_fortran.npy", np.asfortranarray(np.arange(6, dtype=">i4").reshape(2, 3)))
+np.save(f"{d}/int16.npy", np.arange(3, dtype="<i2"))
 )"),
             0);
   std::vector<double> values(24);
@@ -583,7 +608,13 @@ np.save(f"{d}/int32.npy", np.arange(3, dtype="<i4"))
   EXPECT_TRUE(throws_io_error([&] { read_npy(dir_.string() + "/arrays.npz:v"); }, {"has no array 'v'", "q, k"}));
   EXPECT_TRUE(throws_io_error([&] { read_npy(dir_.string() + "/compressed.npz:q"); },
                               {"compressed.npz:q", "compressed", "np.savez"}));
-  EXPECT_TRUE(throws_io_error([&] { read_npy(dir_ / "int32.npy"); }, {"int32.npy", "unsupported dtype '<i4'"}));
+  const NpyArray int32 = read_npy(dir_ / "int32.npy");
+  EXPECT_EQ(int32.dtype, DType::int32);
+  EXPECT_EQ(std::get<std::vector<int32_t>>(int32.values), (std::vector<int32_t>{0, -5, 2147483647}));
+  const NpyArray int32_c = read_npy(dir_ / "int32_big_fortran.npy");
+  EXPECT_EQ(int32_c.shape_str(), "[2, 3]");
+  EXPECT_EQ(std::get<std::vector<int32_t>>(int32_c.values), (std::vector<int32_t>{0, 1, 2, 3, 4, 5}));
+  EXPECT_TRUE(throws_io_error([&] { read_npy(dir_ / "int16.npy"); }, {"int16.npy", "unsupported dtype '<i2'"}));
 }
 
 TEST_F(Npy, RefusesWhatIsNotAnArchive) {
@@ -612,6 +643,8 @@ for name, shape in SHAPES.items():
     if name == "r5":
         continue
     for dt, want in arrays(shape).items():
+        if dt == "i4":  # read, never written: qkv's outputs are float, bool or int64
+            continue
         path = f"{d}/{name}_{dt}.npy"
         with open(path, "rb") as f:
             version = np.lib.format.read_magic(f)

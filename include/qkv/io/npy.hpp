@@ -2,8 +2,8 @@
 // Reading and writing NumPy .npy files (format versions 1.0, 2.0 and 3.0), and reading the arrays of
 // .npz archives (np.savez).
 //
-// Read: dtypes float32 'f4', float64 'f8' and int64 'i8' in either byte order, bool '|b1' and uint8
-// '|u1'; C or Fortran order (np.save of a transposed array), returned in C order, little-endian.
+// Read: dtypes float32 'f4', float64 'f8', int32 'i4' and int64 'i8' in either byte order, bool '|b1'
+// and uint8 '|u1'; C or Fortran order (np.save of a transposed array), returned in C order, little-endian.
 // A file is read whole and checked before anything is returned: a malformed header, a truncated
 // body, an unsupported dtype or trailing bytes raise IoError with a message naming the file and
 // what is wrong. Written: C order, little-endian, to a temporary file in the same directory,
@@ -20,9 +20,9 @@
 
 namespace qkv {
 
-enum class DType { float32, float64, boolean, int64, uint8 };
+enum class DType { float32, float64, boolean, int64, uint8, int32 };
 
-// "float32", "float64", "bool", "int64", "uint8"
+// "float32", "float64", "bool", "int64", "uint8", "int32"
 std::string dtype_name(DType dtype);
 
 // An array as read from disk; shapes of any rank (qkv ops take rank <= 4, checked by the caller).
@@ -30,7 +30,9 @@ struct NpyArray {
   DType dtype = DType::float32;
   std::vector<int64_t> shape;
   // Exactly one alternative, matching dtype; booleans are stored as 0/1 bytes, uint8 as they are.
-  std::variant<std::vector<float>, std::vector<double>, std::vector<uint8_t>, std::vector<int64_t>> values;
+  std::variant<std::vector<float>, std::vector<double>, std::vector<uint8_t>, std::vector<int64_t>,
+               std::vector<int32_t>>
+      values;
 
   int64_t numel() const;
   // "[2, 3, 4]"
