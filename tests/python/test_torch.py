@@ -177,8 +177,8 @@ def test_registered_op(rng):
 
 def test_refusals(rng):
     q, k, v = tensors(rng, (), 3, 3, 2, 2)
-    with pytest.raises(ValueError, match="dropout_p: expected 0.0"):
-        sdpa(q, k, v, dropout_p=0.1)
+    with pytest.raises(ValueError, match=r"^dropout_p: p must be in \[0, 1\), got 1.5"):
+        sdpa(q, k, v, dropout_p=1.5)
     with pytest.raises(ValueError, match="causal_alignment"):
         sdpa(q, k, v, is_causal=True, causal_alignment="top_right")
     with pytest.raises(ValueError, match="scale: expected a finite number"):

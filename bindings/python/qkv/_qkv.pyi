@@ -19,35 +19,43 @@ class ResourceError(MemoryError): ...
 Causal = Union[bool, Literal["bottom-right", "top-left"]]
 Window = Optional[Tuple[int, int]]
 Alibi = Union[None, Literal["auto"], ArrayLike]
+Offsets = Optional[ArrayLike]  # [N+1] int32 or int64 offsets of packed sequences
 
 @overload
 def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, scale: Optional[float] = ..., causal: Causal = ...,
               mask: Optional[ArrayLike] = ..., impl: Impl = ..., return_lse: Literal[False] = ...,
               return_weights: Literal[False] = ..., allow_nonfinite: bool = ..., window: Window = ...,
-              softcap: Optional[float] = ..., alibi: Alibi = ..., sinks: Optional[ArrayLike] = ...) -> np.ndarray: ...
+              softcap: Optional[float] = ..., alibi: Alibi = ..., sinks: Optional[ArrayLike] = ...,
+              cu_seqlens_q: Offsets = ..., cu_seqlens_k: Offsets = ..., dropout: float = ...,
+              seed: int = ...) -> np.ndarray: ...
 @overload
 def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, scale: Optional[float] = ..., causal: Causal = ...,
               mask: Optional[ArrayLike] = ..., impl: Impl = ..., return_lse: bool = ..., return_weights: bool = ...,
               allow_nonfinite: bool = ..., window: Window = ..., softcap: Optional[float] = ..., alibi: Alibi = ...,
-              sinks: Optional[ArrayLike] = ...) -> Union[np.ndarray, Tuple[np.ndarray, ...]]: ...
+              sinks: Optional[ArrayLike] = ..., cu_seqlens_q: Offsets = ..., cu_seqlens_k: Offsets = ...,
+              dropout: float = ..., seed: int = ...) -> Union[np.ndarray, Tuple[np.ndarray, ...]]: ...
 def attention_backward(q: ArrayLike, k: ArrayLike, v: ArrayLike, dout: ArrayLike, *, out: Optional[ArrayLike] = ...,
                        lse: Optional[ArrayLike] = ..., scale: Optional[float] = ..., causal: Causal = ...,
                        mask: Optional[ArrayLike] = ..., impl: Impl = ..., allow_nonfinite: bool = ...,
                        window: Window = ..., softcap: Optional[float] = ..., alibi: Alibi = ...,
-                       sinks: Optional[ArrayLike] = ...) -> Tuple[np.ndarray, ...]: ...
+                       sinks: Optional[ArrayLike] = ..., cu_seqlens_q: Offsets = ..., cu_seqlens_k: Offsets = ...,
+                       dropout: float = ..., seed: int = ...) -> Tuple[np.ndarray, ...]: ...
 @overload
 def additive_attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, w_q: ArrayLike, w_k: ArrayLike, w: ArrayLike, *,
                        causal: Causal = ..., mask: Optional[ArrayLike] = ..., return_lse: Literal[False] = ...,
                        return_weights: Literal[False] = ..., allow_nonfinite: bool = ...,
-                       window: Window = ...) -> np.ndarray: ...
+                       window: Window = ..., cu_seqlens_q: Offsets = ...,
+                       cu_seqlens_k: Offsets = ...) -> np.ndarray: ...
 @overload
 def additive_attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, w_q: ArrayLike, w_k: ArrayLike, w: ArrayLike, *,
                        causal: Causal = ..., mask: Optional[ArrayLike] = ..., return_lse: bool = ...,
-                       return_weights: bool = ..., allow_nonfinite: bool = ...,
-                       window: Window = ...) -> Union[np.ndarray, Tuple[np.ndarray, ...]]: ...
+                       return_weights: bool = ..., allow_nonfinite: bool = ..., window: Window = ...,
+                       cu_seqlens_q: Offsets = ...,
+                       cu_seqlens_k: Offsets = ...) -> Union[np.ndarray, Tuple[np.ndarray, ...]]: ...
 def additive_attention_backward(q: ArrayLike, k: ArrayLike, v: ArrayLike, w_q: ArrayLike, w_k: ArrayLike,
                                 w: ArrayLike, dout: ArrayLike, *, causal: Causal = ..., mask: Optional[ArrayLike] = ...,
-                                allow_nonfinite: bool = ..., window: Window = ...) -> Tuple[np.ndarray, ...]: ...
+                                allow_nonfinite: bool = ..., window: Window = ..., cu_seqlens_q: Offsets = ...,
+                                cu_seqlens_k: Offsets = ...) -> Tuple[np.ndarray, ...]: ...
 
 class SelfAttention:
     def __init__(self, d_model: int, n_heads: int = ..., *, bias: bool = ..., output_projection: bool = ...,

@@ -13,13 +13,14 @@ is_causal, scale) -> (out, lse): with torch.library.custom_op, register_fake and
 register_autograd where PyTorch has them (2.4 and later, so torch.compile can trace it), and with
 torch.library.Library("qkv", "DEF") before that (Debian 12's torch 1.13). Its is_causal is qkv's
 bottom-right one. The op keeps that signature: scaled_dot_product_attention's window, softcap,
-alibi and sinks, and its top-left causality when Tq != Tk, go through the autograd function alone.
+alibi, sinks, packed sequences, dropout and seed, and its top-left causality when Tq != Tk, go
+through the autograd function alone.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Optional, Tuple, Union
+from typing import Optional, Sequence, Tuple, Union
 
 import numpy as np
 import torch
@@ -52,8 +53,13 @@ def _optional_array(tensor: Optional[torch.Tensor], name: str) -> Optional[np.nd
     return None if tensor is None else _array(tensor, name)
 
 
+def _offsets(values, name: str):
+    """cu_seqlens as qkv.attention takes them: a tensor as its array, a list or an array as given."""
+    return _array(values, name) if isinstance(values, torch.Tensor) else values
+
+
 # The numpy API's argument names as PyTorch's signature spells them, for the errors qkv raises.
-_TORCH_NAMES = {"q": "query", "k": "key", "v": "value", "mask": "attn_mask"}
+_TORCH_NAMES = {"q": "query", "k": "key", "v": "value", "mask": "attn_mask", "dropout": "dropout_p"}
 
 
 def _renamed(error: Exception) -> Exception:
@@ -64,28 +70,34 @@ def _renamed(error: Exception) -> Exception:
     return error
 
 
-def _forward(q, k, v, attn_mask, causal, scale: Optional[float], sinks=None, alibi=None, window=None,
-             softcap=None) -> Tuple[torch.Tensor, torch.Tensor]:
-    """(out, lse); causal is qkv.attention's (False, True, "bottom-right" or "top-left")."""
+def _options(window=None, softcap=None, cu_seqlens_q=None, cu_seqlens_k=None, dropout=0.0, seed=0) -> dict:
+    """The keywords of qkv.attention that carry no tensor with a gradient, as it takes them."""
+    return {"window": window, "softcap": softcap, "cu_seqlens_q": _offsets(cu_seqlens_q, "cu_seqlens_q"),
+            "cu_seqlens_k": _offsets(cu_seqlens_k, "cu_seqlens_k"), "dropout": dropout, "seed": seed}
+
+
+def _forward(q, k, v, attn_mask, causal, scale: Optional[float], sinks=None, alibi=None,
+             options: Optional[dict] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(out, lse); causal is qkv.attention's (False, True, "bottom-right" or "top-left"), options
+    what _options returns."""
     try:
         out, lse = _qkv.attention(_array(q, "query"), _array(k, "key"), _array(v, "value"), scale=scale,
-                                  causal=causal, mask=_mask_array(attn_mask), window=window, softcap=softcap,
-                                  alibi=_optional_array(alibi, "alibi"), sinks=_optional_array(sinks, "sinks"),
-                                  return_lse=True)
+                                  causal=causal, mask=_mask_array(attn_mask), alibi=_optional_array(alibi, "alibi"),
+                                  sinks=_optional_array(sinks, "sinks"), return_lse=True, **(options or {}))
     except (_qkv.Error, _qkv.ResourceError) as e:
         raise _renamed(e) from None
     return torch.from_numpy(out), torch.from_numpy(lse)
 
 
-def _backward(q, k, v, attn_mask, causal, scale, out, lse, dout, sinks=None, alibi=None, window=None,
-              softcap=None):
+def _backward(q, k, v, attn_mask, causal, scale, out, lse, dout, sinks=None, alibi=None,
+              options: Optional[dict] = None):
     """(dq, dk, dv, dmask, dsinks), dmask None unless attn_mask is a float bias, dsinks None without sinks."""
     try:
         grads = _qkv.attention_backward(_array(q, "query"), _array(k, "key"), _array(v, "value"),
                                         _array(dout, "dout"), out=_array(out, "out"), lse=_array(lse, "lse"),
-                                        scale=scale, causal=causal, mask=_mask_array(attn_mask), window=window,
-                                        softcap=softcap, alibi=_optional_array(alibi, "alibi"),
-                                        sinks=_optional_array(sinks, "sinks"))
+                                        scale=scale, causal=causal, mask=_mask_array(attn_mask),
+                                        alibi=_optional_array(alibi, "alibi"), sinks=_optional_array(sinks, "sinks"),
+                                        **(options or {}))
     except (_qkv.Error, _qkv.ResourceError) as e:
         raise _renamed(e) from None
     grads = [torch.from_numpy(g) for g in grads]
@@ -95,14 +107,15 @@ def _backward(q, k, v, attn_mask, causal, scale, out, lse, dout, sinks=None, ali
 
 
 class _Attention(torch.autograd.Function):
-    """(out, lse) of qkv's attention; the backward reads the saved out and lse. Gradients reach q, k,
-    v, a float attn_mask and the sinks; alibi's slopes are constants."""
+    """(out, lse) of qkv's attention; the backward reads the saved out and lse, and replays the
+    dropout mask from the seed in options. Gradients reach q, k, v, a float attn_mask and the sinks;
+    alibi's slopes are constants."""
 
     @staticmethod
-    def forward(ctx, q, k, v, attn_mask, causal, scale, sinks, alibi, window, softcap):
-        out, lse = _forward(q, k, v, attn_mask, causal, scale, sinks, alibi, window, softcap)
+    def forward(ctx, q, k, v, attn_mask, causal, scale, sinks, alibi, options):
+        out, lse = _forward(q, k, v, attn_mask, causal, scale, sinks, alibi, options)
         ctx.save_for_backward(q, k, v, attn_mask, sinks, alibi, out, lse)
-        ctx.causal, ctx.scale, ctx.window, ctx.softcap = causal, scale, window, softcap
+        ctx.causal, ctx.scale, ctx.options = causal, scale, options
         ctx.mark_non_differentiable(lse)
         return out, lse
 
@@ -111,16 +124,16 @@ class _Attention(torch.autograd.Function):
     def backward(ctx, dout, _dlse):
         q, k, v, attn_mask, sinks, alibi, out, lse = ctx.saved_tensors
         dq, dk, dv, dmask, dsinks = _backward(q, k, v, attn_mask, ctx.causal, ctx.scale, out, lse, dout, sinks,
-                                              alibi, ctx.window, ctx.softcap)
+                                              alibi, ctx.options)
         if not ctx.needs_input_grad[3]:
             dmask = None
         if not ctx.needs_input_grad[6]:
             dsinks = None
-        return dq, dk, dv, dmask, None, None, dsinks, None, None, None
+        return dq, dk, dv, dmask, None, None, dsinks, None, None
 
 
-def _attention(q, k, v, attn_mask, causal, scale, sinks=None, alibi=None, window=None, softcap=None):
-    return _Attention.apply(q, k, v, attn_mask, causal, scale, sinks, alibi, window, softcap)
+def _attention(q, k, v, attn_mask, causal, scale, sinks=None, alibi=None, options=None):
+    return _Attention.apply(q, k, v, attn_mask, causal, scale, sinks, alibi, options)
 
 
 def _register_op():
@@ -177,12 +190,24 @@ def _register_op():
 _attention_forward = _register_op()
 
 
+def _lengths_differ(tq: int, tk: int, cu_seqlens_q, cu_seqlens_k) -> bool:
+    """Whether some sequence has Tq != Tk, where the two causal alignments differ. Packed sequences
+    share their offsets' 0, so they all have Tq == Tk iff the offsets are equal."""
+    if cu_seqlens_q is None or cu_seqlens_k is None:
+        return tq != tk
+    cu_q, cu_k = (np.asarray(_offsets(cu, name)) for cu, name in ((cu_seqlens_q, "cu_seqlens_q"),
+                                                                   (cu_seqlens_k, "cu_seqlens_k")))
+    return not np.array_equal(cu_q, cu_k)
+
+
 def scaled_dot_product_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                                  attn_mask: Optional[torch.Tensor] = None, dropout_p: float = 0.0,
                                  is_causal: bool = False, scale: Optional[float] = None, *,
                                  causal_alignment: str = "top_left", window: Optional[Tuple[int, int]] = None,
                                  softcap: Optional[float] = None, alibi: Union[None, str, torch.Tensor] = None,
-                                 sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
+                                 sinks: Optional[torch.Tensor] = None, seed: Optional[int] = None,
+                                 cu_seqlens_q: Union[None, torch.Tensor, Sequence[int]] = None,
+                                 cu_seqlens_k: Union[None, torch.Tensor, Sequence[int]] = None) -> torch.Tensor:
     """torch.nn.functional.scaled_dot_product_attention, computed by qkv and differentiable.
 
     query [B, H, Tq, E], key [B, Hkv, Tk, E], value [B, Hkv, Tk, Ev] -> [B, H, Tq, Ev], float32
@@ -203,12 +228,18 @@ def scaled_dot_product_attention(query: torch.Tensor, key: torch.Tensor, value: 
         when they require grad.
     The window's and ALiBi's o follows causal_alignment when is_causal; without is_causal it is
     bottom-right, and top_left (the default) with Tq != Tk is refused for them.
+    dropout_p: in [0, 1), as PyTorch's: each weight is dropped with probability p, the kept ones
+        scaled by 1/(1 - p); applied whenever it is nonzero (pass 0.0 in eval mode).
+    seed: the int in [0, 2**64) that decides the dropout mask (qkv.attention's); when None and
+        dropout_p > 0, one is drawn from torch's default generator (torch.manual_seed repeats it),
+        so that calls differ. The backward replays the same mask.
+    cu_seqlens_q, cu_seqlens_k: None, or both: [N+1] offsets (int32/int64 tensors or lists) of
+        sequences packed along T of a batch of one, as qkv.attention's: each sequence attends
+        within itself, is_causal, the window and ALiBi counted within it.
 
     Differs from PyTorch's: a query whose every key is masked gives 0 (and zero gradients), not
-    NaN. dropout_p > 0 is refused: qkv has no dropout yet.
+    NaN. The dropout mask is qkv's (Philox, keyed by the seed), not the one PyTorch would draw.
     """
-    if dropout_p != 0.0:
-        raise ValueError(f"dropout_p: expected 0.0 (qkv has no attention dropout yet), got {dropout_p}")
     if causal_alignment not in _CAUSAL_ALIGNMENTS:
         raise ValueError(f"causal_alignment: expected \"top_left\" or \"bottom_right\", got {causal_alignment!r}")
     if scale is not None and not math.isfinite(scale):
@@ -220,14 +251,21 @@ def scaled_dot_product_attention(query: torch.Tensor, key: torch.Tensor, value: 
     if attn_mask is not None and not attn_mask.is_floating_point() and attn_mask.dtype != torch.bool:
         attn_mask = attn_mask != 0  # an integer mask reads as bool: nonzero = may attend
     tq, tk = query.shape[-2] if query.ndim >= 2 else 0, key.shape[-2] if key.ndim >= 2 else 0
-    top_left = causal_alignment == "top_left" and tq != tk
+    top_left = causal_alignment == "top_left" and _lengths_differ(tq, tk, cu_seqlens_q, cu_seqlens_k)
     if top_left and not is_causal and (window is not None or alibi is not None):
         # qkv takes the alignment with causality alone; a silent bottom-right window would mislead.
+        lengths = "packed sequences with Tq != Tk" if cu_seqlens_q is not None else f"Tq = {tq}, Tk = {tk}"
         raise ValueError(f"causal_alignment: \"top_left\" places the window and ALiBi only with is_causal=True; "
-                         f"pass is_causal=True or causal_alignment=\"bottom_right\" (Tq = {tq}, Tk = {tk})")
+                         f"pass is_causal=True or causal_alignment=\"bottom_right\" ({lengths})")
     causal = ("top-left" if top_left else True) if is_causal else False
-    if causal == "top-left" or any(x is not None for x in (window, softcap, alibi, sinks)):
-        return _attention(query, key, value, attn_mask, causal, scale, sinks, alibi, window, softcap)[0]
+    if seed is None and dropout_p != 0.0:
+        # From torch's default generator, so that torch.manual_seed repeats a run and successive
+        # calls drop different weights, as PyTorch's own dropout does.
+        seed = int(torch.randint(0, 2**63 - 1, (), dtype=torch.int64))
+    extras = (window, softcap, alibi, sinks, seed, cu_seqlens_q, cu_seqlens_k)
+    if causal == "top-left" or dropout_p != 0.0 or any(x is not None for x in extras):
+        options = _options(window, softcap, cu_seqlens_q, cu_seqlens_k, dropout_p, 0 if seed is None else seed)
+        return _attention(query, key, value, attn_mask, causal, scale, sinks, alibi, options)[0]
     return _attention_forward(query, key, value, attn_mask, causal, scale)[0]
 
 

@@ -150,6 +150,20 @@ TensorView<const T> Inputs::per_head(const py::object& values, std::string_view 
   return floats<T>(array, name, "q", allow_nonfinite);
 }
 
+TensorView<const int64_t> Inputs::offsets(const py::object& values, std::string_view name) {
+  py::array array = as_array(values);
+  const char kind = array.dtype().kind();
+  // numpy reads an empty list as float64; it is no less a list of offsets (of the wrong shape).
+  const bool numbers = !py::isinstance<py::array>(values) && (kind == 'i' || kind == 'u' || array.size() == 0);
+  const bool int32_or_64 = kind == 'i' && (array.itemsize() == 4 || array.itemsize() == 8);
+  if (!numbers && !int32_or_64) {
+    throw ShapeError(fmt::format("{}: expected dtype int32 or int64, got {}", name, dtype_str(array)));
+  }
+  check_rank_fits(array, name);
+  if (!viewable<int64_t>(array)) array = py::array_t<int64_t, py::array::c_style | py::array::forcecast>::ensure(array);
+  return view_as<int64_t>(hold(array));
+}
+
 template <class T>
 py::array_t<T> new_array(const Shape& shape, std::string_view what, bool zeroed) {
   check_allocation_fits(static_cast<double>(shape.numel()) * sizeof(T), what);

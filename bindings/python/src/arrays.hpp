@@ -51,6 +51,10 @@ class Inputs {
   template <class T>
   TensorView<const T> per_head(const py::object& values, std::string_view name, bool allow_nonfinite);
 
+  // Token offsets (cu_seqlens): an int32 or int64 array, or integers that are not an array (a
+  // list), as int64. The op checks the shape and the values.
+  TensorView<const int64_t> offsets(const py::object& values, std::string_view name);
+
  private:
   py::array hold(py::array array);
   std::vector<py::array> held_;

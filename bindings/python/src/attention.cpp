@@ -68,6 +68,22 @@ std::optional<AttentionWindow> window_of(const py::object& window) {
   return AttentionWindow{values[0], values[1]};
 }
 
+// seed=: an int in [0, 2**64) (a bool is a mistake, not 0 or 1).
+uint64_t seed_of(const py::object& seed) {
+  const auto refuse = [&] {
+    return ValueError(fmt::format("seed: expected an int in [0, 2**64), got {}", py::repr(seed).cast<std::string>()));
+  };
+  if (PyBool_Check(seed.ptr()) || !PyIndex_Check(seed.ptr())) throw refuse();
+  const auto index = py::reinterpret_steal<py::object>(PyNumber_Index(seed.ptr()));
+  if (!index) throw py::error_already_set();
+  const unsigned long long value = PyLong_AsUnsignedLongLong(index.ptr());
+  if (value == static_cast<unsigned long long>(-1) && PyErr_Occurred()) {
+    PyErr_Clear();
+    throw refuse();
+  }
+  return value;
+}
+
 // The keyword arguments of a forward (and of the backward, which must be given the same ones).
 struct ForwardRequest {
   std::optional<double> scale = std::nullopt;
@@ -79,8 +95,10 @@ struct ForwardRequest {
   bool return_weights = false;
   bool allow_nonfinite = false;
   std::optional<double> softcap = std::nullopt;
-  py::object alibi = py::none();  // None, "auto" or [H] slopes
-  py::object sinks = py::none();  // None or [H]
+  py::object alibi = py::none();                                    // None, "auto" or [H] slopes
+  py::object sinks = py::none();                                    // None or [H]
+  py::object cu_seqlens_q = py::none(), cu_seqlens_k = py::none();  // None or [N+1] offsets
+  AttentionDropout dropout = {};
 };
 
 // float64 runs the plain-loop reference unless told otherwise: its float64 accumulation is what a
@@ -142,6 +160,8 @@ AttentionMask<T> mask_of(Inputs& in, const ForwardRequest& r) {
   AttentionMask<T> mask = in.mask<T>(r.mask, r.causality.causal, r.allow_nonfinite);
   mask.alignment = r.causality.alignment;
   mask.window = r.window;
+  if (!r.cu_seqlens_q.is_none()) mask.cu_seqlens_q = in.offsets(r.cu_seqlens_q, "cu_seqlens_q");
+  if (!r.cu_seqlens_k.is_none()) mask.cu_seqlens_k = in.offsets(r.cu_seqlens_k, "cu_seqlens_k");
   return mask;
 }
 
@@ -173,6 +193,8 @@ AttentionParams<T> attention_params(Inputs& in, const py::object& q, const py::o
     p.mask.alibi_slopes = slopes;
   }
   if (!r.sinks.is_none()) p.sinks = in.per_head<T>(r.sinks, "sinks", r.allow_nonfinite);
+  // p = 0 is exactly no dropout, so the op may be handed it always (and checks it).
+  p.dropout = r.dropout;
   return p;
 }
 
@@ -195,7 +217,8 @@ py::object attention_as(const py::object& q, const py::object& k, const py::obje
 py::object attention(const py::object& q, const py::object& k, const py::object& v, std::optional<double> scale,
                      const py::object& causal, const py::object& mask, const std::string& impl, bool return_lse,
                      bool return_weights, bool allow_nonfinite, const py::object& window, std::optional<double> softcap,
-                     const py::object& alibi, const py::object& sinks) {
+                     const py::object& alibi, const py::object& sinks, const py::object& cu_seqlens_q,
+                     const py::object& cu_seqlens_k, double dropout, const py::object& seed) {
   const ForwardRequest r{.scale = scale,
                          .causality = causality_of(causal),
                          .window = window_of(window),
@@ -206,7 +229,10 @@ py::object attention(const py::object& q, const py::object& k, const py::object&
                          .allow_nonfinite = allow_nonfinite,
                          .softcap = softcap,
                          .alibi = alibi,
-                         .sinks = sinks};
+                         .sinks = sinks,
+                         .cu_seqlens_q = cu_seqlens_q,
+                         .cu_seqlens_k = cu_seqlens_k,
+                         .dropout = {dropout, seed_of(seed)}};
   if (precision_of(q, "q") == Precision::float32) return attention_as<float>(q, k, v, r);
   return attention_as<double>(q, k, v, r);
 }
@@ -253,7 +279,8 @@ py::tuple attention_backward(const py::object& q, const py::object& k, const py:
                              const py::object& out, const py::object& lse, std::optional<double> scale,
                              const py::object& causal, const py::object& mask, const std::string& impl,
                              bool allow_nonfinite, const py::object& window, std::optional<double> softcap,
-                             const py::object& alibi, const py::object& sinks) {
+                             const py::object& alibi, const py::object& sinks, const py::object& cu_seqlens_q,
+                             const py::object& cu_seqlens_k, double dropout, const py::object& seed) {
   const ForwardRequest r{.scale = scale,
                          .causality = causality_of(causal),
                          .window = window_of(window),
@@ -262,7 +289,10 @@ py::tuple attention_backward(const py::object& q, const py::object& k, const py:
                          .allow_nonfinite = allow_nonfinite,
                          .softcap = softcap,
                          .alibi = alibi,
-                         .sinks = sinks};
+                         .sinks = sinks,
+                         .cu_seqlens_q = cu_seqlens_q,
+                         .cu_seqlens_k = cu_seqlens_k,
+                         .dropout = {dropout, seed_of(seed)}};
   if (precision_of(q, "q") == Precision::float32) return attention_backward_as<float>(q, k, v, dout, out, lse, r);
   return attention_backward_as<double>(q, k, v, dout, out, lse, r);
 }
@@ -294,14 +324,17 @@ py::object additive_as(const py::object& q, const py::object& k, const py::objec
 py::object additive_attention(const py::object& q, const py::object& k, const py::object& v, const py::object& w_q,
                               const py::object& w_k, const py::object& w, const py::object& causal,
                               const py::object& mask, bool return_lse, bool return_weights, bool allow_nonfinite,
-                              const py::object& window) {
+                              const py::object& window, const py::object& cu_seqlens_q,
+                              const py::object& cu_seqlens_k) {
   const ForwardRequest r{.causality = causality_of(causal),
                          .window = window_of(window),
                          .mask = mask,
                          .impl = "reference",
                          .return_lse = return_lse,
                          .return_weights = return_weights,
-                         .allow_nonfinite = allow_nonfinite};
+                         .allow_nonfinite = allow_nonfinite,
+                         .cu_seqlens_q = cu_seqlens_q,
+                         .cu_seqlens_k = cu_seqlens_k};
   if (precision_of(q, "q") == Precision::float32) return additive_as<float>(q, k, v, w_q, w_k, w, r);
   return additive_as<double>(q, k, v, w_q, w_k, w, r);
 }
@@ -334,12 +367,15 @@ py::tuple additive_backward_as(const py::object& q, const py::object& k, const p
 py::tuple additive_attention_backward(const py::object& q, const py::object& k, const py::object& v,
                                       const py::object& w_q, const py::object& w_k, const py::object& w,
                                       const py::object& dout, const py::object& causal, const py::object& mask,
-                                      bool allow_nonfinite, const py::object& window) {
+                                      bool allow_nonfinite, const py::object& window, const py::object& cu_seqlens_q,
+                                      const py::object& cu_seqlens_k) {
   const ForwardRequest r{.causality = causality_of(causal),
                          .window = window_of(window),
                          .mask = mask,
                          .impl = "reference",
-                         .allow_nonfinite = allow_nonfinite};
+                         .allow_nonfinite = allow_nonfinite,
+                         .cu_seqlens_q = cu_seqlens_q,
+                         .cu_seqlens_k = cu_seqlens_k};
   if (precision_of(q, "q") == Precision::float32) return additive_backward_as<float>(q, k, v, w_q, w_k, w, dout, r);
   return additive_backward_as<double>(q, k, v, w_q, w_k, w, dout, r);
 }
@@ -389,6 +425,19 @@ Arguments:
         -m_h * |i + o - j| to the scores.
     sinks: None or [H] logits, one per head, that join every row's softmax with no value: the
         weights of a row then sum to 1 - exp(sink_h - lse_i).
+    cu_seqlens_q, cu_seqlens_k: None, or both: [N+1] offsets (int32 or int64 arrays, or lists)
+        of N sequences packed along T in a batch of one (q [H, Tq, Dk] or [1, H, Tq, Dk]):
+        sequence n holds queries cu_seqlens_q[n]:cu_seqlens_q[n+1] and keys
+        cu_seqlens_k[n]:cu_seqlens_k[n+1], from 0 to Tq and Tk, never decreasing (a sequence
+        may be empty). A query sees its own sequence's keys alone, and causal, the window and
+        ALiBi count i and j within the sequence: the same as N separate calls, concatenated.
+        A mask still spans the packed [Tq, Tk].
+    dropout: p in [0, 1): each weight is dropped with probability p and the kept ones are scaled
+        by 1/(1 - p) in out; lse and the returned weights are those before dropout. 0 is exactly
+        no dropout.
+    seed: an int in [0, 2**64) that, with (b, h, i, j), decides each drop (Philox 4x32-10; for
+        packed sequences b is the sequence and i, j count within it): the same mask for both
+        implementations, every thread count and SIMD target. Pass the backward the same one.
     impl: "auto" (the fused kernel for float32, the float64 reference for float64, the reference
         whenever weights are asked for), "fused" (tiled FlashAttention-2 kernel: O(T) memory, SIMD,
         threads; cannot return weights) or "reference" (plain loops accumulating in float64).
@@ -417,7 +466,8 @@ along which it was broadcast) and the sinks (dsinks [H], summed over B and Tq). 
 give zero gradients.
 
 Arguments as in attention(), which must be given the same scale, causal, window, mask, softcap,
-alibi and sinks, plus:
+alibi, sinks, cu_seqlens_q, cu_seqlens_k, dropout and seed (from which it replays the dropout
+mask), plus:
     out, lse: what attention(..., return_lse=True) returned, so that the fused kernel recomputes
         the probabilities tile by tile instead of running the forward again. Both or neither.
     impl: "auto" (fused for float32, the float64 reference for float64), "fused" or "reference".
@@ -433,7 +483,8 @@ Shapes (A is the hidden size of the score network):
     v    [B, H, Tk, Dv]     w    [A]         weights  [B, H, Tq, Tk]
 Leading dims as in attention(), but k and v have as many heads as q; queries and keys may have
 different widths. No scale: tanh bounds the scores. causal, window, mask, return_lse,
-return_weights and allow_nonfinite as in attention().
+return_weights and allow_nonfinite as in attention(). Packed sequences (cu_seqlens_q,
+cu_seqlens_k) are refused: call it per sequence.
 Runs the reference implementation (float64 accumulation); float32 or float64 in and out.)";
 
 constexpr const char* kAdditiveBackwardDoc =
@@ -448,17 +499,20 @@ void add_attention(py::module_& m) {
   m.def("attention", &attention, kAttentionDoc, "q"_a, "k"_a, "v"_a, py::kw_only(), "scale"_a = py::none(),
         "causal"_a = false, "mask"_a = py::none(), "impl"_a = "auto", "return_lse"_a = false,
         "return_weights"_a = false, "allow_nonfinite"_a = false, "window"_a = py::none(), "softcap"_a = py::none(),
-        "alibi"_a = py::none(), "sinks"_a = py::none());
+        "alibi"_a = py::none(), "sinks"_a = py::none(), "cu_seqlens_q"_a = py::none(), "cu_seqlens_k"_a = py::none(),
+        "dropout"_a = 0.0, "seed"_a = 0);
   m.def("attention_backward", &attention_backward, kAttentionBackwardDoc, "q"_a, "k"_a, "v"_a, "dout"_a, py::kw_only(),
         "out"_a = py::none(), "lse"_a = py::none(), "scale"_a = py::none(), "causal"_a = false, "mask"_a = py::none(),
         "impl"_a = "auto", "allow_nonfinite"_a = false, "window"_a = py::none(), "softcap"_a = py::none(),
-        "alibi"_a = py::none(), "sinks"_a = py::none());
+        "alibi"_a = py::none(), "sinks"_a = py::none(), "cu_seqlens_q"_a = py::none(), "cu_seqlens_k"_a = py::none(),
+        "dropout"_a = 0.0, "seed"_a = 0);
   m.def("additive_attention", &additive_attention, kAdditiveDoc, "q"_a, "k"_a, "v"_a, "w_q"_a, "w_k"_a, "w"_a,
         py::kw_only(), "causal"_a = false, "mask"_a = py::none(), "return_lse"_a = false, "return_weights"_a = false,
-        "allow_nonfinite"_a = false, "window"_a = py::none());
+        "allow_nonfinite"_a = false, "window"_a = py::none(), "cu_seqlens_q"_a = py::none(),
+        "cu_seqlens_k"_a = py::none());
   m.def("additive_attention_backward", &additive_attention_backward, kAdditiveBackwardDoc, "q"_a, "k"_a, "v"_a, "w_q"_a,
         "w_k"_a, "w"_a, "dout"_a, py::kw_only(), "causal"_a = false, "mask"_a = py::none(), "allow_nonfinite"_a = false,
-        "window"_a = py::none());
+        "window"_a = py::none(), "cu_seqlens_q"_a = py::none(), "cu_seqlens_k"_a = py::none());
   m.def(
       "alibi_slopes", [](int64_t heads) { return alibi_slopes(heads); }, "heads"_a,
       "ALiBi's slopes for `heads` heads (Press et al.), what alibi=\"auto\" uses: 2^(-8(h+1)/heads) when heads is "
