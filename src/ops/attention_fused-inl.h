@@ -241,6 +241,7 @@ struct BackwardParams {
 #include "hwy/contrib/math/math-inl.h"
 #include "hwy/highway.h"
 #include "qkv/core/parallel.hpp"
+#include "qkv/core/simd_target.hpp"
 #include "simd/buffers.hpp"
 #include "simd/micro_gemm-inl.h"
 
@@ -723,8 +724,8 @@ HWY_INLINE void AccumulateWeightedRows(D d, const fused::RowsView<const T>& v, i
 // vector of N keys: each score is a dot product along d (RowDot), the block's scores form one
 // vector for Scores and the exponential, and the block max and sum are reductions across lanes.
 // Every key is used by at most nq queries, so memory, not arithmetic, sets the pace: the kernel
-// does little more per key than load k and v once. Leaves m, l and o in the scratch like
-// AttendQueryBlock; o is summed in rows and transposed at the end.
+// does little more per key than load k and v once. Advances m, l and o like the other layout, o
+// summed in rows (s.few) that EndQueryBlock transposes.
 template <class D, class T = hn::TFromD<D>>
 void AttendFewQueries(D d, const Inputs<T>& in, int64_t b, int64_t h, int64_t q0, size_t nq, int64_t key_begin,
                       int64_t key_end, ForwardScratch<T>& s) {
@@ -734,7 +735,6 @@ void AttendFewQueries(D d, const Inputs<T>& in, int64_t b, int64_t h, int64_t q0
   const hn::Vec<D> neg_inf = hn::Set(d, -std::numeric_limits<T>::infinity());
   const size_t dv = ToSize(in.dv);
   T* HWY_RESTRICT p = s.st.get();
-  std::fill(s.few.get(), s.few.get() + nq * s.few_row, T{0});
   const auto prefetch_keys = static_cast<int64_t>(RoundUp(kFewQueriesPrefetchBytes / (dk * sizeof(T)) + 1, N));
   for (int64_t j0 = key_begin; j0 < key_end; j0 += static_cast<int64_t>(N)) {
     const size_t nk = ToSize(std::min<int64_t>(static_cast<int64_t>(N), key_end - j0));
@@ -768,33 +768,54 @@ void AttendFewQueries(D d, const Inputs<T>& in, int64_t b, int64_t h, int64_t q0
       AccumulateWeightedRows(d, in.v, b, hk, j0, nk, p, corr, dv, s.few.get() + i * s.few_row);
     }
   }
+}
+
+// The online softmax of queries [q0, q0 + nq) (nq ≤ Br) of head (b, h), over keys given in
+// consecutive ranges: BeginQueryBlock, then ContinueQueryBlock for each range of keys, then
+// EndQueryBlock leave m, l and o in the scratch. A block of at most kFewQueries queries takes
+// AttendFewQueries when `few` allows it (see ForwardParams::scores_as_backward for when it must not).
+template <class T>
+bool FewQueryLayout(const Inputs<T>& in, size_t nq, bool few) {
+  return few && nq <= kFewQueries && in.dropout_scale == 0;
+}
+
+template <class D, class T = hn::TFromD<D>>
+void BeginQueryBlock(D d, const Inputs<T>& in, int64_t b, int64_t h, int64_t q0, size_t nq, bool few,
+                     ForwardScratch<T>& s) {
+  const size_t ld = RoundUp(nq, hn::Lanes(d));
+  std::fill(s.max.get(), s.max.get() + ld, -std::numeric_limits<T>::infinity());
+  std::fill(s.sum.get(), s.sum.get() + ld, T{0});
+  if (FewQueryLayout(in, nq, few)) {
+    std::fill(s.few.get(), s.few.get() + nq * s.few_row, T{0});
+    return;
+  }
+  std::fill(s.acc.get(), s.acc.get() + ToSize(in.dv) * kQueryBlock, T{0});
+  PackTransposed(in.q, b, h, q0, nq, ToSize(in.dk), ld, s.qt.get());
+}
+
+template <class T>
+void EndQueryBlock(const Inputs<T>& in, size_t nq, bool few, ForwardScratch<T>& s) {
+  if (!FewQueryLayout(in, nq, few)) return;
   for (size_t i = 0; i < nq; ++i) {
-    for (size_t c = 0; c < dv; ++c) s.acc[c * kQueryBlock + i] = s.few[i * s.few_row + c];
+    for (size_t c = 0; c < ToSize(in.dv); ++c) s.acc[c * kQueryBlock + i] = s.few[i * s.few_row + c];
   }
 }
 
-// Online softmax of queries [q0, q0 + nq) (nq ≤ Br) of head (b, h) over keys [key_begin, key_end):
-// leaves m, l and o in the scratch. With few_query_layout, a block of at most kFewQueries queries
-// takes AttendFewQueries (see ForwardParams::scores_as_backward for when it must not).
 template <class D, class T = hn::TFromD<D>>
-void AttendQueryBlock(D d, const Inputs<T>& in, int64_t b, int64_t h, int64_t q0, size_t nq, int64_t key_begin,
-                      int64_t key_end, bool few_query_layout, ForwardScratch<T>& s) {
+void ContinueQueryBlock(D d, const Inputs<T>& in, int64_t b, int64_t h, int64_t q0, size_t nq, int64_t key_begin,
+                        int64_t key_end, bool few, ForwardScratch<T>& s) {
   const size_t N = hn::Lanes(d);
   const int64_t hk = in.kv_head(h);
   const size_t ld = RoundUp(nq, N);
   const size_t dv = ToSize(in.dv);
-  std::fill(s.max.get(), s.max.get() + ld, -std::numeric_limits<T>::infinity());
-  std::fill(s.sum.get(), s.sum.get() + ld, T{0});
   // Keys outside the band of every query of the block (causality, the window) are never visited:
   // the first query sees none before q0 + band_lo, the last none after q0 + nq − 1 + band_hi.
   key_begin = std::max(key_begin, q0 + in.band_lo);
   key_end = std::min(key_end, q0 + static_cast<int64_t>(nq) + in.band_hi);
-  if (few_query_layout && nq <= kFewQueries && in.dropout_scale == 0) {
+  if (FewQueryLayout(in, nq, few)) {
     AttendFewQueries(d, in, b, h, q0, nq, key_begin, key_end, s);
     return;
   }
-  std::fill(s.acc.get(), s.acc.get() + dv * kQueryBlock, T{0});
-  PackTransposed(in.q, b, h, q0, nq, ToSize(in.dk), ld, s.qt.get());
   for (int64_t j0 = key_begin; j0 < key_end; j0 += static_cast<int64_t>(kKeyBlock)) {
     const size_t nk = ToSize(std::min<int64_t>(static_cast<int64_t>(kKeyBlock), key_end - j0));
     if (nq <= static_cast<size_t>(kDecodeQueries)) {
@@ -857,6 +878,15 @@ void AttendQueryBlock(D d, const Inputs<T>& in, int64_t b, int64_t h, int64_t q0
   }
 }
 
+// The whole online softmax of a query block over keys [key_begin, key_end).
+template <class D, class T = hn::TFromD<D>>
+void AttendQueryBlock(D d, const Inputs<T>& in, int64_t b, int64_t h, int64_t q0, size_t nq, int64_t key_begin,
+                      int64_t key_end, bool few, ForwardScratch<T>& s) {
+  BeginQueryBlock(d, in, b, h, q0, nq, few, s);
+  ContinueQueryBlock(d, in, b, h, q0, nq, key_begin, key_end, few, s);
+  EndQueryBlock(in, nq, few, s);
+}
+
 // Stores lse rounded to T and, when wanted, the rest.
 template <class T>
 void WriteLse(const ForwardParams<T>& p, int64_t b, int64_t h, int64_t i, double lse) {
@@ -911,12 +941,25 @@ template <class T>
 int64_t DecodeChunks(const Inputs<T>& in) {
   if (in.tq > kDecodeQueries || in.tk < 2 * kDecodeMinChunk) return 1;
   const int64_t by_length = in.tk / kDecodeMinChunk;
-  const int64_t by_tasks = std::max<int64_t>(1, kDecodeTasks / std::max<int64_t>(1, in.heads_total()));
+  const int64_t kv_heads = in.heads_total() / in.group;
+  const int64_t by_tasks = std::max<int64_t>(1, kDecodeTasks / std::max<int64_t>(1, kv_heads));
   return std::max<int64_t>(1, std::min(by_length, by_tasks));
 }
 
-// Decode: every (head, key chunk) task leaves its partial (m, l, o) for the Tq ≤ 16 queries; a
-// second parallel_for merges the chunks of each head by log-sum-exp:
+// Keys a decode task hands to every query head of its group in turn, so that the heads after the
+// first find them in L2: a quarter of this CPU's L2 (of 1 MiB when it does not say), in whole key
+// blocks of K and V.
+template <class T>
+int64_t DecodeGroupKeys(const Inputs<T>& in) {
+  const int64_t l2 = cpu_info().l2_bytes > 0 ? cpu_info().l2_bytes : int64_t{1} << 20;
+  const int64_t row_bytes = (in.dk + in.dv) * static_cast<int64_t>(sizeof(T));
+  return static_cast<int64_t>(RoundUp(ToSize(std::max<int64_t>(1, l2 / 4 / row_bytes)), kKeyBlock));
+}
+
+// Decode: every (kv head, key chunk) task leaves the partial (m, l, o) of the Tq ≤ 16 queries of
+// each query head of its group, which it runs range of keys by range of keys (DecodeGroupKeys) so
+// that K and V come from memory once per group; a second parallel_for merges the chunks of each
+// head by log-sum-exp:
 //   M = max_c m_c,  w_c = exp(m_c − M) (0 for a chunk that saw no key),  l = Σ_c w_c l_c,
 //   out = Σ_c w_c o_c / l,  lse = M + log l;  M = −inf: out 0, lse −inf.
 template <class D, class T = hn::TFromD<D>>
@@ -924,25 +967,39 @@ void ForwardDecode(D d, const ForwardParams<T>& p, int64_t chunks, std::vector<F
   const Inputs<T>& in = p.in;
   const size_t nq = ToSize(in.tq);
   const size_t dv = ToSize(in.dv);
+  const auto group = ToSize(in.group);
   const int64_t chunk_len =
       static_cast<int64_t>(RoundUp(ToSize((in.tk + chunks - 1) / chunks), kKeyBlock));  // whole key blocks
+  const int64_t range = DecodeGroupKeys(in);
   const int64_t heads = in.heads_total();
+  const bool few = !p.scores_as_backward;
   const size_t parts = ToSize(heads * chunks);
   std::vector<T> part_max(parts * nq), part_sum(parts * nq), part_acc(parts * nq * dv);
   parallel_for(
-      heads * chunks,
+      heads / in.group * chunks,
       [&](int64_t task, int worker) HWY_ATTR {
-        const int64_t bh = task / chunks;
+        const int64_t first = task / chunks * in.group;  // the group's first head, b·H + h
         const int64_t chunk = task % chunks;
-        const int64_t b = bh / in.heads, h = bh % in.heads;
-        ForwardScratch<T>& s = scratch[ToSize(worker)];
-        const int64_t begin = std::min(in.tk, chunk * chunk_len);
-        AttendQueryBlock(d, in, b, h, 0, nq, begin, std::min(in.tk, begin + chunk_len), !p.scores_as_backward, s);
-        const size_t part = ToSize(task);
-        std::copy(s.max.get(), s.max.get() + nq, part_max.begin() + static_cast<ptrdiff_t>(part * nq));
-        std::copy(s.sum.get(), s.sum.get() + nq, part_sum.begin() + static_cast<ptrdiff_t>(part * nq));
-        for (size_t i = 0; i < nq; ++i) {
-          for (size_t c = 0; c < dv; ++c) part_acc[(part * nq + i) * dv + c] = s.output(i, c);
+        const int64_t begin = std::min(in.tk, chunk * chunk_len), end = std::min(in.tk, begin + chunk_len);
+        ForwardScratch<T>* s = &scratch[ToSize(worker) * group];
+        for (size_t r = 0; r < group; ++r) {
+          const int64_t bh = first + static_cast<int64_t>(r);
+          BeginQueryBlock(d, in, bh / in.heads, bh % in.heads, 0, nq, few, s[r]);
+        }
+        for (int64_t j0 = begin; j0 < end; j0 += range) {
+          for (size_t r = 0; r < group; ++r) {
+            const int64_t bh = first + static_cast<int64_t>(r);
+            ContinueQueryBlock(d, in, bh / in.heads, bh % in.heads, 0, nq, j0, std::min(end, j0 + range), few, s[r]);
+          }
+        }
+        for (size_t r = 0; r < group; ++r) {
+          EndQueryBlock(in, nq, few, s[r]);
+          const size_t part = ToSize((first + static_cast<int64_t>(r)) * chunks + chunk);
+          std::copy(s[r].max.get(), s[r].max.get() + nq, part_max.begin() + static_cast<ptrdiff_t>(part * nq));
+          std::copy(s[r].sum.get(), s[r].sum.get() + nq, part_sum.begin() + static_cast<ptrdiff_t>(part * nq));
+          for (size_t i = 0; i < nq; ++i) {
+            for (size_t c = 0; c < dv; ++c) part_acc[(part * nq + i) * dv + c] = s[r].output(i, c);
+          }
         }
       },
       ThreadLimit(in));
@@ -985,11 +1042,15 @@ void ForwardImpl(const ForwardParams<T>& p) {
   const Inputs<T>& in = p.in;
   const size_t N = hn::Lanes(d);
   const size_t dv_pad = RoundUp(ToSize(in.dv), N);
-  std::vector<ForwardScratch<T>> scratch;
-  scratch.reserve(ToSize(max_workers()));
-  for (int w = 0; w < max_workers(); ++w) scratch.emplace_back(ToSize(in.dk), ToSize(in.dv), dv_pad);
-
   const int64_t chunks = DecodeChunks(in);
+  // Decode runs the query heads of a group together, each with its own scratch.
+  const size_t per_worker = chunks > 1 ? ToSize(in.group) : 1;
+  std::vector<ForwardScratch<T>> scratch;
+  scratch.reserve(ToSize(max_workers()) * per_worker);
+  for (size_t w = 0; w < ToSize(max_workers()) * per_worker; ++w) {
+    scratch.emplace_back(ToSize(in.dk), ToSize(in.dv), dv_pad);
+  }
+
   if (chunks > 1) {
     ForwardDecode(d, p, chunks, scratch);
     return;
