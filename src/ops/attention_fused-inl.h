@@ -728,7 +728,7 @@ HWY_INLINE void AccumulateWeightedRows(D d, const fused::RowsView<const T>& v, i
 // summed in rows (s.few) that EndQueryBlock transposes.
 template <class D, class T = hn::TFromD<D>>
 void AttendFewQueries(D d, const Inputs<T>& in, int64_t b, int64_t h, int64_t q0, size_t nq, int64_t key_begin,
-                      int64_t key_end, ForwardScratch<T>& s) {
+                      int64_t key_end, int64_t prefetch_end, ForwardScratch<T>& s) {
   const size_t N = hn::Lanes(d);
   const int64_t hk = in.kv_head(h);
   const size_t dk = ToSize(in.dk);
@@ -739,8 +739,8 @@ void AttendFewQueries(D d, const Inputs<T>& in, int64_t b, int64_t h, int64_t q0
   for (int64_t j0 = key_begin; j0 < key_end; j0 += static_cast<int64_t>(N)) {
     const size_t nk = ToSize(std::min<int64_t>(static_cast<int64_t>(N), key_end - j0));
     const int64_t ahead = j0 + prefetch_keys;
-    if (ahead < key_end) {
-      const int64_t n_ahead = std::min<int64_t>(static_cast<int64_t>(N), key_end - ahead);
+    if (ahead < prefetch_end) {
+      const int64_t n_ahead = std::min<int64_t>(static_cast<int64_t>(N), prefetch_end - ahead);
       PrefetchRows(in.k, b, hk, ahead, n_ahead, dk);
       PrefetchRows(in.v, b, hk, ahead, n_ahead, dv);
     }
@@ -772,7 +772,8 @@ void AttendFewQueries(D d, const Inputs<T>& in, int64_t b, int64_t h, int64_t q0
 
 // The online softmax of queries [q0, q0 + nq) (nq ≤ Br) of head (b, h), over keys given in
 // consecutive ranges: BeginQueryBlock, then ContinueQueryBlock for each range of keys, then
-// EndQueryBlock leave m, l and o in the scratch. A block of at most kFewQueries queries takes
+// EndQueryBlock leave m, l and o in the scratch; K and V rows are asked for ahead up to
+// prefetch_end, which may lie past the range (the next range's keys). A block of at most kFewQueries queries takes
 // AttendFewQueries when `few` allows it (see ForwardParams::scores_as_backward for when it must not).
 template <class T>
 bool FewQueryLayout(const Inputs<T>& in, size_t nq, bool few) {
@@ -803,7 +804,7 @@ void EndQueryBlock(const Inputs<T>& in, size_t nq, bool few, ForwardScratch<T>& 
 
 template <class D, class T = hn::TFromD<D>>
 void ContinueQueryBlock(D d, const Inputs<T>& in, int64_t b, int64_t h, int64_t q0, size_t nq, int64_t key_begin,
-                        int64_t key_end, bool few, ForwardScratch<T>& s) {
+                        int64_t key_end, int64_t prefetch_end, bool few, ForwardScratch<T>& s) {
   const size_t N = hn::Lanes(d);
   const int64_t hk = in.kv_head(h);
   const size_t ld = RoundUp(nq, N);
@@ -812,8 +813,9 @@ void ContinueQueryBlock(D d, const Inputs<T>& in, int64_t b, int64_t h, int64_t 
   // the first query sees none before q0 + band_lo, the last none after q0 + nq − 1 + band_hi.
   key_begin = std::max(key_begin, q0 + in.band_lo);
   key_end = std::min(key_end, q0 + static_cast<int64_t>(nq) + in.band_hi);
+  prefetch_end = std::min(prefetch_end, q0 + static_cast<int64_t>(nq) + in.band_hi);
   if (FewQueryLayout(in, nq, few)) {
-    AttendFewQueries(d, in, b, h, q0, nq, key_begin, key_end, s);
+    AttendFewQueries(d, in, b, h, q0, nq, key_begin, key_end, prefetch_end, s);
     return;
   }
   for (int64_t j0 = key_begin; j0 < key_end; j0 += static_cast<int64_t>(kKeyBlock)) {
@@ -822,7 +824,7 @@ void ContinueQueryBlock(D d, const Inputs<T>& in, int64_t b, int64_t h, int64_t 
       // With few queries every key is used by few rows: memory, not arithmetic, is the limit, so
       // the next block's K and V stream in while this block is computed.
       const int64_t next = j0 + static_cast<int64_t>(kKeyBlock);
-      const int64_t next_n = std::min<int64_t>(static_cast<int64_t>(kKeyBlock), key_end - next);
+      const int64_t next_n = std::min<int64_t>(static_cast<int64_t>(kKeyBlock), prefetch_end - next);
       PrefetchRows(in.k, b, hk, next, next_n, ToSize(in.dk));
       PrefetchRows(in.v, b, hk, next, next_n, dv);
     }
@@ -883,7 +885,7 @@ template <class D, class T = hn::TFromD<D>>
 void AttendQueryBlock(D d, const Inputs<T>& in, int64_t b, int64_t h, int64_t q0, size_t nq, int64_t key_begin,
                       int64_t key_end, bool few, ForwardScratch<T>& s) {
   BeginQueryBlock(d, in, b, h, q0, nq, few, s);
-  ContinueQueryBlock(d, in, b, h, q0, nq, key_begin, key_end, few, s);
+  ContinueQueryBlock(d, in, b, h, q0, nq, key_begin, key_end, key_end, few, s);
   EndQueryBlock(in, nq, few, s);
 }
 
@@ -970,7 +972,8 @@ void ForwardDecode(D d, const ForwardParams<T>& p, int64_t chunks, std::vector<F
   const auto group = ToSize(in.group);
   const int64_t chunk_len =
       static_cast<int64_t>(RoundUp(ToSize((in.tk + chunks - 1) / chunks), kKeyBlock));  // whole key blocks
-  const int64_t range = DecodeGroupKeys(in);
+  // One head alone takes its chunk in one go.
+  const int64_t range = in.group > 1 ? DecodeGroupKeys(in) : chunk_len;
   const int64_t heads = in.heads_total();
   const bool few = !p.scores_as_backward;
   const size_t parts = ToSize(heads * chunks);
@@ -989,7 +992,8 @@ void ForwardDecode(D d, const ForwardParams<T>& p, int64_t chunks, std::vector<F
         for (int64_t j0 = begin; j0 < end; j0 += range) {
           for (size_t r = 0; r < group; ++r) {
             const int64_t bh = first + static_cast<int64_t>(r);
-            ContinueQueryBlock(d, in, bh / in.heads, bh % in.heads, 0, nq, j0, std::min(end, j0 + range), few, s[r]);
+            ContinueQueryBlock(d, in, bh / in.heads, bh % in.heads, 0, nq, j0, std::min(end, j0 + range), end, few,
+                               s[r]);
           }
         }
         for (size_t r = 0; r < group; ++r) {
