@@ -132,28 +132,57 @@ std::vector<Variant> variants() {
   };
 }
 
+// Forward and gradients of float64 runs within 1e-12 (out, lse) and 1e-11 (gradients) of `want`.
+void expect_float64_close(const Problem& p, const testing::Forward& got, const Grads& g, const testing::Forward& want,
+                          const Grads& gw) {
+  EXPECT_TRUE(all_close("out", got.out, want.out, 1e-12));
+  EXPECT_TRUE(all_close("lse", got.lse, want.lse, 1e-12));
+  EXPECT_TRUE(all_close("dq", g.dq, gw.dq, 1e-11));
+  EXPECT_TRUE(all_close("dk", g.dk, gw.dk, 1e-11));
+  EXPECT_TRUE(all_close("dv", g.dv, gw.dv, 1e-11));
+  if (p.bias) {
+    EXPECT_TRUE(all_close("dbias", g.dbias, gw.dbias, 1e-11));
+  }
+  if (p.sinks) {
+    EXPECT_TRUE(all_close("dsinks", g.dsinks, gw.dsinks, 1e-11));
+  }
+}
+
+// The reference in float64 against the formula computed as it reads (naive_attention).
+void expect_reference_matches_formula(const Problem& p, uint64_t seed) {
+  const Tensor<double> dout = random_dout(p, seed);
+  const testing::NaiveAttention<double> n = testing::naive_attention<double>(p, dout);
+  expect_float64_close(p, reference_forward(p), reference_backward(p, dout), {n.out, n.lse},
+                       {n.dq, n.dk, n.dv, n.dbias, n.dsinks});
+}
+
+// L = <dO, out> in float64, central differences with h = 1e-6 (accurate to ≈ 1e-10 here), for
+// every gradient the problem has, from `impl`.
+void expect_gradients_match_finite_differences(Problem p, uint64_t seed, AttentionImpl impl) {
+  SCOPED_TRACE(impl == AttentionImpl::fused ? "fused" : "reference");
+  constexpr double kGradTolerance = 1e-7;
+  const Tensor<double> dout = random_dout(p, seed);
+  const Grads g = run_backward<double>(p, dout, impl, false);
+  auto loss = [&] { return testing::dot(run_forward<double>(p, impl).out, dout); };
+  EXPECT_TRUE(all_close("dq", g.dq, testing::numeric_gradient(loss, p.q), kGradTolerance));
+  EXPECT_TRUE(all_close("dk", g.dk, testing::numeric_gradient(loss, p.k), kGradTolerance));
+  EXPECT_TRUE(all_close("dv", g.dv, testing::numeric_gradient(loss, p.v), kGradTolerance));
+  if (p.bias) {
+    EXPECT_TRUE(all_close("dbias", g.dbias, testing::numeric_gradient(loss, *p.bias), kGradTolerance));
+  }
+  if (p.sinks) {
+    EXPECT_TRUE(all_close("dsinks", g.dsinks, testing::numeric_gradient(loss, *p.sinks), kGradTolerance));
+  }
+}
+
 // --- the reference against the formula -----------------------------------------------------------
 
 TEST(AttentionVariants, ReferenceMatchesTheFormulaInFloat64) {
   uint64_t seed = 100;
   for (const Variant& c : variants()) {
     SCOPED_TRACE(c.name);
-    const Problem p = make_problem(c, seed++);
-    const Tensor<double> dout = random_dout(p, seed++);
-    const testing::NaiveAttention<double> want = testing::naive_attention<double>(p, dout);
-    const testing::Forward got = reference_forward(p);
-    EXPECT_TRUE(all_close("out", got.out, want.out, 1e-12));
-    EXPECT_TRUE(all_close("lse", got.lse, want.lse, 1e-12));
-    const Grads g = reference_backward(p, dout);
-    EXPECT_TRUE(all_close("dq", g.dq, want.dq, 1e-11));
-    EXPECT_TRUE(all_close("dk", g.dk, want.dk, 1e-11));
-    EXPECT_TRUE(all_close("dv", g.dv, want.dv, 1e-11));
-    if (p.bias) {
-      EXPECT_TRUE(all_close("dbias", g.dbias, want.dbias, 1e-11));
-    }
-    if (p.sinks) {
-      EXPECT_TRUE(all_close("dsinks", g.dsinks, want.dsinks, 1e-11));
-    }
+    expect_reference_matches_formula(make_problem(c, seed), seed + 1);
+    seed += 2;
   }
 }
 
@@ -195,19 +224,8 @@ TEST(AttentionVariants, FusedFloat64MatchesReferenceClosely) {
     const testing::Forward want = reference_forward(p);
     const Grads gw = reference_backward(p, dout);
     on_every_target([&] {
-      const testing::Forward got = run_forward<double>(p, AttentionImpl::fused);
-      EXPECT_TRUE(all_close("out", got.out, want.out, 1e-12));
-      EXPECT_TRUE(all_close("lse", got.lse, want.lse, 1e-12));
-      const Grads g = run_backward<double>(p, dout, AttentionImpl::fused);
-      EXPECT_TRUE(all_close("dq", g.dq, gw.dq, 1e-11));
-      EXPECT_TRUE(all_close("dk", g.dk, gw.dk, 1e-11));
-      EXPECT_TRUE(all_close("dv", g.dv, gw.dv, 1e-11));
-      if (p.bias) {
-        EXPECT_TRUE(all_close("dbias", g.dbias, gw.dbias, 1e-11));
-      }
-      if (p.sinks) {
-        EXPECT_TRUE(all_close("dsinks", g.dsinks, gw.dsinks, 1e-11));
-      }
+      expect_float64_close(p, run_forward<double>(p, AttentionImpl::fused),
+                           run_backward<double>(p, dout, AttentionImpl::fused), want, gw);
     });
   }
 }
@@ -215,10 +233,8 @@ TEST(AttentionVariants, FusedFloat64MatchesReferenceClosely) {
 // --- gradients ---------------------------------------------------------------------------------
 
 TEST(AttentionVariants, GradientsMatchFiniteDifferences) {
-  // L = <dO, out> in float64, central differences with h = 1e-6: accurate to ≈ 1e-10 here. The
-  // softcap and sinks have gradients of their own; through ALiBi, the window and the grouping the
-  // gradients of q, k and v change, and dk, dv sum over each group.
-  constexpr double kGradTolerance = 1e-7;
+  // The softcap and sinks have gradients of their own; through ALiBi, the window and the grouping
+  // the gradients of q, k and v change, and dk, dv sum over each group.
   const Variant cases[] = {
       {.name = "softcap bias", .h = 2, .hkv = 1, .tq = 5, .tk = 6, .dk = 3, .dv = 2, .softcap = 0.7, .bias = true},
       {.name = "sinks", .h = 2, .hkv = 2, .tq = 5, .tk = 6, .dk = 3, .dv = 2, .causal = true, .sinks = true},
@@ -236,20 +252,7 @@ TEST(AttentionVariants, GradientsMatchFiniteDifferences) {
   for (const Variant& c : cases) {
     SCOPED_TRACE(c.name);
     for (const AttentionImpl impl : {AttentionImpl::reference, AttentionImpl::fused}) {
-      SCOPED_TRACE(impl == AttentionImpl::fused ? "fused" : "reference");
-      Problem p = make_problem(c, seed);
-      const Tensor<double> dout = random_dout(p, seed + 1);
-      const Grads g = run_backward<double>(p, dout, impl, false);
-      auto loss = [&] { return testing::dot(run_forward<double>(p, impl).out, dout); };
-      EXPECT_TRUE(all_close("dq", g.dq, testing::numeric_gradient(loss, p.q), kGradTolerance));
-      EXPECT_TRUE(all_close("dk", g.dk, testing::numeric_gradient(loss, p.k), kGradTolerance));
-      EXPECT_TRUE(all_close("dv", g.dv, testing::numeric_gradient(loss, p.v), kGradTolerance));
-      if (p.bias) {
-        EXPECT_TRUE(all_close("dbias", g.dbias, testing::numeric_gradient(loss, *p.bias), kGradTolerance));
-      }
-      if (p.sinks) {
-        EXPECT_TRUE(all_close("dsinks", g.dsinks, testing::numeric_gradient(loss, *p.sinks), kGradTolerance));
-      }
+      expect_gradients_match_finite_differences(make_problem(c, seed), seed + 1, impl);
     }
     seed += 2;
   }
@@ -458,21 +461,7 @@ TEST(AttentionVariants, PackedSequencesMatchTheFormula) {
        {Variant{.name = "plain"}, Variant{.name = "mask bias", .bias = true, .mask = true}, kPackedEverything}) {
     SCOPED_TRACE(c.name);
     const Problem p = packed_problem(c, 1000);
-    const Tensor<double> dout = random_dout(p, 1001);
-    const testing::NaiveAttention<double> want = testing::naive_attention<double>(p, dout);
-    const testing::Forward got = reference_forward(p);
-    EXPECT_TRUE(all_close("out", got.out, want.out, 1e-12));
-    EXPECT_TRUE(all_close("lse", got.lse, want.lse, 1e-12));
-    const Grads g = reference_backward(p, dout);
-    EXPECT_TRUE(all_close("dq", g.dq, want.dq, 1e-11));
-    EXPECT_TRUE(all_close("dk", g.dk, want.dk, 1e-11));
-    EXPECT_TRUE(all_close("dv", g.dv, want.dv, 1e-11));
-    if (p.bias) {
-      EXPECT_TRUE(all_close("dbias", g.dbias, want.dbias, 1e-11));
-    }
-    if (p.sinks) {
-      EXPECT_TRUE(all_close("dsinks", g.dsinks, want.dsinks, 1e-11));
-    }
+    expect_reference_matches_formula(p, 1001);
     expect_float32_matches_reference(p, 1002, c.name + " packed");
   }
 }
@@ -581,13 +570,7 @@ TEST(AttentionVariants, DropoutBackwardReplaysTheMask) {
                                                                     .bias = true}}) {
     Problem p = make_problem(c, seed);
     p.dropout = AttentionDropout{.p = 0.25, .seed = 7};
-    const Tensor<double> dout = random_dout(p, seed + 1);
-    const testing::NaiveAttention<double> want = testing::naive_attention<double>(p, dout);
-    const Grads g = reference_backward(p, dout);
-    EXPECT_TRUE(all_close("reference out", reference_forward(p).out, want.out, 1e-12));
-    EXPECT_TRUE(all_close("reference dq", g.dq, want.dq, 1e-11));
-    EXPECT_TRUE(all_close("reference dk", g.dk, want.dk, 1e-11));
-    EXPECT_TRUE(all_close("reference dv", g.dv, want.dv, 1e-11));
+    expect_reference_matches_formula(p, seed + 1);
     expect_float32_matches_reference(p, seed + 2, c.name);
     // The packed form numbers each sequence's weights from 0, as its own batch.
     Problem packed = packed_problem(c, seed + 3);
@@ -609,13 +592,7 @@ TEST(AttentionVariants, DropoutGradientsMatchFiniteDifferences) {
   for (const AttentionImpl impl : {AttentionImpl::reference, AttentionImpl::fused}) {
     Problem p = make_problem(Variant{.h = 2, .hkv = 1, .tq = 5, .tk = 7, .dk = 3, .dv = 2, .sinks = true}, 1400);
     p.dropout = AttentionDropout{.p = 0.4, .seed = 3};
-    const Tensor<double> dout = random_dout(p, 1401);
-    const Grads g = run_backward<double>(p, dout, impl, false);
-    auto loss = [&] { return testing::dot(run_forward<double>(p, impl).out, dout); };
-    EXPECT_TRUE(all_close("dq", g.dq, testing::numeric_gradient(loss, p.q), 1e-7));
-    EXPECT_TRUE(all_close("dk", g.dk, testing::numeric_gradient(loss, p.k), 1e-7));
-    EXPECT_TRUE(all_close("dv", g.dv, testing::numeric_gradient(loss, p.v), 1e-7));
-    EXPECT_TRUE(all_close("dsinks", g.dsinks, testing::numeric_gradient(loss, *p.sinks), 1e-7));
+    expect_gradients_match_finite_differences(p, 1401, impl);
   }
 }
 
