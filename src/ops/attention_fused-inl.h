@@ -548,6 +548,24 @@ HWY_INLINE hn::Vec<D> DropoutFactors(D d, const Inputs<T>& in, int64_t b, int64_
   return hn::Load(d, factors);
 }
 
+// The dropout factors of queries [i0, i0 + ni) and keys [j0, j0 + nj) into a tile laid out with
+// keys as rows, tile[(j − j0)·ld + (i − i0)], the ld − ni padding columns 0: query by query, so
+// that four consecutive keys take one Philox draw even where vectors run along queries.
+template <class T>
+void FillDropoutTile(const Inputs<T>& in, int64_t b, int64_t h, int64_t i0, size_t ni, int64_t j0, size_t nj, size_t ld,
+                     T* HWY_RESTRICT tile) {
+  for (size_t j = 0; j < nj; ++j) std::fill(tile + j * ld + ni, tile + (j + 1) * ld, T{0});
+  for (size_t i = 0; i < ni; ++i) {
+    const int64_t qi = i0 + static_cast<int64_t>(i);
+    std::array<uint32_t, 4> words{};
+    for (size_t j = 0; j < nj; ++j) {
+      const int64_t kj = j0 + static_cast<int64_t>(j);
+      if (j == 0 || (kj & 3) == 0) words = in.dropout.words(in.dropout_batch0 + b, h, qi, kj);
+      tile[j * ld + i] = words[static_cast<size_t>(kj & 3)] >= in.dropout.threshold ? in.dropout_scale : T{0};
+    }
+  }
+}
+
 // ---- Forward ---------------------------------------------------------------------------------------
 
 template <class T>
@@ -555,6 +573,7 @@ struct ForwardScratch {
   size_t few_row;  // Dv rounded up to whole vectors
   Buffer<T> qt;    // [Dk][Br]       Qᵀ of the query block (scores come out as Sᵀ, queries along vectors)
   Buffer<T> st;    // [Bc][Br]       Sᵀ of one key block, then exp(Sᵀ − m)
+  Buffer<T> drop;  // [Bc][Br]       the dropout factors of Sᵀ's pairs
   Buffer<T> acc;   // [Dv][Br]       oᵀ, the unnormalised outputs, queries along vectors like Sᵀ
   Buffer<T> few;   // [8][Dv_pad]    o of AttendFewQueries, one row per query
   Buffer<T> max;   // [Br]           m, running max
@@ -565,6 +584,7 @@ struct ForwardScratch {
       : few_row(dv_pad),
         qt(Allocate<T>(dk * kQueryBlock)),
         st(Allocate<T>(kKeyBlock * kQueryBlock)),
+        drop(Allocate<T>(kKeyBlock * kQueryBlock)),
         acc(Allocate<T>(dv * kQueryBlock)),
         few(Allocate<T>(kFewQueries * dv_pad)),
         max(Allocate<T>(kQueryBlock)),
@@ -843,16 +863,9 @@ void ContinueQueryBlock(D d, const Inputs<T>& in, int64_t b, int64_t h, int64_t 
     OnlineSoftmaxStep(d, in, b, h, q0, nq, j0, nk, s);
     if (in.dropout_scale != 0) {
       // l has summed the weights before dropout (the softmax's); only out sees the mask.
-      for (size_t j = 0; j < nk; ++j) {
-        T* HWY_RESTRICT row = s.st.get() + j * ld;
-        for (size_t i = 0; i < ld; i += N) {
-          const LaneRun run{.i = q0 + static_cast<int64_t>(i),
-                            .j = j0 + static_cast<int64_t>(j),
-                            .di = 1,
-                            .dj = 0,
-                            .count = std::min(N, nq - i)};
-          hn::Store(hn::Mul(hn::Load(d, row + i), DropoutFactors(d, in, b, h, run)), d, row + i);
-        }
+      FillDropoutTile(in, b, h, q0, nq, j0, nk, ld, s.drop.get());
+      for (size_t at = 0; at < nk * ld; at += N) {
+        hn::Store(hn::Mul(hn::Load(d, s.st.get() + at), hn::Load(d, s.drop.get() + at)), d, s.st.get() + at);
       }
     }
     for (size_t i = 0; i < ld; i += N) {
@@ -1087,6 +1100,7 @@ struct BackwardScratch {
   Buffer<T> p;        // [Br·Bc]       P tile (either layout)
   Buffer<T> ds;       // [Br·Bc]       dP, then dS (times the softcap's slope), tile
   Buffer<T> ds_bias;  // [Br·Bc]       dS before the softcap's slope, for dbias
+  Buffer<T> drop;     // [Bc][Br]      the dropout factors of a tile with keys as rows (pass 2)
   Buffer<T> dk_acc;   // [Bc][Dk_pad]  Σ_i dS_ij q_i of the key block
   Buffer<T> dv_acc;   // [Bc][Dv_pad]  Σ_i P_ij dO_i
   Buffer<T> dq;       // [Br][Dk_pad]  Σ_j dS_ij k_j of one tile
@@ -1103,6 +1117,7 @@ struct BackwardScratch {
         p(Allocate<T>(kQueryBlock * kKeyBlock)),
         ds(Allocate<T>(kQueryBlock * kKeyBlock)),
         ds_bias(Allocate<T>(kQueryBlock * kKeyBlock)),
+        drop(Allocate<T>(kQueryBlock * kKeyBlock)),
         dk_acc(Allocate<T>(kKeyBlock * RoundUp(dk, lanes))),
         dv_acc(Allocate<T>(kKeyBlock * RoundUp(dv, lanes))),
         dq(Allocate<T>(kQueryBlock * RoundUp(dk, lanes))),
@@ -1113,12 +1128,13 @@ struct BackwardScratch {
 };
 
 // P = exp((s − lse_hi) − lse_lo) and dS = P ∘ (dP − D) for one vector of (query, key) pairs, in
-// place: p_inout holds q·k, ds_inout dO·v; with dropout p_inout receives P times the dropout factors. With a softcap,
+// place: p_inout holds q·k, ds_inout dO·v; with dropout, p_inout receives P times the pairs' dropout
+// factors `dropout`. With a softcap,
 // ds_inout receives dS times the cap's slope (the gradient of scale·q·k) and ds_bias, when given, dS itself (the bias's
 // gradient). Shared by both tile layouts, so that both give bit-identical P and dS.
 template <class D, class T = hn::TFromD<D>>
 HWY_INLINE void ProbabilityAndScoreGradient(D d, const Inputs<T>& in, int64_t b, int64_t h, const LaneRun& run,
-                                            hn::Vec<D> lse_hi, hn::Vec<D> lse_lo, hn::Vec<D> delta,
+                                            hn::Vec<D> lse_hi, hn::Vec<D> lse_lo, hn::Vec<D> delta, hn::Vec<D> dropout,
                                             T* HWY_RESTRICT p_inout, T* HWY_RESTRICT ds_inout,
                                             T* HWY_RESTRICT ds_bias) {
   hn::Vec<D> cap_slope = hn::Set(d, T{1});
@@ -1127,9 +1143,8 @@ HWY_INLINE void ProbabilityAndScoreGradient(D d, const Inputs<T>& in, int64_t b,
   hn::Vec<D> dp = hn::Load(d, ds_inout);
   if (in.dropout_scale != 0) {
     // out = Σ_j P_ij m_ij v_j with m the dropout factors: dV takes P·m, and dS = P (dP·m − D).
-    const hn::Vec<D> m = DropoutFactors(d, in, b, h, run);
-    hn::Store(hn::Mul(p, m), d, p_inout);
-    dp = hn::Mul(dp, m);
+    hn::Store(hn::Mul(p, dropout), d, p_inout);
+    dp = hn::Mul(dp, dropout);
   } else {
     hn::Store(p, d, p_inout);
   }
@@ -1336,7 +1351,8 @@ class BackwardKernel {
         for (size_t j = 0; j < ld; j += N_) {
           const LaneRun run{
               .i = qi, .j = j0 + static_cast<int64_t>(j), .di = 0, .dj = 1, .count = std::min(N_, nk - j)};
-          ProbabilityAndScoreGradient(d, in_, b, h, run, lse_hi, lse_lo, delta, s.p.get() + i * ld + j,
+          const hn::Vec<D> dropout = in_.dropout_scale != 0 ? DropoutFactors(d, in_, b, h, run) : hn::Set(d, T{1});
+          ProbabilityAndScoreGradient(d, in_, b, h, run, lse_hi, lse_lo, delta, dropout, s.p.get() + i * ld + j,
                                       s.ds.get() + i * ld + j, ds_bias == nullptr ? nullptr : ds_bias + i * ld + j);
         }
       }
@@ -1391,13 +1407,15 @@ class BackwardKernel {
       if (!in_.BandTouches(q0, static_cast<int64_t>(nq), j0, static_cast<int64_t>(nk))) continue;
       // Sᵀ [nk][ld] = K·Qᵀ and dPᵀ = V·dOᵀ
       ScoreProducts(in_.k, in_.v, b, in_.kv_head(h), j0, nk, s.qt.get(), s.dot.get(), ld, s);
+      if (in_.dropout_scale != 0) FillDropoutTile(in_, b, h, q0, nq, j0, nk, ld, s.drop.get());
       for (size_t j = 0; j < nk; ++j) {
         const int64_t kj = j0 + static_cast<int64_t>(j);
         for (size_t i = 0; i < ld; i += N_) {
           const LaneRun run{
               .i = q0 + static_cast<int64_t>(i), .j = kj, .di = 1, .dj = 0, .count = std::min(N_, nq - i)};
+          const hn::Vec<D> dropout = in_.dropout_scale != 0 ? hn::Load(d, s.drop.get() + j * ld + i) : hn::Set(d, T{1});
           ProbabilityAndScoreGradient(d, in_, b, h, run, hn::Load(d, s.lse_hi.get() + i),
-                                      hn::Load(d, s.lse_lo.get() + i), hn::Load(d, s.delta.get() + i),
+                                      hn::Load(d, s.lse_lo.get() + i), hn::Load(d, s.delta.get() + i), dropout,
                                       s.p.get() + j * ld + i, s.ds.get() + j * ld + i, static_cast<T*>(nullptr));
         }
       }
