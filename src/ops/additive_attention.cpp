@@ -42,7 +42,6 @@ Problem<T> check_params(const AdditiveAttentionParams<T>& params) {
   Problem<T> p;
   static_cast<detail::AttentionOperands<T>&>(p) =
       detail::make_attention_operands(params.q, params.k, params.v, params.mask, detail::KeyDim::any);
-  if (p.packed()) throw ValueError("cu_seqlens_q: additive attention takes no packed sequences; call it per sequence");
   if (p.kv_heads() != p.heads()) {
     throw ShapeError(fmt::format("k: additive attention needs as many key heads as query heads ({}), got shape {}",
                                  p.heads(), params.k.shape.str()));
@@ -109,6 +108,21 @@ void head_softmax(const Problem<T>& p, int64_t b, int64_t h, const std::vector<d
   }
 }
 
+// Sequence r of a packed call as an unpacked call of its own, on views of the packed tensors.
+template <class T>
+AdditiveAttentionParams<T> sequence_params(const AdditiveAttentionParams<T>& params, const Problem<T>& p,
+                                           const detail::SequenceRange& r) {
+  AdditiveAttentionParams<T> s = params;
+  s.q = detail::token_range(p.q, 2, r.q0, r.q1);
+  s.k = detail::token_range(p.k, 2, r.k0, r.k1);
+  s.v = detail::token_range(p.v, 2, r.k0, r.k1);
+  s.mask.cu_seqlens_q = std::nullopt;
+  s.mask.cu_seqlens_k = std::nullopt;
+  if (p.allowed) s.mask.allowed = detail::token_range(detail::token_range(*p.allowed, 2, r.q0, r.q1), 3, r.k0, r.k1);
+  if (p.bias) s.mask.bias = detail::token_range(detail::token_range(*p.bias, 2, r.q0, r.q1), 3, r.k0, r.k1);
+  return s;
+}
+
 }  // namespace
 
 template <class T>
@@ -117,6 +131,13 @@ void additive_attention_forward(const AdditiveAttentionParams<T>& params, const 
   check_tensor(outputs.out, "out", p.with_leading({p.tq(), p.dv()}));
   if (outputs.weights) check_tensor(*outputs.weights, "weights", p.with_leading({p.tq(), p.tk()}));
   if (outputs.lse) check_tensor(*outputs.lse, "lse", p.with_leading({p.tq()}));
+  if (p.packed()) {
+    for (int64_t n = 0; n < p.sequences(); ++n) {
+      const detail::SequenceRange r = detail::sequence_range(p, n);
+      additive_attention_forward(sequence_params(params, p, r), detail::sequence_outputs(outputs, r));
+    }
+    return;
+  }
   // probs, lse, pq, pk and one output row.
   check_fits_in_memory(p,
                        static_cast<double>(p.tq()) * static_cast<double>(p.tk()) +
@@ -183,6 +204,15 @@ void additive_attention_backward(const AdditiveAttentionParams<T>& params, Tenso
   if (grads.dbias) {
     if (!params.mask.bias) throw ShapeError("dbias: given, but the mask has no additive bias");
     check_shape("dbias", grads.dbias->shape, params.mask.bias->shape);
+  }
+  if (p.packed()) {
+    for (int64_t n = 0; n < p.sequences(); ++n) {
+      const detail::SequenceRange r = detail::sequence_range(p, n);
+      additive_attention_backward(sequence_params(params, p, r),
+                                  TensorView<const T>(detail::token_range(as_bhtd(dout, "dout"), 2, r.q0, r.q1)),
+                                  detail::sequence_gradients(p, grads, r));
+    }
+    return;
   }
   // probs, lse, pq, dpq, pk, dpk, dv of one head, and the dbias accumulator.
   const double bias_numel = params.mask.bias ? static_cast<double>(params.mask.bias->numel()) : 0.0;

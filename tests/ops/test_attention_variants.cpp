@@ -499,6 +499,83 @@ TEST(AttentionVariants, PackedSequencesAreExactlyTheSeparateCalls) {
   });
 }
 
+TEST(AttentionVariants, PackedAdditiveAttentionIsTheSeparateCalls) {
+  // Query lengths 2, 0, 5 and key lengths 3, 4, 1; a bias broadcast over heads, a causal window.
+  const std::vector<int64_t> cu_q{0, 2, 2, 7}, cu_k{0, 3, 7, 8};
+  Rng rng(1020);
+  const Tensor<double> q = random_tensor<double>({1, 2, 7, 3}, rng), k = random_tensor<double>({1, 2, 8, 4}, rng),
+                       v = random_tensor<double>({1, 2, 8, 2}, rng), w_q = random_tensor<double>({5, 3}, rng),
+                       w_k = random_tensor<double>({5, 4}, rng), w = random_tensor<double>({5}, rng),
+                       bias = random_tensor<double>({7, 8}, rng), dout = random_tensor<double>({1, 2, 7, 2}, rng);
+  const Tensor<int64_t> cq({4}, cu_q), ck({4}, cu_k);
+  const AttentionMask<double> packed_mask{.causal = true,
+                                          .window = AttentionWindow{.left = 1, .right = -1},
+                                          .allowed = {},
+                                          .bias = bias.view(),
+                                          .cu_seqlens_q = cq.view(),
+                                          .cu_seqlens_k = ck.view()};
+  const AdditiveAttentionParams<double> packed{.q = q.view(),
+                                               .k = k.view(),
+                                               .v = v.view(),
+                                               .w_q = w_q.view(),
+                                               .w_k = w_k.view(),
+                                               .w = w.view(),
+                                               .mask = packed_mask};
+  Tensor<double> out({1, 2, 7, 2}), lse({1, 2, 7});
+  additive_attention_forward(packed, {.out = out.view(), .weights = {}, .lse = lse.view()});
+  Tensor<double> dq(q.shape()), dk(k.shape()), dv(v.shape()), dw_q(w_q.shape()), dw_k(w_k.shape()), dw(w.shape()),
+      dbias(bias.shape());
+  additive_attention_backward(packed, dout.view(),
+                              {.dq = dq.view(),
+                               .dk = dk.view(),
+                               .dv = dv.view(),
+                               .dw_q = dw_q.view(),
+                               .dw_k = dw_k.view(),
+                               .dw = dw.view(),
+                               .dbias = dbias.view()});
+  Tensor<double> dw_sum(w.shape());
+  for (size_t n = 0; n + 1 < cu_q.size(); ++n) {
+    SCOPED_TRACE("sequence " + std::to_string(n));
+    const Tensor<double> qn = tokens(q, cu_q[n], cu_q[n + 1]), kn = tokens(k, cu_k[n], cu_k[n + 1]),
+                         vn = tokens(v, cu_k[n], cu_k[n + 1]), doutn = tokens(dout, cu_q[n], cu_q[n + 1]);
+    Tensor<double> bn({cu_q[n + 1] - cu_q[n], cu_k[n + 1] - cu_k[n]});
+    for (int64_t i = 0; i < bn.shape()[0]; ++i) {
+      for (int64_t j = 0; j < bn.shape()[1]; ++j) bn.view()(i, j) = bias.view()(cu_q[n] + i, cu_k[n] + j);
+    }
+    const AdditiveAttentionParams<double> one{
+        .q = qn.view(),
+        .k = kn.view(),
+        .v = vn.view(),
+        .w_q = w_q.view(),
+        .w_k = w_k.view(),
+        .w = w.view(),
+        .mask = {.causal = true, .window = AttentionWindow{.left = 1, .right = -1}, .allowed = {}, .bias = bn.view()}};
+    Tensor<double> on({1, 2, qn.shape()[2], 2});
+    additive_attention_forward(one, {.out = on.view(), .weights = {}, .lse = {}});
+    EXPECT_TRUE(all_close("out", tokens(out, cu_q[n], cu_q[n + 1]), on, 1e-15));
+    Tensor<double> dqn(qn.shape()), dkn(kn.shape()), dvn(vn.shape()), dwq(w_q.shape()), dwk(w_k.shape()),
+        dwn(w.shape()), dbn(bn.shape());
+    additive_attention_backward(one, doutn.view(),
+                                {.dq = dqn.view(),
+                                 .dk = dkn.view(),
+                                 .dv = dvn.view(),
+                                 .dw_q = dwq.view(),
+                                 .dw_k = dwk.view(),
+                                 .dw = dwn.view(),
+                                 .dbias = dbn.view()});
+    EXPECT_TRUE(all_close("dq", tokens(dq, cu_q[n], cu_q[n + 1]), dqn, 1e-15));
+    EXPECT_TRUE(all_close("dk", tokens(dk, cu_k[n], cu_k[n + 1]), dkn, 1e-15));
+    EXPECT_TRUE(all_close("dv", tokens(dv, cu_k[n], cu_k[n + 1]), dvn, 1e-15));
+    for (int64_t i = 0; i < dbn.shape()[0]; ++i) {
+      for (int64_t j = 0; j < dbn.shape()[1]; ++j) {
+        EXPECT_NEAR(dbias.view()(cu_q[n] + i, cu_k[n] + j), dbn.view()(i, j), 1e-15);
+      }
+    }
+    for (int64_t a = 0; a < w.numel(); ++a) dw_sum[a] += dwn[a];
+  }
+  EXPECT_TRUE(all_close("dw", dw, dw_sum, 1e-14));
+}
+
 // --- dropout ------------------------------------------------------------------------------------------
 
 // With V the identity (Tk = Dv), out_i is row i of the dropped weights α_ij·m_ij: the mask shows.

@@ -187,6 +187,26 @@ def test_packed_is_the_separate_calls(rng):
             np.testing.assert_array_equal(again, packed, err_msg=f"{impl}, {type(form).__name__}")
 
 
+def test_packed_additive_is_the_separate_calls(rng):
+    """Additive attention takes packed sequences too: each attends within itself, causally."""
+    arrays, cu_q, cu_k = packed_arrays(rng, lens_q=(3, 0, 1, 5), lens_k=(4, 2, 1, 3), heads=2, kv_heads=2)
+    q, k, v = (arrays[n] for n in "qkv")
+    w_q, w_k, w = rng.standard_normal((5, q.shape[-1])), rng.standard_normal((5, k.shape[-1])), rng.standard_normal(5)
+    dout = rng.standard_normal((*q.shape[:-1], v.shape[-1]))
+    packed = qkv.additive_attention(q, k, v, w_q, w_k, w, causal=True, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
+    grads = qkv.additive_attention_backward(q, k, v, w_q, w_k, w, dout, causal=True, cu_seqlens_q=cu_q,
+                                            cu_seqlens_k=cu_k)
+    parts = [(qkv.additive_attention(q[:, a:b], k[:, c:d], v[:, c:d], w_q, w_k, w, causal=True),
+              qkv.additive_attention_backward(q[:, a:b], k[:, c:d], v[:, c:d], w_q, w_k, w, dout[:, a:b], causal=True))
+             for a, b, c, d in spans(cu_q, cu_k)]
+    np.testing.assert_allclose(packed, np.concatenate([out for out, _ in parts], axis=1), rtol=0, atol=1e-14)
+    for index, name in enumerate(("dq", "dk", "dv")):
+        np.testing.assert_allclose(grads[index], np.concatenate([g[index] for _, g in parts], axis=1), rtol=0,
+                                   atol=1e-14, err_msg=name)
+    for index, name in ((3, "dw_q"), (4, "dw_k"), (5, "dw")):
+        np.testing.assert_allclose(grads[index], sum(g[index] for _, g in parts), rtol=0, atol=1e-13, err_msg=name)
+
+
 # ---- Dropout
 
 def dropout_keep(heads, tq, tk, p, seed, *, lead=(), kv_heads=None, **packing):
@@ -470,12 +490,6 @@ def refusals(q, k, v):
          r"dropout: p must be in \[0, 1\), got 1"),
         ("backward: negative seed", lambda: qkv.attention_backward(q, k, v, dout, seed=-3), qkv.Error,
          r"seed: expected an int in \[0, 2\*\*64\), got -3"),
-        ("additive: packed", lambda: qkv.additive_attention(q, k, v, w, w, w[0], cu_seqlens_q=cu,
-                                                            cu_seqlens_k=[0, 3, 7]),
-         qkv.Error, "cu_seqlens_q: additive attention takes no packed sequences; call it per sequence"),
-        ("additive backward: packed", lambda: qkv.additive_attention_backward(q, k, v, w, w, w[0], dout,
-                                                                              cu_seqlens_q=cu, cu_seqlens_k=[0, 3, 7]),
-         qkv.Error, "cu_seqlens_q: additive attention takes no packed sequences"),
     ]
 
 
