@@ -27,6 +27,17 @@
 // (nothing saved), lse is kept as two numbers hi + lo and P = exp((s − hi) − lo) is free of the
 // half-ulp rounding of lse that a saved lse carries into every P of its row.
 //
+// ---- Variants -----------------------------------------------------------------------------------
+// Grouped-query heads read K and V of head h / group in place. Causality and the window are one
+// band of visible j − i: tiles outside it are never visited (forward: the key range of a query
+// block; backward: tiles skipped in both loops), tiles inside it take the unmasked path. Softcap
+// and ALiBi are part of Scores, so both layouts and both passes compute them alike; the backward
+// takes the softcap's slope from the same call. Sinks change only a row's lse and the factor of
+// its output, when the outputs are written (their gradient is summed at the API). Dropout scales
+// P by factors drawn from (seed; b, h, i, j) wherever P is used: the forward's P·V, the backward's
+// dV and dP; the running sum l is the softmax's, before dropout. Packed sequences never reach the
+// kernels: the API runs one call per sequence on views.
+//
 // ---- Accuracy -----------------------------------------------------------------------------------
 // Everything is computed in T (float32 or float64): the products, exp, the running sums. Sums over
 // d and over key or query blocks are blocked (TileUpdate: chunks of 16 summed in registers from
