@@ -60,11 +60,23 @@ void copy_into(Tensor<U>& dst, TensorView<const U> src) {
 
 // The attention problem of a forward, rebuilt from its cache for the backward.
 template <class T>
-AttentionParams<T> attention_params(const SelfAttentionCache<T>& cache) {
-  AttentionMask<T> mask{.causal = cache.causal, .allowed = std::nullopt, .bias = std::nullopt};
+AttentionParams<T> attention_params(const SelfAttentionConfig& config, const SelfAttentionCache<T>& cache) {
+  AttentionMask<T> mask{.causal = cache.causal,
+                        .alignment = cache.alignment,
+                        .window = cache.window,
+                        .allowed = std::nullopt,
+                        .bias = std::nullopt};
   if (cache.mask_allowed) mask.allowed = cache.mask_allowed->view();
   if (cache.mask_bias) mask.bias = cache.mask_bias->view();
-  return {.q = cache.q.view(), .k = cache.k.view(), .v = cache.v.view(), .scale = std::nullopt, .mask = mask};
+  if (cache.alibi_slopes) mask.alibi_slopes = cache.alibi_slopes->view();
+  if (cache.cu_seqlens_q) mask.cu_seqlens_q = cache.cu_seqlens_q->view();
+  if (cache.cu_seqlens_k) mask.cu_seqlens_k = cache.cu_seqlens_k->view();
+  return {.q = cache.q.view(),
+          .k = cache.k.view(),
+          .v = cache.v.view(),
+          .scale = std::nullopt,
+          .mask = mask,
+          .softcap = config.softcap};
 }
 
 }  // namespace
@@ -118,10 +130,18 @@ Tensor<T> SelfAttention<T>::forward(TensorView<const T> x, SelfAttentionCache<T>
   project(value_, cache.v);
 
   cache.causal = config_.causal || mask.causal;
+  cache.alignment = mask.alignment;
+  cache.window = mask.window;
   cache.mask_allowed.reset();
   cache.mask_bias.reset();
+  cache.alibi_slopes.reset();
+  cache.cu_seqlens_q.reset();
+  cache.cu_seqlens_k.reset();
   if (mask.allowed) cache.mask_allowed = to_tensor<uint8_t, uint8_t>(*mask.allowed);
   if (mask.bias) cache.mask_bias = to_tensor<T, T>(*mask.bias);
+  if (mask.alibi_slopes) cache.alibi_slopes = to_tensor<T, T>(*mask.alibi_slopes);
+  if (mask.cu_seqlens_q) cache.cu_seqlens_q = to_tensor<int64_t, int64_t>(*mask.cu_seqlens_q);
+  if (mask.cu_seqlens_k) cache.cu_seqlens_k = to_tensor<int64_t, int64_t>(*mask.cu_seqlens_k);
 
   ensure_shape(cache.context, x3.shape);
   ensure_shape(cache.lse, Shape{batch, heads, tokens});
@@ -130,7 +150,7 @@ Tensor<T> SelfAttention<T>::forward(TensorView<const T> x, SelfAttentionCache<T>
     const AttentionOutputs<T> outputs{.out = split_heads(cache.context.view(), heads),
                                       .weights = weights ? std::optional(as_rank4(*weights)) : std::nullopt,
                                       .lse = cache.lse.view()};
-    attention_forward(attention_params(cache), outputs);
+    attention_forward(attention_params(config_, cache), outputs);
   }
 
   Tensor<T> y(x.shape);
@@ -169,7 +189,7 @@ void SelfAttention<T>::backward(const SelfAttentionCache<T>& cache, TensorView<c
   Tensor<T> dv(cache.v.shape());
   if (x3.shape[0] * x3.shape[1] > 0) {
     const AttentionSaved<T> saved{.out = split_heads(cache.context.cview(), heads), .lse = cache.lse.view()};
-    attention_backward(attention_params(cache), split_heads(dcontext, heads),
+    attention_backward(attention_params(config_, cache), split_heads(dcontext, heads),
                        {.dq = dq.view(), .dk = dk.view(), .dv = dv.view(), .dbias = std::nullopt},
                        std::optional<AttentionSaved<T>>(saved));
   }

@@ -369,6 +369,42 @@ TEST(SelfAttention, BackwardUsesTheMaskOfTheForward) {
     EXPECT_TRUE(all_close("d" + name, gradients_of(layer).at(name), grad, 0.0));
 }
 
+TEST(SelfAttention, VariantsArePassedThrough) {
+  // The softcap of the config, and the window, ALiBi and packed sequences of the mask, reach the
+  // attention of the forward and of the backward.
+  Rng rng(60);
+  const SelfAttentionConfig config{
+      .d_model = 4, .n_heads = 2, .bias = true, .output_projection = true, .causal = true, .softcap = 1.5};
+  const Tensor<double> slopes(Shape{2}, std::vector<double>{0.5, 0.25});
+  const AttentionMask<double> mask{.window = AttentionWindow{.left = 2, .right = -1}, .alibi_slopes = slopes.view()};
+  const SelfAttention<double> layer(config, rng);
+  const Tensor<double> x = random_tensor<double>(Shape{2, 6, 4}, rng);
+  SelfAttentionCache<double> cache;
+  layer.forward(x.view(), cache, mask);
+  Tensor<double> out(Shape{2, 2, 6, 2});
+  const AttentionParams<double> params{
+      .q = cache.q.view(),
+      .k = cache.k.view(),
+      .v = cache.v.view(),
+      .scale = std::nullopt,
+      .mask = {.causal = true, .window = AttentionWindow{.left = 2, .right = -1}, .alibi_slopes = slopes.view()},
+      .softcap = 1.5};
+  attention_forward(params, {.out = out.view(), .weights = {}, .lse = {}}, AttentionImpl::reference);
+  for (int64_t b = 0; b < 2; ++b) {
+    for (int64_t h = 0; h < 2; ++h) {
+      for (int64_t t = 0; t < 6; ++t) {
+        for (int64_t e = 0; e < 2; ++e) {
+          EXPECT_NEAR(cache.context.view()(b, t, h * 2 + e), out.view()(b, h, t, e), 1e-15);
+        }
+      }
+    }
+  }
+  check_gradients(config, Shape{2, 6, 4}, 61, mask);
+  const Tensor<int64_t> cu(Shape{3}, std::vector<int64_t>{0, 3, 7});
+  check_gradients(config, Shape{7, 4}, 62,
+                  {.alibi_slopes = slopes.view(), .cu_seqlens_q = cu.view(), .cu_seqlens_k = cu.view()});
+}
+
 TEST(SelfAttention, MaskCausalFlagEqualsConfigCausal) {
   Rng rng(54);
   const SelfAttentionConfig config{

@@ -27,6 +27,8 @@ struct SelfAttentionConfig {
   bool bias = true;               // b_Q, b_K, b_V (and b_O) are added
   bool output_projection = true;  // W_O (and b_O) map the concatenated heads to y
   bool causal = false;            // token t attends to tokens 0..t only
+  // c > 0: the scaled scores become c·tanh(s / c) (AttentionParams::softcap).
+  std::optional<double> softcap = std::nullopt;
 };
 
 // What the forward leaves for the backward: exactly the tensors the backward reads. A cache may be
@@ -41,8 +43,12 @@ struct SelfAttentionCache {
   Tensor<T> lse;      // [B, H, T]: each query's log-sum-exp of scores; −inf for a fully masked row
   // The mask of the forward, copied so that the backward sees the same one; shapes as given.
   bool causal = false;
+  CausalAlignment alignment = CausalAlignment::bottom_right;
+  std::optional<AttentionWindow> window;
   std::optional<Tensor<uint8_t>> mask_allowed;
   std::optional<Tensor<T>> mask_bias;
+  std::optional<Tensor<T>> alibi_slopes;
+  std::optional<Tensor<int64_t>> cu_seqlens_q, cu_seqlens_k;
 };
 
 template <class T>
@@ -57,8 +63,9 @@ class SelfAttention {
   int64_t head_dim() const { return config_.d_model / config_.n_heads; }
 
   // x [B, T, d_model] or [T, d_model] → y of x's shape. `mask` (AttentionMask semantics, its parts
-  // broadcastable to [B, H, T, T]) combines with config.causal; its tensors are copied into the
-  // cache. `weights` [B, H, T, T] ([H, T, T] or [1, H, T, T] for a rank-2 x), when given, receives α.
+  // broadcastable to [B, H, T, T]: window, alignment, ALiBi, packed sequences along T of a [T,
+  // d_model] x) combines with config.causal; its tensors are copied into the cache. `weights` [B, H, T, T] ([H, T, T]
+  // or [1, H, T, T] for a rank-2 x), when given, receives α.
   Tensor<T> forward(TensorView<const T> x, SelfAttentionCache<T>& cache, const AttentionMask<T>& mask = {},
                     std::optional<TensorView<T>> weights = std::nullopt) const;
 

@@ -49,9 +49,9 @@ struct AttentionMask {
   CausalAlignment alignment = CausalAlignment::bottom_right;
   std::optional<AttentionWindow> window = std::nullopt;
   // Broadcastable to [B, H, Tq, Tk]; nonzero = may attend.
-  std::optional<TensorView<const uint8_t>> allowed;
+  std::optional<TensorView<const uint8_t>> allowed = std::nullopt;
   // Broadcastable to [B, H, Tq, Tk]; added to the scaled scores. −inf masks a key.
-  std::optional<TensorView<const T>> bias;
+  std::optional<TensorView<const T>> bias = std::nullopt;
   // [H] ALiBi slopes (alibi_slopes(H) gives the standard ones): adds −slope_h·|i + o − j|, computed
   // where it is used, never stored.
   std::optional<TensorView<const T>> alibi_slopes = std::nullopt;
