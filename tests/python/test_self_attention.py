@@ -59,6 +59,36 @@ def test_weights_and_mask(rng):
     np.testing.assert_allclose(y, layer_reference(layer, x, mask=mask), rtol=1e-12, atol=1e-12)
 
 
+def test_variants_reach_the_attention(rng):
+    """softcap, window and alibi of the layer are those of qkv.attention, forward and backward."""
+    options = dict(softcap=2.0, window=(2, 0), alibi=True)
+    layer = qkv.SelfAttention(8, 2, causal=True, seed=4, dtype="float64", **options)
+    x = randn(rng, (2, 6, 8), np.float64)
+    p = layer.parameters()
+
+    def heads(name):
+        projected = x @ p[f"w_{name}"].T + p[f"b_{name}"]
+        return np.swapaxes(projected.reshape(2, 6, 2, 4), 1, 2)
+
+    context = qkv.attention(heads("q"), heads("k"), heads("v"), causal=True, impl="reference", softcap=2.0,
+                            window=(2, 0), alibi="auto")
+    expected = np.swapaxes(context, 1, 2).reshape(x.shape) @ p["w_o"].T + p["b_o"]
+    np.testing.assert_allclose(layer(x), expected, rtol=0, atol=1e-13)
+    plain = qkv.SelfAttention(8, 2, causal=True, seed=4, dtype="float64")
+    assert not np.allclose(plain(x), expected)
+
+    dy = randn(rng, x.shape, np.float64)
+    layer(x)
+    dx = layer.backward(dy)
+    direction = randn(rng, x.shape, np.float64)
+    numeric = central_difference(lambda moved: np.sum(dy * layer(moved)), x, direction)
+    assert np.isclose(np.sum(dx * direction), numeric, rtol=1e-7)
+    with pytest.raises(qkv.Error, match="window: expected None or a pair"):
+        qkv.SelfAttention(8, 2, window=3)
+    with pytest.raises(qkv.Error, match="softcap: expected a positive finite number, got -1"):
+        qkv.SelfAttention(8, 2, softcap=-1.0)(x.astype(np.float32))
+
+
 def test_initial_weights_follow_the_seed():
     one, same, other = (qkv.SelfAttention(8, 2, seed=seed) for seed in (5, 5, 6))
     np.testing.assert_array_equal(one.parameters()["w_q"], same.parameters()["w_q"])

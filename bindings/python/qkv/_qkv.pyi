@@ -59,7 +59,8 @@ def additive_attention_backward(q: ArrayLike, k: ArrayLike, v: ArrayLike, w_q: A
 
 class SelfAttention:
     def __init__(self, d_model: int, n_heads: int = ..., *, bias: bool = ..., output_projection: bool = ...,
-                 causal: bool = ..., seed: int = ..., dtype: Literal["float32", "float64"] = ...) -> None: ...
+                 causal: bool = ..., seed: int = ..., dtype: Literal["float32", "float64"] = ...,
+                 softcap: Optional[float] = ..., window: Window = ..., alibi: bool = ...) -> None: ...
     def forward(self, x: ArrayLike, *, mask: Optional[ArrayLike] = ...,
                 return_weights: bool = ...) -> Union[np.ndarray, Tuple[np.ndarray, np.ndarray]]: ...
     def __call__(self, x: ArrayLike, *, mask: Optional[ArrayLike] = ...,

@@ -77,4 +77,7 @@ void run_without_gil(const std::function<void()>& compute);
 // "auto", "fused" or "reference" → the implementation; ValueError naming `impl` otherwise.
 AttentionImpl impl_of(std::string_view impl);
 
+// window=: None or (left, right), each an int, -1 for unbounded (the op checks the values).
+std::optional<AttentionWindow> window_of(const py::object& window);
+
 }  // namespace qkv::python

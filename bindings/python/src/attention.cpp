@@ -41,33 +41,6 @@ Causality causality_of(const py::object& causal) {
                                py::repr(causal).cast<std::string>()));
 }
 
-// window=: None or (left, right), each an int, -1 for unbounded (the op checks the values).
-std::optional<AttentionWindow> window_of(const py::object& window) {
-  if (window.is_none()) return std::nullopt;
-  const auto refuse = [&] {
-    return ValueError(fmt::format("window: expected None or a pair (left, right) of ints (-1 = unbounded), got {}",
-                                  py::repr(window).cast<std::string>()));
-  };
-  if (py::isinstance<py::str>(window) || !py::isinstance<py::sequence>(window)) throw refuse();
-  const auto bounds = window.cast<py::sequence>();
-  if (bounds.size() != 2) throw refuse();
-  int64_t values[2];
-  for (size_t side = 0; side < 2; ++side) {
-    const py::object bound = bounds[side];
-    // bool is an int to Python, but window=(True, False) is a mistake rather than (1, 0).
-    if (PyBool_Check(bound.ptr()) || !PyIndex_Check(bound.ptr())) throw refuse();
-    const auto index = py::reinterpret_steal<py::object>(PyNumber_Index(bound.ptr()));
-    if (!index) throw py::error_already_set();
-    const long long value = PyLong_AsLongLong(index.ptr());
-    if (value == -1 && PyErr_Occurred()) {
-      PyErr_Clear();
-      throw refuse();
-    }
-    values[side] = value;
-  }
-  return AttentionWindow{values[0], values[1]};
-}
-
 // seed=: an int in [0, 2**64) (a bool is a mistake, not 0 or 1).
 uint64_t seed_of(const py::object& seed) {
   const auto refuse = [&] {

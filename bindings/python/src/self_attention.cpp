@@ -27,6 +27,7 @@ struct Layer {
   SelfAttention<T> layer;
   SelfAttentionCache<T> cache;
   bool has_forward = false;
+  std::optional<Tensor<T>> alibi_slopes;  // [H], the standard ones, when the layer uses ALiBi
 };
 
 // A numpy array over `view`'s memory that keeps `owner` (the Python layer object) alive.
@@ -43,13 +44,24 @@ py::array alias(TensorView<T> view, const py::object& owner) {
 class PySelfAttention {
  public:
   PySelfAttention(int64_t d_model, int64_t n_heads, bool bias, bool output_projection, bool causal, uint64_t seed,
-                  const std::string& dtype) {
-    const SelfAttentionConfig config{d_model, n_heads, bias, output_projection, causal};
+                  const std::string& dtype, std::optional<double> softcap, const py::object& window, bool alibi)
+      : window_(window_of(window)) {
+    const SelfAttentionConfig config{d_model, n_heads, bias, output_projection, causal, softcap};
     Rng rng(seed);
+    auto make = [&]<class T>(T) {
+      auto layer = std::make_unique<Layer<T>>(Layer<T>{SelfAttention<T>(config, rng), {}, false, std::nullopt});
+      if (alibi) {
+        const std::vector<double> slopes = alibi_slopes(n_heads);
+        layer->alibi_slopes = Tensor<T>(Shape{n_heads});
+        for (int64_t h = 0; h < n_heads; ++h)
+          (*layer->alibi_slopes)[h] = static_cast<T>(slopes[static_cast<size_t>(h)]);
+      }
+      return layer;
+    };
     if (dtype == "float32") {
-      layer_ = std::make_unique<Layer<float>>(Layer<float>{SelfAttention<float>(config, rng), {}, false});
+      layer_ = make(float{});
     } else if (dtype == "float64") {
-      layer_ = std::make_unique<Layer<double>>(Layer<double>{SelfAttention<double>(config, rng), {}, false});
+      layer_ = make(double{});
     } else {
       throw ValueError(fmt::format("dtype: expected \"float32\" or \"float64\", got \"{}\"", dtype));
     }
@@ -90,7 +102,9 @@ class PySelfAttention {
   py::object forward_as(Layer<T>& l, const py::object& x, const py::object& mask, bool return_weights) {
     Inputs in;
     const TensorView<const T> xv = in.floats<T>(x, "x", "the layer", false);
-    const AttentionMask<T> m = in.mask<T>(mask, false, false);
+    AttentionMask<T> m = in.mask<T>(mask, false, false);
+    m.window = window_;
+    if (l.alibi_slopes) m.alibi_slopes = l.alibi_slopes->cview();
     if (xv.rank() != 2 && xv.rank() != 3) {
       throw ShapeError(
           fmt::format("x: expected rank 2 or 3 ([T, d_model] or [B, T, d_model]), got shape {}", xv.shape.str()));
@@ -125,6 +139,7 @@ class PySelfAttention {
   }
 
   std::variant<std::unique_ptr<Layer<float>>, std::unique_ptr<Layer<double>>> layer_;
+  std::optional<AttentionWindow> window_;
 };
 
 constexpr const char* kSelfAttentionDoc =
@@ -138,6 +153,8 @@ Every w is [d_model, d_model] and every b [d_model] (present when bias=True). Th
 torch.nn.Linear(d_model, d_model) would, drawn from `seed`; layer.parameters() and layer.grads()
 return them as numpy arrays that share the layer's memory (write into them to load weights).
 
+softcap, window and alibi (the standard slopes) are those of qkv.attention, for every call.
+
     y = layer.forward(x, mask=None)   # also (y, weights [B, H, T, T]) with return_weights=True
     dx = layer.backward(dy)           # adds into layer.grads(); layer.zero_grad() resets them)";
 
@@ -145,9 +162,11 @@ return them as numpy arrays that share the layer's memory (write into them to lo
 
 void add_self_attention(py::module_& m) {
   py::class_<PySelfAttention>(m, "SelfAttention", kSelfAttentionDoc)
-      .def(py::init<int64_t, int64_t, bool, bool, bool, uint64_t, const std::string&>(), "d_model"_a, "n_heads"_a = 1,
-           py::kw_only(), "bias"_a = true, "output_projection"_a = true, "causal"_a = false, "seed"_a = 0,
-           "dtype"_a = "float32")
+      .def(py::init<int64_t, int64_t, bool, bool, bool, uint64_t, const std::string&, std::optional<double>,
+                    const py::object&, bool>(),
+           "d_model"_a, "n_heads"_a = 1, py::kw_only(), "bias"_a = true, "output_projection"_a = true,
+           "causal"_a = false, "seed"_a = 0, "dtype"_a = "float32", "softcap"_a = py::none(), "window"_a = py::none(),
+           "alibi"_a = false)
       .def("forward", &PySelfAttention::forward, "x"_a, py::kw_only(), "mask"_a = py::none(),
            "return_weights"_a = false,
            "x [B, T, d_model] or [T, d_model] -> y of x's shape (and the weights [B, H, T, T], or [H, T, T] for "
