@@ -11,8 +11,7 @@ import torch
 
 import qkv
 import qkv.torch
-from conftest import assert_close
-from test_variants import as_tensors, assert_tight, cast, reference, with_every_target
+from test_variants import as_tensors, assert_tight, cast, compare, reference, with_every_target
 
 sdpa = qkv.torch.scaled_dot_product_attention
 
@@ -69,14 +68,6 @@ def expectations(arrays, cu_q, cu_k, options, dout):
     wide64 = packed_run(arrays, cu_q, cu_k, options, dout, torch.float64)
     return {np.float32: (packed_run(*rounded, torch.float64), packed_run(*rounded, torch.float32)),
             np.float64: (wide64, wide64)}
-
-
-def compare(actual, wide, naive, dtype, what):
-    assert actual.dtype == dtype, f"{what}: dtype {actual.dtype}, expected {dtype}"
-    if dtype == np.float32:
-        assert_close(actual, wide, naive, what=what)
-    else:
-        assert_tight(actual, wide, what=what)
 
 
 def packed_arrays(rng, *, lens_q, lens_k, lead=(), heads=2, kv_heads=None, dk=4, dv=3, mask=None, sinks=False,
