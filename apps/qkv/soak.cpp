@@ -8,10 +8,10 @@
 // It mixes what the kernels treat apart: sizes 0, 1, primes and sizes around multiples of the tile
 // and vector widths (8, 16, 64); Tq ≠ Tk; causal, boolean masks and float biases with −inf, alone
 // and combined, in broadcast shapes; scales from 0 to 10; logits up to 1e4; q, k and v strided
-// (their rows padded, so no leading dim is contiguous). Forward (out, lse) and backward (dq, dk,
-// dv, dbias; recomputing the forward and from the saved lse) are held to the suite's rule
-// (support/attention_problems.hpp): within twice the error of the naive float32 computation, plus
-// for the saved lse the effect of rounding it to float32. A case both implementations refuse with
+// (their rows padded, so no leading dim is contiguous); and the variants: grouped heads, windows,
+// top-left alignment, softcap, ALiBi, sinks, dropout and packed sequences. Forward (out, lse) and
+// backward (dq, dk, dv, dbias, dsinks; recomputing the forward and from the saved lse) are held to
+// the suite's rule (attention_tolerance in support/attention_problems.hpp). A case both implementations refuse with
 // a qkv::Error counts as refused; one that only one of them refuses is a failure.
 //
 // Progress goes to stderr; the counts to stdout. The first failure prints the command that repeats
@@ -21,6 +21,7 @@
 #include <fmt/format.h>
 
 #include <CLI/CLI.hpp>
+#include <algorithm>
 #include <array>
 #include <chrono>
 #include <cmath>
@@ -51,7 +52,6 @@ using testing::AttentionOperands;
 using testing::AttentionProblem;
 using testing::cast;
 using testing::error_stats;
-using testing::tolerance_from_naive;
 
 // A soak failure is a finding about the kernels, not bad input: exit 1, apart from main's 2.
 constexpr int kExitFailure = 1;
@@ -109,6 +109,19 @@ Shape draw_mask_shape(Rng& rng, int64_t b, int64_t h, int64_t tq, int64_t tk) {
   }
 }
 
+// The first `heads` heads of a [B, H, T, D] tensor: K or V of grouped-query attention.
+Tensor<double> first_heads(const Tensor<double>& t, int64_t heads) {
+  const Shape& s = t.shape();
+  Tensor<double> r({s[0], heads, s[2], s[3]});
+  const TensorView<const double> from = t.view();
+  const TensorView<double> to = r.view();
+  for (int64_t a = 0; a < s[0]; ++a)
+    for (int64_t h = 0; h < heads; ++h)
+      for (int64_t i = 0; i < s[2]; ++i)
+        for (int64_t d = 0; d < s[3]; ++d) to(a, h, i, d) = from(a, h, i, d);
+  return r;
+}
+
 SoakCase draw_case(uint64_t seed, uint64_t number) {
   Rng rng(seed * 0x9E3779B97F4A7C15ULL + number);  // the golden-ratio step spreads seeds apart
   // Most cases are small, so that many run; a few are large enough to be split among threads.
@@ -158,9 +171,61 @@ SoakCase draw_case(uint64_t seed, uint64_t number) {
     c.strided[operand] = chance(rng, 0.4);
     if (c.strided[operand]) strided += std::string(1, "qkv"[operand]);
   }
-  c.description = fmt::format("B={} H={} Tq={} Tk={} Dk={} Dv={} causal={} scale={}{} logits~{} strided={}", b, h, tq,
-                              tk, dk, dv, p.causal, p.scale ? fmt::format("{}", *p.scale) : "default", masks, logit,
-                              strided.empty() ? "none" : strided);
+  // The variants, drawn after everything above so that they leave its draws as they were.
+  std::string variants;
+  if (h > 1 && chance(rng, 0.25)) {
+    const int64_t hkv = h % 2 == 0 && chance(rng, 0.5) ? h / 2 : 1;
+    p.k = first_heads(p.k, hkv);
+    p.v = first_heads(p.v, hkv);
+    variants += fmt::format(" Hkv={}", hkv);
+  }
+  if (chance(rng, 0.15)) {
+    p.window = AttentionWindow{.left = pick(rng, {-1, 0, 1, 5, 64}), .right = pick(rng, {-1, 0, 3})};
+    variants += fmt::format(" window=({}, {})", p.window->left, p.window->right);
+  }
+  if ((p.causal || p.window) && chance(rng, 0.3)) {
+    p.alignment = CausalAlignment::top_left;
+    variants += " top-left";
+  }
+  if (chance(rng, 0.1)) {
+    p.softcap = static_cast<double>(pick(rng, {1, 20, 50}));
+    variants += fmt::format(" softcap={}", *p.softcap);
+  }
+  if (chance(rng, 0.1)) {
+    const std::vector<double> slopes = alibi_slopes(h);
+    p.alibi = Tensor<double>({h});
+    for (int64_t i = 0; i < h; ++i) (*p.alibi)[i] = slopes[static_cast<size_t>(i)];
+    variants += " alibi";
+  }
+  if (chance(rng, 0.1)) {
+    p.sinks = testing::random_tensor<double>({h}, rng, logit);
+    variants += " sinks";
+  }
+  if (chance(rng, 0.1)) {
+    p.dropout = AttentionDropout{.p = static_cast<double>(pick(rng, {1, 5})) / 10.0,
+                                 .seed = static_cast<uint64_t>(rng.uniform() * 1e9)};
+    variants += fmt::format(" dropout={} seed={}", p.dropout->p, p.dropout->seed);
+  }
+  if (b == 1 && chance(rng, 0.15)) {
+    // Packed sequences: Tq and Tk cut at the same number of random offsets (empty sequences too).
+    const int64_t sequences = pick(rng, {1, 2, 3});
+    const auto offsets = [&](int64_t total) {
+      std::vector<int64_t> cuts{0, total};
+      for (int64_t n = 1; n < sequences; ++n)
+        cuts.push_back(static_cast<int64_t>(rng.uniform() * static_cast<double>(total + 1)));
+      std::sort(cuts.begin(), cuts.end());
+      Tensor<int64_t> t({sequences + 1});
+      for (int64_t n = 0; n <= sequences; ++n) t[n] = std::min(cuts[static_cast<size_t>(n)], total);
+      return t;
+    };
+    p.cu_seqlens_q = offsets(tq);
+    p.cu_seqlens_k = offsets(tk);
+    variants += fmt::format(" cu_seqlens_q=[{}] cu_seqlens_k=[{}]", fmt::join(p.cu_seqlens_q->values(), ","),
+                            fmt::join(p.cu_seqlens_k->values(), ","));
+  }
+  c.description = fmt::format("B={} H={} Tq={} Tk={} Dk={} Dv={} causal={} scale={}{}{} logits~{} strided={}", b, h, tq,
+                              tk, dk, dv, p.causal, p.scale ? fmt::format("{}", *p.scale) : "default", masks, variants,
+                              logit, strided.empty() ? "none" : strided);
   return c;
 }
 
@@ -186,7 +251,7 @@ PaddedCopy padded_copy(const Tensor<double>& values, bool strided) {
 }
 
 struct Results {
-  Tensor<double> out, lse, dq, dk, dv, dbias;
+  Tensor<double> out, lse, dq, dk, dv, dbias, dsinks;
 };
 
 // Forward, then the backward of L = <dout, out>, either recomputing the forward or from the saved
@@ -195,24 +260,26 @@ Results run_fused(const SoakCase& c, const Tensor<double>& dout_d, bool from_sav
   const AttentionProblem& p = c.problem;
   const PaddedCopy q = padded_copy(p.q, c.strided[0]), k = padded_copy(p.k, c.strided[1]),
                    v = padded_copy(p.v, c.strided[2]);
-  const std::optional<Tensor<float>> bias = p.bias ? std::optional(cast<float>(*p.bias)) : std::nullopt;
-  AttentionParams<float> params{.q = q.view, .k = k.view, .v = v.view, .scale = p.scale, .mask = {}};
-  params.mask.causal = p.causal;
-  if (p.allowed) params.mask.allowed = p.allowed->view();
-  if (bias) params.mask.bias = bias->view();
+  const AttentionOperands<float> ops(p);
+  AttentionParams<float> params = ops.params();
+  params.q = q.view;
+  params.k = k.view;
+  params.v = v.view;
   const Shape& s = p.q.shape();
   Tensor<float> out({s[0], s[1], s[2], p.v.shape()[3]}), lse({s[0], s[1], s[2]});
   attention_forward_fused(params, AttentionOutputs<float>{.out = out.view(), .weights = {}, .lse = lse.view()});
   const Tensor<float> dout = cast<float>(dout_d);
   Tensor<float> dq(p.q.shape()), dk(p.k.shape()), dv(p.v.shape());
   Tensor<float> dbias = p.bias ? Tensor<float>(p.bias->shape()) : Tensor<float>();
+  Tensor<float> dsinks = p.sinks ? Tensor<float>(p.sinks->shape()) : Tensor<float>();
   AttentionGradients<float> grads{.dq = dq.view(), .dk = dk.view(), .dv = dv.view(), .dbias = {}};
   if (p.bias) grads.dbias = dbias.view();
+  if (p.sinks) grads.dsinks = dsinks.view();
   std::optional<AttentionSaved<float>> saved;
   if (from_saved) saved = AttentionSaved<float>{.out = out.cview(), .lse = lse.cview()};
   attention_backward_fused(params, dout.cview(), grads, saved);
-  return {cast<double>(out), cast<double>(lse), cast<double>(dq),
-          cast<double>(dk),  cast<double>(dv),  cast<double>(dbias)};
+  return {cast<double>(out), cast<double>(lse),   cast<double>(dq),    cast<double>(dk),
+          cast<double>(dv),  cast<double>(dbias), cast<double>(dsinks)};
 }
 
 Results run_reference(const AttentionProblem& p, const Tensor<double>& dout) {
@@ -223,11 +290,13 @@ Results run_reference(const AttentionProblem& p, const Tensor<double>& dout) {
             Tensor<double>(p.q.shape()),
             Tensor<double>(p.k.shape()),
             Tensor<double>(p.v.shape()),
-            p.bias ? Tensor<double>(p.bias->shape()) : Tensor<double>()};
+            p.bias ? Tensor<double>(p.bias->shape()) : Tensor<double>(),
+            p.sinks ? Tensor<double>(p.sinks->shape()) : Tensor<double>()};
   attention_forward_reference(ops.params(),
                               AttentionOutputs<double>{.out = r.out.view(), .weights = {}, .lse = r.lse.view()});
   AttentionGradients<double> grads{.dq = r.dq.view(), .dk = r.dk.view(), .dv = r.dv.view(), .dbias = {}};
   if (p.bias) grads.dbias = r.dbias.view();
+  if (p.sinks) grads.dsinks = r.dsinks.view();
   attention_backward_reference(ops.params(), dout.cview(), grads);
   return r;
 }
@@ -235,32 +304,36 @@ Results run_reference(const AttentionProblem& p, const Tensor<double>& dout) {
 // What the reference and naive computations of a case give, computed once for all its runs.
 struct Expected {
   Results exact;
-  testing::NaiveAttention<float> naive;
-  testing::NaiveAttention<double> absolute;
+  testing::AttentionYardsticks yardsticks;
   double rho = 0;
 };
 
 // The first tensor of `got` outside its tolerance, described; nullopt when all are within.
-std::optional<std::string> first_mismatch(const Results& got, const Expected& want, bool from_saved, bool with_bias) {
+std::optional<std::string> first_mismatch(const Results& got, const Expected& want, bool from_saved, bool with_bias,
+                                          bool with_sinks) {
+  using R = testing::NaiveResult;
   struct Check {
     const char* name;
     const Tensor<double>& actual;
     const Tensor<double>& exact;
-    const Tensor<float>& naive;
-    const Tensor<double>* absolute;
+    R which;
+    bool gradient;
   };
-  const Check checks[] = {{"out", got.out, want.exact.out, want.naive.out, nullptr},
-                          {"lse", got.lse, want.exact.lse, want.naive.lse, nullptr},
-                          {"dq", got.dq, want.exact.dq, want.naive.dq, &want.absolute.dq},
-                          {"dk", got.dk, want.exact.dk, want.naive.dk, &want.absolute.dk},
-                          {"dv", got.dv, want.exact.dv, want.naive.dv, &want.absolute.dv},
-                          {"dbias", got.dbias, want.exact.dbias, want.naive.dbias, &want.absolute.dbias}};
+  const Check checks[] = {{"out", got.out, want.exact.out, R::out, false},
+                          {"lse", got.lse, want.exact.lse, R::lse, false},
+                          {"dq", got.dq, want.exact.dq, R::dq, true},
+                          {"dk", got.dk, want.exact.dk, R::dk, true},
+                          {"dv", got.dv, want.exact.dv, R::dv, true},
+                          {"dbias", got.dbias, want.exact.dbias, R::dbias, true},
+                          {"dsinks", got.dsinks, want.exact.dsinks, R::dsinks, true}};
   for (const Check& check : checks) {
-    // Without a bias there is no dbias: the default Tensor it is left as is a rank-0 one of 1 value.
+    // Without a bias or sinks there is no dbias or dsinks: the default Tensor it is left as is a
+    // rank-0 one of 1 value.
     if (!with_bias && std::string_view(check.name) == "dbias") continue;
+    if (!with_sinks && std::string_view(check.name) == "dsinks") continue;
     // The saved lse is rounded to float32, which moves every P recomputed from it by up to ρ.
-    const double tolerance = tolerance_from_naive(check.naive, check.exact) +
-                             (from_saved && check.absolute ? want.rho * testing::max_abs(*check.absolute) : 0.0);
+    const double tolerance = testing::attention_tolerance(want.yardsticks, check.which, check.exact,
+                                                          from_saved && check.gradient ? want.rho : 0.0);
     const testing::ErrorStats stats = error_stats(check.actual, check.exact);
     if (stats.non_finite || stats.max_abs > tolerance) {
       return fmt::format("{}: max error {:.3e} > tolerance {:.3e} at flat index {} (got {:.9g}, expected {:.9g})",
@@ -299,8 +372,7 @@ bool run_case(const SoakOptions& o, uint64_t number, Tally& tally) {
   std::optional<Expected> want;
   std::string reference_refusal;
   try {
-    want = Expected{run_reference(p, dout), testing::naive_attention<float>(p, dout),
-                    testing::naive_attention<double>(p, dout, true), 0.0};
+    want = Expected{run_reference(p, dout), testing::attention_yardsticks(p, dout), 0.0};
     want->rho = testing::lse_rounding(want->exact.lse);
   } catch (const Error& e) {
     reference_refusal = e.what();
@@ -328,7 +400,7 @@ bool run_case(const SoakOptions& o, uint64_t number, Tally& tally) {
         if (!want) {
           mismatch = fmt::format("the reference refused it ({}) but the fused kernels ran it", reference_refusal);
         } else {
-          mismatch = first_mismatch(*got, *want, from_saved, p.bias.has_value());
+          mismatch = first_mismatch(*got, *want, from_saved, p.bias.has_value(), p.sinks.has_value());
         }
         if (mismatch) {
           report_failure(o, number, c, run, *mismatch);

@@ -77,42 +77,38 @@ inline void on_every_target(const std::function<void()>& body) {
   }
 }
 
-// The fused float32 forward and backward against the float64 reference, each tensor within twice
-// the naive float32 error, on every SIMD target this CPU runs. The forward runs with and without
-// lse (the two take different layouts for few queries). The backward runs twice: recomputing the
-// forward itself (it then keeps lse in two parts and the rule applies as is), and from a saved
-// float32 lse, whose rounding (a relative error of up to ρ on each row's P) a softmax computed from
-// scratch does not have; there the tolerance adds ρ times the gradient summed in absolute values,
-// which bounds its effect.
+// The fused float32 forward and backward against the float64 reference, each tensor within the
+// suite's tolerance rule (attention_tolerance), on every SIMD target this CPU runs. The forward runs
+// with and without lse (the two take different layouts for few queries). The backward runs twice:
+// recomputing the forward itself (it then keeps lse in two parts and the rule applies as is), and
+// from a saved float32 lse, whose rounding (a relative error of up to ρ on each row's P) a softmax
+// computed from scratch does not have: the rule then adds its bound.
 inline void expect_float32_matches_reference(const AttentionProblem& p, uint64_t seed, const std::string& label) {
   SCOPED_TRACE(label);
   const Tensor<double> dout = random_dout(p, seed);
-  const NaiveAttention<float> nf = naive_attention<float>(p, dout);
+  const AttentionYardsticks y = attention_yardsticks(p, dout);
   const Forward want = reference_forward(p);
   const Grads gw = reference_backward(p, dout);
-  const NaiveAttention<double> absolute = naive_attention<double>(p, dout, true);
   const double rho = lse_rounding(want.lse);
+  using R = NaiveResult;
   on_every_target([&] {
     const Forward got = run_forward<float>(p, AttentionImpl::fused);
-    EXPECT_TRUE(all_close("out", got.out, want.out, tolerance_from_naive(nf.out, want.out)));
-    EXPECT_TRUE(all_close("lse", got.lse, want.lse, tolerance_from_naive(nf.lse, want.lse)));
+    EXPECT_TRUE(all_close("out", got.out, want.out, attention_tolerance(y, R::out, want.out)));
+    EXPECT_TRUE(all_close("lse", got.lse, want.lse, attention_tolerance(y, R::lse, want.lse)));
     const Forward out_only = run_forward<float>(p, AttentionImpl::fused, false);
-    EXPECT_TRUE(all_close("out without lse", out_only.out, want.out, tolerance_from_naive(nf.out, want.out)));
+    EXPECT_TRUE(all_close("out without lse", out_only.out, want.out, attention_tolerance(y, R::out, want.out)));
     for (const bool saved : {false, true}) {
       SCOPED_TRACE(saved ? "with the saved lse" : "recomputing the forward");
       const Grads gg = run_backward<float>(p, dout, AttentionImpl::fused, saved);
-      auto tolerance = [&](const Tensor<float>& naive_grad, const Tensor<double>& exact,
-                           const Tensor<double>& abs_grad) {
-        return tolerance_from_naive(naive_grad, exact) + (saved ? rho * max_abs(abs_grad) : 0.0);
-      };
-      EXPECT_TRUE(all_close("dq", gg.dq, gw.dq, tolerance(nf.dq, gw.dq, absolute.dq)));
-      EXPECT_TRUE(all_close("dk", gg.dk, gw.dk, tolerance(nf.dk, gw.dk, absolute.dk)));
-      EXPECT_TRUE(all_close("dv", gg.dv, gw.dv, tolerance(nf.dv, gw.dv, absolute.dv)));
+      const double r = saved ? rho : 0.0;
+      EXPECT_TRUE(all_close("dq", gg.dq, gw.dq, attention_tolerance(y, R::dq, gw.dq, r)));
+      EXPECT_TRUE(all_close("dk", gg.dk, gw.dk, attention_tolerance(y, R::dk, gw.dk, r)));
+      EXPECT_TRUE(all_close("dv", gg.dv, gw.dv, attention_tolerance(y, R::dv, gw.dv, r)));
       if (p.bias) {
-        EXPECT_TRUE(all_close("dbias", gg.dbias, gw.dbias, tolerance(nf.dbias, gw.dbias, absolute.dbias)));
+        EXPECT_TRUE(all_close("dbias", gg.dbias, gw.dbias, attention_tolerance(y, R::dbias, gw.dbias, r)));
       }
       if (p.sinks) {
-        EXPECT_TRUE(all_close("dsinks", gg.dsinks, gw.dsinks, tolerance(nf.dsinks, gw.dsinks, absolute.dsinks)));
+        EXPECT_TRUE(all_close("dsinks", gg.dsinks, gw.dsinks, attention_tolerance(y, R::dsinks, gw.dsinks, r)));
       }
     }
   });

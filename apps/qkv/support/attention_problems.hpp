@@ -81,6 +81,18 @@ double tolerance_from_naive(const Tensor<float>& naive, const Tensor<E>& exact, 
   return std::max(factor * error_stats(naive, exact).max_abs, floor);
 }
 
+// The same rule against the worst of several naive computations (one per NaiveOrder): any of
+// them is as fair a float32 answer as another, and a single one can happen to err little where a
+// few elements decide the maximum (small problems, nearly tied large logits).
+template <class E>
+double tolerance_from_naive(const std::vector<const Tensor<float>*>& naives, const Tensor<E>& exact,
+                            double factor = 2.0) {
+  double tolerance = 0;
+  for (const Tensor<float>* naive : naives)
+    tolerance = std::max(tolerance, tolerance_from_naive(*naive, exact, factor));
+  return tolerance;
+}
+
 inline double max_abs(const Tensor<double>& t) {
   double m = 0;
   for (int64_t i = 0; i < t.numel(); ++i) m = std::max(m, std::abs(t[i]));
@@ -180,21 +192,40 @@ struct AttentionOperands {
   }
 };
 
-// out [B, H, Tq, Dv], weights [B, H, Tq, Tk], lse [B, H, Tq] and, when a dO was given, the
-// gradients of L = <dO, out> (dbias in the bias's own shape, dsinks [H] with sinks).
+// out [B, H, Tq, Dv], scores and weights [B, H, Tq, Tk] (scores −inf where masked), lse [B, H, Tq]
+// and, when a dO was given, the gradients of L = <dO, out> (dbias in the bias's own shape, dsinks
+// [H] with sinks).
 template <class T>
 struct NaiveAttention {
-  Tensor<T> out, weights, lse, dq, dk, dv, dbias, dsinks;
+  Tensor<T> out, scores, weights, lse, dq, dk, dv, dbias, dsinks;
 };
+
+// The orders a naive computation may take, each as straightforward as the other: every sum from
+// its first term to its last, every sum from its last term to its first (over d, over keys and
+// over queries), or the first with the scale multiplied into q before the products with k.
+enum class NaiveOrder { forward, reversed, scale_first };
+inline constexpr NaiveOrder kNaiveOrders[] = {NaiveOrder::forward, NaiveOrder::reversed, NaiveOrder::scale_first};
+
+// What naive_attention computes: the results, or one of three measures of their size.
+enum class Magnitude { none, terms, sums, exposure };
 
 // The whole computation for a [B, H, T, D] problem written as the formula reads, in type T (float:
 // the "naive float32" of the tolerance rule; double: an implementation independent of src/):
-// materialised scores, sequential sums, std::exp. An empty `dout` (numel 0) computes the forward
-// only. With `absolute`, the gradients sum the absolute values of their terms (|P dO|, |dS k|,
-// |dS q|, |dS|): the size of what a relative error of P would perturb. The variants (grouped
-// heads, window, alignment, softcap, ALiBi, sinks) as include/qkv/ops/attention.hpp defines them.
+// materialised scores, sequential sums in `order`, std::exp. An empty `dout` (numel 0) computes
+// the forward only. The two magnitudes compute each result's size in float64 instead (see
+// attention_tolerance for what they bound): Magnitude::terms sums the absolute values of the
+// gradients' terms (|P dO|, |dS k|, |dS q|, |dS|, with dS as |P (dP − D)|); Magnitude::sums sums
+// the absolute values of everything any sum adds, dP and D apart (out Σ P|v|, lse |m| + |log z|,
+// dS P (Σ|dO v| + Σ|dO| out)); Magnitude::exposure gives how far each result moves per unit of
+// independent errors of the scores, as root sums of squares (out_d sqrt(Σ_j (P_j w_j (v_jd −
+// out_d))²), lse 1, dS P w |dP − D| + P Σ_d |dO_d| out_d, w_j as attention_tolerance derives it).
+// The variants
+// (grouped heads, window, alignment, softcap, ALiBi, sinks, dropout, packed sequences) as
+// include/qkv/ops/attention.hpp defines them.
 template <class T>
-NaiveAttention<T> naive_attention(const AttentionProblem& p, const Tensor<double>& dout_d, bool absolute = false) {
+NaiveAttention<T> naive_attention(const AttentionProblem& p, const Tensor<double>& dout_d,
+                                  Magnitude magnitude = Magnitude::none, NaiveOrder order = NaiveOrder::forward) {
+  const bool absolute = magnitude != Magnitude::none, sums = magnitude == Magnitude::sums;
   const AttentionOperands<T> ops(p);
   const int64_t B = p.q.shape()[0], H = p.q.shape()[1], Tq = p.q.shape()[2], Tk = p.k.shape()[2], Dk = p.q.shape()[3],
                 Dv = p.v.shape()[3];
@@ -207,6 +238,7 @@ NaiveAttention<T> naive_attention(const AttentionProblem& p, const Tensor<double
   const Tensor<T> dout_t = cast<T>(dout_d);
   const TensorView<const T> dout = dout_t.view();
   NaiveAttention<T> r{Tensor<T>({B, H, Tq, Dv}),
+                      Tensor<T>({B, H, Tq, Tk}),
                       Tensor<T>({B, H, Tq, Tk}),
                       Tensor<T>({B, H, Tq}),
                       Tensor<T>(p.q.shape()),
@@ -224,9 +256,15 @@ NaiveAttention<T> naive_attention(const AttentionProblem& p, const Tensor<double
     dbias = broadcast_to(r.dbias.view(), scores, "dbias");
   }
   const T inf = std::numeric_limits<T>::infinity();
+  const bool reversed = order == NaiveOrder::reversed;
+  // The n-th index of a sum over `count` terms, in the order's direction.
+  const auto nth = [reversed](int64_t n, int64_t count) { return reversed ? count - 1 - n : n; };
+  const T q_factor = order == NaiveOrder::scale_first ? scale : T{1};
+  const T dot_factor = order == NaiveOrder::scale_first ? T{1} : scale;
   for (int64_t b = 0; b < B; ++b)
     for (int64_t h = 0; h < H; ++h)
-      for (int64_t i = 0; i < Tq; ++i) {
+      for (int64_t ni = 0; ni < Tq; ++ni) {
+        const int64_t i = nth(ni, Tq);
         const int64_t hk = h / group;
         // A packed query sees the keys of its own sequence n, with indices counted from its start.
         int64_t n = 0, q0 = 0, k0 = 0, k1 = Tk, tq = Tq;
@@ -243,7 +281,8 @@ NaiveAttention<T> naive_attention(const AttentionProblem& p, const Tensor<double
         std::vector<T> s(static_cast<size_t>(Tk), -inf);
         std::vector<T> cap_slope(static_cast<size_t>(Tk), T{1});  // d s / d(scale·q·k)
         std::vector<T> keep(static_cast<size_t>(Tk), T{1});       // the dropout factors
-        for (int64_t j = 0; j < Tk; ++j) {
+        for (int64_t nj = 0; nj < Tk; ++nj) {
+          const int64_t j = nth(nj, Tk);
           const int64_t lj = j - k0;
           if (j < k0 || j >= k1) continue;
           if (p.causal && lj > li + diagonal) continue;
@@ -255,8 +294,11 @@ NaiveAttention<T> naive_attention(const AttentionProblem& p, const Tensor<double
                 draw.keeps(dropout_b, h, li, lj) ? static_cast<T>(1 / (1 - p.dropout->p)) : T{0};
           }
           T dot = 0;
-          for (int64_t d = 0; d < Dk; ++d) dot += q(b, h, i, d) * k(b, hk, j, d);
-          T x = scale * dot;
+          for (int64_t nd = 0; nd < Dk; ++nd) {
+            const int64_t d = nth(nd, Dk);
+            dot += (q_factor * q(b, h, i, d)) * k(b, hk, j, d);
+          }
+          T x = dot_factor * dot;
           if (softcap > 0) {
             const T t = std::tanh(x / softcap);
             x = softcap * t;
@@ -266,39 +308,97 @@ NaiveAttention<T> naive_attention(const AttentionProblem& p, const Tensor<double
           if (p.alibi) score -= static_cast<T>((*p.alibi)[h]) * static_cast<T>(std::abs(li + diagonal - lj));
           s[static_cast<size_t>(j)] = score;
         }
+        for (int64_t j = 0; j < Tk; ++j) r.scores.view()(b, h, i, j) = s[static_cast<size_t>(j)];
         const T sink = p.sinks ? static_cast<T>((*p.sinks)[h]) : -inf;
         T m = sink;
         for (T x : s) m = std::max(m, x);
         if (m == -inf) {
-          r.lse.view()(b, h, i) = -inf;
+          r.lse.view()(b, h, i) = absolute ? T{0} : -inf;
           continue;
         }
         T z = p.sinks ? std::exp(sink - m) : T{0};
-        for (T x : s) z += std::exp(x - m);
-        r.lse.view()(b, h, i) = m + std::log(z);
+        for (int64_t nj = 0; nj < Tk; ++nj) z += std::exp(s[static_cast<size_t>(nth(nj, Tk))] - m);
+        r.lse.view()(b, h, i) = sums ? std::abs(m) + std::abs(std::log(z)) : m + std::log(z);
         std::vector<T> prob(s.size());
         for (size_t j = 0; j < s.size(); ++j) prob[j] = std::exp(s[j] - m) / z;
-        for (int64_t j = 0; j < Tk; ++j) {
+        for (int64_t nj = 0; nj < Tk; ++nj) {
+          const int64_t j = nth(nj, Tk);
           r.weights.view()(b, h, i, j) = prob[static_cast<size_t>(j)];
           for (int64_t d = 0; d < Dv; ++d) {
-            r.out.view()(b, h, i, d) += prob[static_cast<size_t>(j)] * keep[static_cast<size_t>(j)] * v(b, hk, j, d);
+            const T value = sums ? std::abs(v(b, hk, j, d)) : v(b, hk, j, d);
+            r.out.view()(b, h, i, d) += prob[static_cast<size_t>(j)] * keep[static_cast<size_t>(j)] * value;
           }
         }
+        if (magnitude == Magnitude::exposure) {
+          // Squares of independent contributions, summed here; square roots taken at the end. The
+          // row's largest logit: the sink, when it is the largest, has no rounding of its own.
+          const auto star = static_cast<size_t>(std::max_element(s.begin(), s.end()) - s.begin());
+          const bool sink_is_star = p.sinks && (s.empty() || sink >= s[star]);
+          const T p_star = sink_is_star ? std::exp(sink - m) / z : prob[star];
+          const auto exposure = [&](size_t j) { return T(j == star && !sink_is_star ? 0 : 1) + (1 - p_star); };
+          std::vector<T> out_i(static_cast<size_t>(Dv));
+          for (int64_t d = 0; d < Dv; ++d) {
+            out_i[static_cast<size_t>(d)] = r.out.view()(b, h, i, d);
+            T square_sum = 0;
+            for (size_t j = 0; j < s.size(); ++j) {
+              const auto jj = static_cast<int64_t>(j);
+              const T x = prob[j] * exposure(j) * (keep[j] * v(b, hk, jj, d) - out_i[static_cast<size_t>(d)]);
+              square_sum += x * x;
+            }
+            r.out.view()(b, h, i, d) = std::sqrt(square_sum);
+          }
+          r.lse.view()(b, h, i) = 1;
+          if (dout_d.numel() == 0) continue;
+          // δD_i = dO_i·δout_i, bounded per unit of score error; it enters every dS_ij of the row.
+          T row_dot = 0, row_dot_exposure = 0;
+          for (int64_t d = 0; d < Dv; ++d) {
+            row_dot += dout(b, h, i, d) * out_i[static_cast<size_t>(d)];
+            row_dot_exposure += std::abs(dout(b, h, i, d)) * r.out.view()(b, h, i, d);
+          }
+          if (p.sinks) {
+            const T x = std::exp(sink - m) / z * (T(sink_is_star ? 0 : 1) + (1 - p_star)) * std::abs(row_dot) +
+                        std::exp(sink - m) / z * row_dot_exposure;
+            r.dsinks[h] += x * x;
+          }
+          for (size_t j = 0; j < s.size(); ++j) {
+            const auto jj = static_cast<int64_t>(j);
+            T dp = 0;
+            for (int64_t d = 0; d < Dv; ++d) {
+              dp += dout(b, h, i, d) * v(b, hk, jj, d);
+              const T x = prob[j] * exposure(j) * keep[j] * dout(b, h, i, d);
+              r.dv.view()(b, hk, jj, d) += x * x;
+            }
+            const T ds = prob[j] * exposure(j) * std::abs(keep[j] * dp - row_dot) + prob[j] * row_dot_exposure;
+            const T dx = std::abs(scale) * ds * cap_slope[j];
+            for (int64_t d = 0; d < Dk; ++d) {
+              r.dq.view()(b, h, i, d) += (dx * k(b, hk, jj, d)) * (dx * k(b, hk, jj, d));
+              r.dk.view()(b, hk, jj, d) += (dx * q(b, h, i, d)) * (dx * q(b, h, i, d));
+            }
+            if (dbias) (*dbias)(b, h, i, jj) += ds * ds;
+          }
+          continue;
+        }
         if (dout_d.numel() == 0) continue;
-        T row_dot = 0;  // D_i
-        for (int64_t d = 0; d < Dv; ++d) row_dot += dout(b, h, i, d) * r.out.view()(b, h, i, d);
         auto term = [&](T x) { return absolute ? std::abs(x) : x; };
+        auto summand = [&](T x) { return sums ? std::abs(x) : x; };
+        T row_dot = 0;  // D_i
+        for (int64_t nd = 0; nd < Dv; ++nd) {
+          const int64_t d = nth(nd, Dv);
+          row_dot += summand(dout(b, h, i, d)) * r.out.view()(b, h, i, d);
+        }
         if (p.sinks) r.dsinks[h] -= term(std::exp(sink - m) / z * row_dot);
-        for (int64_t j = 0; j < Tk; ++j) {
+        for (int64_t nj = 0; nj < Tk; ++nj) {
+          const int64_t j = nth(nj, Tk);
           const T pij = prob[static_cast<size_t>(j)];
           const T mij = keep[static_cast<size_t>(j)];
           T dp = 0;
-          for (int64_t d = 0; d < Dv; ++d) {
-            dp += dout(b, h, i, d) * v(b, hk, j, d);
+          for (int64_t nd = 0; nd < Dv; ++nd) {
+            const int64_t d = nth(nd, Dv);
+            dp += summand(dout(b, h, i, d) * v(b, hk, j, d));
             r.dv.view()(b, hk, j, d) += pij * mij * term(dout(b, h, i, d));
           }
           dp *= mij;
-          const T ds = term(pij * (dp - row_dot));
+          const T ds = sums ? pij * (dp + row_dot) : term(pij * (dp - row_dot));
           const T dx = ds * cap_slope[static_cast<size_t>(j)];
           for (int64_t d = 0; d < Dk; ++d) {
             r.dq.view()(b, h, i, d) += term(scale) * dx * term(k(b, hk, j, d));
@@ -310,6 +410,11 @@ NaiveAttention<T> naive_attention(const AttentionProblem& p, const Tensor<double
   if (absolute && p.sinks) {
     for (int64_t h = 0; h < r.dsinks.numel(); ++h) r.dsinks[h] = std::abs(r.dsinks[h]);
   }
+  if (magnitude == Magnitude::exposure) {
+    for (Tensor<T>* squares : {&r.dq, &r.dk, &r.dv, &r.dbias, &r.dsinks}) {
+      for (int64_t e = 0; e < squares->numel(); ++e) (*squares)[e] = std::sqrt((*squares)[e]);
+    }
+  }
   return r;
 }
 
@@ -317,6 +422,90 @@ NaiveAttention<T> naive_attention(const AttentionProblem& p, const Tensor<double
 template <class T>
 NaiveAttention<T> naive_attention_forward(const AttentionProblem& p) {
   return naive_attention<T>(p, Tensor<double>(Shape{0}));
+}
+
+// One result of NaiveAttention, by name.
+enum class NaiveResult { out, lse, dq, dk, dv, dbias, dsinks };
+
+template <class T>
+const Tensor<T>& naive_result(const NaiveAttention<T>& n, NaiveResult which) {
+  switch (which) {
+    case NaiveResult::out:
+      return n.out;
+    case NaiveResult::lse:
+      return n.lse;
+    case NaiveResult::dq:
+      return n.dq;
+    case NaiveResult::dk:
+      return n.dk;
+    case NaiveResult::dv:
+      return n.dv;
+    case NaiveResult::dbias:
+      return n.dbias;
+    case NaiveResult::dsinks:
+      break;
+  }
+  return n.dsinks;
+}
+
+// What the tolerance rule measures a float32 result against: the naive float32 computation in
+// every NaiveOrder, the three magnitudes of the float64 one, and the root mean square of the
+// naive float32 scores' errors (over the visible scores: the typical error of a float32 score).
+struct AttentionYardsticks {
+  std::vector<NaiveAttention<float>> naive;
+  NaiveAttention<double> terms, sums, exposure;
+  double score_error = 0;
+};
+
+inline AttentionYardsticks attention_yardsticks(const AttentionProblem& p, const Tensor<double>& dout) {
+  AttentionYardsticks y{{},
+                        naive_attention<double>(p, dout, Magnitude::terms),
+                        naive_attention<double>(p, dout, Magnitude::sums),
+                        naive_attention<double>(p, dout, Magnitude::exposure)};
+  for (const NaiveOrder order : kNaiveOrders) {
+    y.naive.push_back(naive_attention<float>(p, dout, Magnitude::none, order));
+  }
+  double square_sum = 0;
+  int64_t visible = 0;
+  for (int64_t i = 0; i < y.exposure.scores.numel(); ++i) {
+    const double exact = y.exposure.scores[i];
+    if (!std::isfinite(exact)) continue;
+    const double error = static_cast<double>(y.naive.front().scores[i]) - exact;
+    square_sum += error * error;
+    ++visible;
+  }
+  if (visible > 0) y.score_error = std::sqrt(square_sum / static_cast<double>(visible));
+  return y;
+}
+
+// The tolerance rule of the attention tests and `qkv soak`, for one result: twice the largest error
+// of the naive float32 computations (tolerance_from_naive), plus what float32 costs any
+// implementation, which the naive ones can happen to escape where a few elements decide the
+// maximum (small problems, nearly cancelling or nearly tied values):
+//   - a float32 epsilon of the result's sums magnitude: rounding each sum about once, in whatever
+//     order. The case it is there for: D_i and dP_ij of a row's largest weight nearly cancel in
+//     dS, so their roundings, not their difference, set its error, and one naive order may round
+//     them alike by chance. An epsilon of Σ|terms| stays below a sum's worst case (n/2 of them).
+//   - independent errors of the typical float32 size σ in every score: softmax ignores a
+//     shift of a row, so errors e_j move P only through ε_j = e_j − e_* (e_* that of the row's
+//     largest logit): δP_j = P_j (ε_j − ε̄), ε̄ = Σ_k P_k ε_k, and |ε_j − ε̄| is at most
+//     ([j ≠ *] + 1 − P_*) times the largest |ε|. Summed as independent errors, that puts a
+//     standard deviation of at most 2σ·exposure on each result; the rule allows kScoreSigmas of
+//     them, enough for the largest of a million outputs. A row's largest weight is not exposed, so
+//     a kernel whose backward recomputes that weight with an error of its own still fails.
+//   - for a gradient from a saved float32 lse, its relative error ρ on every P times the terms
+//     magnitude, which bounds that error's effect.
+inline constexpr double kScoreSigmas = 5.0;
+
+template <class E>
+double attention_tolerance(const AttentionYardsticks& y, NaiveResult which, const Tensor<E>& exact,
+                           double saved_lse_rho = 0.0) {
+  std::vector<const Tensor<float>*> naives;
+  for (const NaiveAttention<float>& n : y.naive) naives.push_back(&naive_result(n, which));
+  return tolerance_from_naive(naives, exact) +
+         kScoreSigmas * 2 * y.score_error * max_abs(naive_result(y.exposure, which)) +
+         std::numeric_limits<float>::epsilon() * max_abs(naive_result(y.sums, which)) +
+         saved_lse_rho * max_abs(naive_result(y.terms, which));
 }
 
 }  // namespace qkv::testing
