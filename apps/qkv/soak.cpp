@@ -36,6 +36,7 @@
 #include <string_view>
 #include <vector>
 
+#include "cli_io.hpp"
 #include "commands.hpp"
 #include "qkv/core/error.hpp"
 #include "qkv/core/parallel.hpp"
@@ -62,6 +63,7 @@ struct SoakOptions {
   double seconds = 60.0;
   uint64_t seed = 1;
   std::optional<uint64_t> only_case;
+  std::optional<uint64_t> cases;  // run cases 0 .. cases − 1 instead of for `seconds`
   std::vector<int> threads{1, 2};
   bool keep_going = false;
 };
@@ -434,7 +436,8 @@ void run_soak(const SoakOptions& o) {
   if (o.only_case) {
     run_one(*o.only_case);
   } else {
-    for (uint64_t number = 0; elapsed() < o.seconds; ++number) {
+    const auto more = [&](uint64_t number) { return o.cases ? number < *o.cases : elapsed() < o.seconds; };
+    for (uint64_t number = 0; more(number); ++number) {
       run_one(number);
       if (elapsed() >= next_progress) {
         fmt::print(stderr, "qkv soak: {} cases in {:.0f} s (through case {}), {} failed\n", tally.cases, elapsed(),
@@ -460,14 +463,25 @@ void register_soak(CLI::App& app) {
   auto o = std::make_shared<SoakOptions>();
   CLI::App* cmd =
       app.add_subcommand("soak", "random fused-attention problems against the float64 reference, until a failure");
-  cmd->add_option("--seconds", o->seconds, "how long to draw new cases (a case started is finished)")
-      ->capture_default_str();
+  CLI::Option* seconds =
+      cmd->add_option("--seconds", o->seconds, "how long to draw new cases (a case started is finished)")
+          ->capture_default_str();
+  const CLI::Validator uint64_range(uint64_error, "0..2^64-1");
   cmd->add_option("--seed", o->seed, "seed of the cases: case K of seed S is the same on every run")
+      ->check(uint64_range)
       ->capture_default_str();
+  CLI::Option* only_case = cmd->add_option_function<uint64_t>(
+                                  "--case", [o](uint64_t number) { o->only_case = number; },
+                                  "run this case alone (as a failure's report names it)")
+                               ->check(uint64_range)
+                               ->type_name("K");
   cmd->add_option_function<uint64_t>(
-         "--case", [o](uint64_t number) { o->only_case = number; },
-         "run this case alone (as a failure's report names it)")
-      ->type_name("K");
+         "--cases", [o](uint64_t count) { o->cases = count; },
+         "run cases 0 to N-1 of the seed, however long they take: the same cases on every machine")
+      ->check(uint64_range)
+      ->type_name("N")
+      ->excludes(seconds)
+      ->excludes(only_case);
   cmd->add_option("--threads", o->threads, "thread counts to run every case with, comma-separated")
       ->delimiter(',')
       ->type_name("N,...")

@@ -1270,7 +1270,8 @@ class BackwardKernel {
       : p_(p),
         in_(p.in),
         // A bias broadcast over the keys (one value per query row) shifts every score of the row
-        // alike, which softmax ignores: its gradient Σ_j dS_ij is exactly 0 and is not summed.
+        // alike, which softmax ignores: Σ_j dS_ij is exactly 0, or with a sink, which the shift
+        // does not move, P_sink·D, which the API adds. Either way it is not summed here.
         dbias_(p.dbias && p.dbias.col_stride != 0 ? p.dbias : fused::ScoresView<T>{}),
         N_(hn::Lanes(D())),
         dk_(ToSize(in_.dk)),
@@ -1485,7 +1486,7 @@ class BackwardKernel {
 
   const BackwardParams<T>& p_;
   const Inputs<T>& in_;
-  fused::ScoresView<T> dbias_;  // absent when not wanted or identically 0
+  fused::ScoresView<T> dbias_;  // absent when not wanted or broadcast over the keys
   size_t N_, dk_, dv_, dk_pad_, dv_pad_;
   std::vector<T> delta_;  // [B·H·Tq] D_i
   HeadGroups groups_;

@@ -122,25 +122,54 @@ void dispatch_backward(const fused::BackwardParams<T>& p) {
   }
 }
 
-// d sink_h += Σ_(b, i) −exp(sink_h − lse_bhi)·D_bhi with D = dO·out (the sink has no value, so
-// its dP is 0), in float64 and in a fixed order: O(B·H·Tq·Dv), next to nothing beside the kernel.
+// P_sink,bhi·D_bhi of every row (b·H + h)·Tq + i, with D = dO·out, in float64: O(B·H·Tq·Dv), next
+// to nothing beside the kernel. The sink has no value (its dP is 0), so d sink_h = −Σ_(b, i) of
+// them; and as a row's weights over its keys sum to 1 − P_sink, a bias broadcast over the keys gets
+// Σ_j dS_ij = D_i − (1 − P_sink,i)·D_i = P_sink,i·D_i, which the kernel, summing no dbias for such a
+// bias, leaves to this.
 template <class T>
-void add_sink_gradients(const detail::AttentionProblem<T>& p, TensorView<const T> dout4, TensorView<const T> out4,
-                        const std::vector<T>& lse_hi, const std::vector<T>& lse_lo, TensorView<T> dsinks) {
-  for (int64_t h = 0; h < p.heads(); ++h) {
-    const double sink = static_cast<double>((*p.sinks)(h));
-    double sum = 0.0;
-    for (int64_t b = 0; b < p.batch(); ++b) {
+std::vector<double> sink_row_terms(const detail::AttentionProblem<T>& p, TensorView<const T> dout4,
+                                   TensorView<const T> out4, const std::vector<T>& lse_hi,
+                                   const std::vector<T>& lse_lo) {
+  std::vector<double> terms(static_cast<size_t>(p.batch() * p.heads() * p.tq()));
+  for (int64_t b = 0; b < p.batch(); ++b) {
+    for (int64_t h = 0; h < p.heads(); ++h) {
+      const double sink = static_cast<double>((*p.sinks)(h));
       for (int64_t i = 0; i < p.tq(); ++i) {
         const size_t row = static_cast<size_t>((b * p.heads() + h) * p.tq() + i);
         double delta = 0.0;
         for (int64_t c = 0; c < p.dv(); ++c)
           delta += static_cast<double>(dout4(b, h, i, c)) * static_cast<double>(out4(b, h, i, c));
         const double lse = static_cast<double>(lse_hi[row]) + static_cast<double>(lse_lo[row]);
-        sum -= std::exp(sink - lse) * delta;
+        terms[row] = std::exp(sink - lse) * delta;
       }
     }
+  }
+  return terms;
+}
+
+// d sink_h += −Σ_(b, i) P_sink,bhi·D_bhi, summed in a fixed order.
+template <class T>
+void add_sink_gradients(const detail::AttentionProblem<T>& p, const std::vector<double>& terms, TensorView<T> dsinks) {
+  for (int64_t h = 0; h < p.heads(); ++h) {
+    double sum = 0.0;
+    for (int64_t b = 0; b < p.batch(); ++b) {
+      for (int64_t i = 0; i < p.tq(); ++i) sum -= terms[static_cast<size_t>((b * p.heads() + h) * p.tq() + i)];
+    }
     dsinks(h) += static_cast<T>(sum);
+  }
+}
+
+// dbias += P_sink·D for a bias broadcast over the keys (dbias seen as [B, H, Tq, Tk], stride 0
+// along the keys), in a fixed order.
+template <class T>
+void add_key_broadcast_bias_gradients(const detail::AttentionProblem<T>& p, const std::vector<double>& terms,
+                                      TensorView<T> dbias4) {
+  for (int64_t b = 0; b < p.batch(); ++b) {
+    for (int64_t h = 0; h < p.heads(); ++h) {
+      for (int64_t i = 0; i < p.tq(); ++i)
+        dbias4(b, h, i, 0) += static_cast<T>(terms[static_cast<size_t>((b * p.heads() + h) * p.tq() + i)]);
+    }
   }
 }
 
@@ -235,9 +264,18 @@ void backward_fused(const AttentionProblem<T>& problem, TensorView<const T> dout
                              .dk = strided_of(as_bhtd(grads.dk, "dk")),
                              .dv = strided_of(as_bhtd(grads.dv, "dv")),
                              .dbias = {}};
-  if (grads.dbias) p.dbias = strided_of(broadcast_to(*grads.dbias, problem.scores(), "dbias"));
+  std::optional<TensorView<T>> dbias4;
+  if (grads.dbias) {
+    dbias4 = broadcast_to(*grads.dbias, problem.scores(), "dbias");
+    p.dbias = strided_of(*dbias4);
+  }
   dispatch_backward(p);
-  if (grads.dsinks) add_sink_gradients(problem, dout4, as_bhtd(out, "saved.out"), lse_hi, lse_lo, *grads.dsinks);
+  const bool key_broadcast_bias = dbias4 && dbias4->strides[3] == 0;
+  if (problem.sinks && (grads.dsinks || key_broadcast_bias)) {
+    const std::vector<double> terms = sink_row_terms(problem, dout4, as_bhtd(out, "saved.out"), lse_hi, lse_lo);
+    if (grads.dsinks) add_sink_gradients(problem, terms, *grads.dsinks);
+    if (key_broadcast_bias) add_key_broadcast_bias_gradients(problem, terms, *dbias4);
+  }
 }
 
 }  // namespace detail

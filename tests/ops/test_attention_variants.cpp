@@ -51,6 +51,8 @@ struct Variant {
   bool alibi = false;
   bool sinks = false;
   bool bias = false;
+  // The bias's shape when it is broadcast; rank 0: [B, H, Tq, Tk].
+  Shape bias_shape = {};
   bool mask = false;
 };
 
@@ -71,7 +73,8 @@ Problem make_problem(const Variant& c, uint64_t seed, double stddev = 1.0) {
     p.alibi = t;
   }
   if (c.sinks) p.sinks = random_tensor<double>({c.h}, rng);
-  if (c.bias) p.bias = random_tensor<double>({c.b, c.h, c.tq, c.tk}, rng);
+  if (c.bias)
+    p.bias = random_tensor<double>(c.bias_shape.rank() == 0 ? Shape{c.b, c.h, c.tq, c.tk} : c.bias_shape, rng);
   if (c.mask) p.allowed = random_mask({1, c.h, c.tq, c.tk}, 0.8, seed + 7);
   return p;
 }
@@ -106,6 +109,14 @@ std::vector<Variant> variants() {
        .alibi = true},
       {.name = "sinks", .sinks = true},
       {.name = "sinks causal mask", .tq = 20, .tk = 20, .causal = true, .sinks = true, .mask = true},
+      // The sink does not move with a shift of the row, so a bias broadcast over the keys has a gradient.
+      {.name = "sinks with a bias per query",
+       .h = 3,
+       .hkv = 3,
+       .tq = 21,
+       .sinks = true,
+       .bias = true,
+       .bias_shape = {1, 1, 21, 1}},
       {.name = "everything",
        .b = 2,
        .h = 6,
@@ -238,6 +249,16 @@ TEST(AttentionVariants, GradientsMatchFiniteDifferences) {
   const Variant cases[] = {
       {.name = "softcap bias", .h = 2, .hkv = 1, .tq = 5, .tk = 6, .dk = 3, .dv = 2, .softcap = 0.7, .bias = true},
       {.name = "sinks", .h = 2, .hkv = 2, .tq = 5, .tk = 6, .dk = 3, .dv = 2, .causal = true, .sinks = true},
+      {.name = "sinks with a bias per query and head",
+       .h = 2,
+       .hkv = 2,
+       .tq = 5,
+       .tk = 6,
+       .dk = 3,
+       .dv = 2,
+       .sinks = true,
+       .bias = true,
+       .bias_shape = {1, 2, 5, 1}},
       {.name = "alibi window gqa",
        .h = 3,
        .hkv = 1,

@@ -218,9 +218,9 @@ enum class Magnitude { none, terms, sums, exposure };
 // the absolute values of everything any sum adds, dP and D apart (out Σ P|v|, lse |m| + |log z|,
 // dS P (Σ|dO v| + Σ|dO| out)); Magnitude::exposure gives how far each result moves per unit of
 // independent errors of the scores, as root sums of squares (out_d sqrt(Σ_j (P_j w_j (v_jd −
-// out_d))²), lse 1, dS P w |dP − D| + P Σ_d |dO_d| out_d, w_j as attention_tolerance derives it).
-// The variants (grouped heads, window, alignment, softcap, ALiBi, sinks, dropout, packed sequences)
-// as include/qkv/ops/attention.hpp defines them.
+// out_d))², a sink a term with v = 0; lse 1; dS P w |dP − D| + P Σ_d |dO_d| out_d; w_j as
+// attention_tolerance derives it). The variants (grouped heads, window, alignment, softcap, ALiBi,
+// sinks, dropout, packed sequences) as include/qkv/ops/attention.hpp defines them.
 template <class T>
 NaiveAttention<T> naive_attention(const AttentionProblem& p, const Tensor<double>& dout_d,
                                   Magnitude magnitude = Magnitude::none, NaiveOrder order = NaiveOrder::forward) {
@@ -335,10 +335,13 @@ NaiveAttention<T> naive_attention(const AttentionProblem& p, const Tensor<double
           const bool sink_is_star = p.sinks && (s.empty() || sink >= s[star]);
           const T p_star = sink_is_star ? std::exp(sink - m) / z : prob[star];
           const auto exposure = [&](size_t j) { return T(j == star && !sink_is_star ? 0 : 1) + (1 - p_star); };
+          // The sink is one more weight, of value 0, exposed to the errors of the scores beside it.
+          const T sink_weight = p.sinks ? std::exp(sink - m) / z * (T(sink_is_star ? 0 : 1) + (1 - p_star)) : T{0};
           std::vector<T> out_i(static_cast<size_t>(Dv));
           for (int64_t d = 0; d < Dv; ++d) {
             out_i[static_cast<size_t>(d)] = r.out.view()(b, h, i, d);
-            T square_sum = 0;
+            const T sink_term = sink_weight * out_i[static_cast<size_t>(d)];
+            T square_sum = sink_term * sink_term;
             for (size_t j = 0; j < s.size(); ++j) {
               const auto jj = static_cast<int64_t>(j);
               const T x = prob[j] * exposure(j) * (keep[j] * v(b, hk, jj, d) - out_i[static_cast<size_t>(d)]);
@@ -355,8 +358,7 @@ NaiveAttention<T> naive_attention(const AttentionProblem& p, const Tensor<double
             row_dot_exposure += std::abs(dout(b, h, i, d)) * r.out.view()(b, h, i, d);
           }
           if (p.sinks) {
-            const T x = std::exp(sink - m) / z * (T(sink_is_star ? 0 : 1) + (1 - p_star)) * std::abs(row_dot) +
-                        std::exp(sink - m) / z * row_dot_exposure;
+            const T x = sink_weight * std::abs(row_dot) + std::exp(sink - m) / z * row_dot_exposure;
             r.dsinks[h] += x * x;
           }
           for (size_t j = 0; j < s.size(); ++j) {
