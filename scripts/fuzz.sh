@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Runs one libFuzzer target of the file readers for a while:
-#   scripts/fuzz.sh npy|npz|model_file SECONDS
+# Runs one libFuzzer target (a file reader, or the attention API's argument checks) for a while:
+#   scripts/fuzz.sh npy|npz|model_file|attention_args SECONDS
 # It builds the target in build/fuzz (clang; every object with the fuzzer's coverage and ASan +
 # UBSan, which abort on the first error), starts from the committed seed corpus
 # tests/fuzz/corpus/TARGET (and its dictionary tests/fuzz/TARGET.dict), keeps what it finds in a
@@ -9,9 +9,10 @@
 # non-zero; turn it into a regression test.
 set -euo pipefail
 
-usage="usage: scripts/fuzz.sh npy|npz|model_file SECONDS"
-if (($# != 2)) || [[ ! "$1" =~ ^(npy|npz|model_file)$ ]] || [[ ! "$2" =~ ^[1-9][0-9]*$ ]]; then
-  echo "fuzz.sh: expected a target (npy, npz or model_file) and a whole number of seconds, got: ${*:-nothing}" >&2
+usage="usage: scripts/fuzz.sh npy|npz|model_file|attention_args SECONDS"
+if (($# != 2)) || [[ ! "$1" =~ ^(npy|npz|model_file|attention_args)$ ]] || [[ ! "$2" =~ ^[1-9][0-9]*$ ]]; then
+  echo "fuzz.sh: expected a target (npy, npz, model_file or attention_args) and a whole number of seconds," \
+    "got: ${*:-nothing}" >&2
   echo "$usage" >&2
   exit 2
 fi

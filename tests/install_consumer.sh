@@ -21,13 +21,17 @@ if [[ $mode == without-viz ]]; then
   cmake --build "$build_dir" > "$work/qkv-build.log"
 fi
 
+# A libqkv built with sanitizers (the asan preset) needs programs built with them too.
+sanitize=$(sed -n 's/^QKV_SANITIZE:STRING=//p' "$build_dir/CMakeCache.txt")
+sanitize_flags=${sanitize:+-fsanitize=$sanitize}
+
 cmake --install "$build_dir" --prefix "$work/prefix" > "$work/install.log"
 test -f "$work/prefix/include/qkv/ops/attention.hpp"
 # What the layers share among themselves is not part of the installed API.
 test ! -e "$work/prefix/include/qkv/core/detail"
 test -f "$work/prefix/lib/cmake/qkv/qkvConfig.cmake" || test -f "$work/prefix/lib/x86_64-linux-gnu/cmake/qkv/qkvConfig.cmake"
 cmake -S "$source_dir/examples/consumer" -B "$work/consumer" -G Ninja -DCMAKE_BUILD_TYPE=Release \
-  -DCMAKE_PREFIX_PATH="$work/prefix" > "$work/configure.log"
+  -DCMAKE_PREFIX_PATH="$work/prefix" -DCMAKE_CXX_FLAGS="$sanitize_flags" > "$work/configure.log"
 cmake --build "$work/consumer" > "$work/build.log"
 "$work/consumer/consumer"
 libqkv=$(find "$work/prefix" -name 'libqkv.so' | head -1)
@@ -60,7 +64,8 @@ fi
   echo '}'
 } > "$work/readme_example.cpp"
 libdir=$(dirname "$libqkv")
-g++ -std=c++20 -I"$work/prefix/include" "$work/readme_example.cpp" -L"$libdir" -lqkv -Wl,-rpath,"$libdir" \
+# shellcheck disable=SC2086 # no flags: no word
+g++ -std=c++20 $sanitize_flags -I"$work/prefix/include" "$work/readme_example.cpp" -L"$libdir" -lqkv -Wl,-rpath,"$libdir" \
   -o "$work/readme_example"
 "$work/readme_example"
 echo "install_consumer: ok"

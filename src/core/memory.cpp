@@ -1,17 +1,28 @@
 #include "qkv/core/memory.hpp"
 
 #include <fmt/format.h>
+#include <sys/resource.h>
 #include <unistd.h>
 
+#include <algorithm>
+#include <charconv>
+#include <filesystem>
 #include <fstream>
+#include <limits>
 #include <sstream>
 #include <string>
+#include <string_view>
 
 #include "qkv/core/error.hpp"
 
 namespace qkv {
 
-uint64_t available_memory_bytes() {
+namespace {
+
+constexpr uint64_t kUnlimited = std::numeric_limits<uint64_t>::max();
+
+// The system's MemAvailable: what it can still give without swapping.
+uint64_t system_available() {
   std::ifstream meminfo("/proc/meminfo");
   std::string line;
   while (std::getline(meminfo, line)) {
@@ -24,6 +35,67 @@ uint64_t available_memory_bytes() {
   const long pages = sysconf(_SC_AVPHYS_PAGES);
   const long page_size = sysconf(_SC_PAGESIZE);
   return pages > 0 && page_size > 0 ? static_cast<uint64_t>(pages) * static_cast<uint64_t>(page_size) : 0;
+}
+
+// A "Key:  N kB" line of /proc/self/status, in bytes; 0 when absent.
+uint64_t own_status_bytes(std::string_view wanted) {
+  std::ifstream status("/proc/self/status");
+  std::string line;
+  while (std::getline(status, line)) {
+    std::istringstream fields(line);
+    std::string key;
+    uint64_t kib = 0;
+    if (fields >> key >> kib && key == wanted) return kib * 1024;
+  }
+  return 0;
+}
+
+// What a resource limit (`ulimit -v` is RLIMIT_AS; RLIMIT_DATA counts private mappings, which
+// large allocations are) leaves above what this process already uses of it.
+uint64_t left_under_limit(int resource, std::string_view used_key) {
+  rlimit limit{};
+  if (getrlimit(resource, &limit) != 0 || limit.rlim_cur == RLIM_INFINITY) return kUnlimited;
+  const uint64_t used = own_status_bytes(used_key);
+  return limit.rlim_cur > used ? static_cast<uint64_t>(limit.rlim_cur) - used : 0;
+}
+
+// limit − usage read from two files of a cgroup folder; unlimited where they are absent or the
+// limit is "max".
+uint64_t left_in(const std::string& dir, const char* limit_name, const char* usage_name) {
+  std::ifstream limit_file(dir + "/" + limit_name), usage_file(dir + "/" + usage_name);
+  std::string limit_text;
+  uint64_t limit = 0, usage = 0;
+  if (!(limit_file >> limit_text) || !(usage_file >> usage)) return kUnlimited;
+  const auto parsed = std::from_chars(limit_text.data(), limit_text.data() + limit_text.size(), limit);
+  if (parsed.ec != std::errc() || parsed.ptr != limit_text.data() + limit_text.size()) return kUnlimited;
+  return limit > usage ? limit - usage : 0;
+}
+
+// What this process's cgroup may still charge, as a container's memory limit sets it: cgroup v2's
+// memory.max − memory.current, or v1's memory.limit_in_bytes − memory.usage_in_bytes (a v1 path
+// from outside a cgroup namespace may not exist inside it: then the namespace's root).
+uint64_t left_in_cgroup() {
+  std::ifstream self("/proc/self/cgroup");
+  std::string line;
+  uint64_t left = kUnlimited;
+  while (std::getline(self, line)) {
+    if (line.starts_with("0::")) {
+      left = std::min(left, left_in("/sys/fs/cgroup" + line.substr(3), "memory.max", "memory.current"));
+    } else if (const size_t at = line.find(":memory:"); at != std::string::npos) {
+      std::string dir = "/sys/fs/cgroup/memory" + line.substr(at + 8);
+      std::error_code ignored;
+      if (!std::filesystem::exists(dir, ignored)) dir = "/sys/fs/cgroup/memory";
+      left = std::min(left, left_in(dir, "memory.limit_in_bytes", "memory.usage_in_bytes"));
+    }
+  }
+  return left;
+}
+
+}  // namespace
+
+uint64_t available_memory_bytes() {
+  return std::min({system_available(), left_under_limit(RLIMIT_AS, "VmSize:"), left_under_limit(RLIMIT_DATA, "VmData:"),
+                   left_in_cgroup()});
 }
 
 std::string format_bytes(double bytes) {

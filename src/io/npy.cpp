@@ -28,6 +28,7 @@
 
 #include "file_descriptor.hpp"
 #include "qkv/core/error.hpp"
+#include "qkv/core/memory.hpp"
 #include "qkv/io/staged_files.hpp"
 #include "zip_archive.hpp"
 
@@ -347,7 +348,11 @@ std::string read_whole_file(const std::filesystem::path& path) {
   if (S_ISDIR(info.st_mode)) fail(path, fmt::format("cannot read: {}", os_reason(EISDIR)));
   std::string bytes;
   // A regular file's size is known; a pipe grows the buffer as it goes.
-  if (S_ISREG(info.st_mode)) bytes.reserve(static_cast<size_t>(info.st_size));
+  if (S_ISREG(info.st_mode)) {
+    check_allocation_fits(static_cast<double>(info.st_size),
+                          fmt::format("reading {} ({} bytes)", path.string(), info.st_size));
+    bytes.reserve(static_cast<size_t>(info.st_size));
+  }
   std::array<char, 1 << 16> chunk{};
   for (;;) {
     const ssize_t got = ::read(fd.get(), chunk.data(), chunk.size());
@@ -494,6 +499,8 @@ NpyArray parse_npy(const std::filesystem::path& path, std::string_view file) {
                            expected, tuple_str(header.shape), dtype_name(header.dtype)));
   }
 
+  check_allocation_fits(static_cast<double>(expected), fmt::format("{}: its values ({} of shape {})", path.string(),
+                                                                   dtype_name(header.dtype), tuple_str(header.shape)));
   NpyArray array{.dtype = header.dtype, .shape = header.shape, .values = {}};
   switch (header.dtype) {
     case DType::float32:

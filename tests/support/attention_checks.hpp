@@ -127,8 +127,9 @@ class WorkersScope {
 };
 
 inline bool bit_identical(const Tensor<double>& a, const Tensor<double>& b) {
+  // An empty tensor's data may be null, which memcmp must not be given even for 0 bytes.
   return a.shape() == b.shape() &&
-         std::memcmp(a.data(), b.data(), static_cast<size_t>(a.numel()) * sizeof(double)) == 0;
+         (a.numel() == 0 || std::memcmp(a.data(), b.data(), static_cast<size_t>(a.numel()) * sizeof(double)) == 0);
 }
 
 inline bool all_finite(const Tensor<double>& t) {

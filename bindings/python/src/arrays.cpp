@@ -53,6 +53,17 @@ TensorView<const T> view_as(const py::array& array) {
 
 py::array as_array(const py::object& operand) { return py::array::ensure(operand); }
 
+// `array` as a C-contiguous, aligned array of T that the kernels can read: itself when it is one,
+// else a copy. (pybind11's array_t::ensure asks numpy for C order, not for alignment: a misaligned
+// array would come back as it was.)
+template <class T>
+py::array readable(py::array array) {
+  if (viewable<T>(array)) return array;
+  array = py::array_t<T, py::array::c_style | py::array::forcecast>::ensure(array);
+  if (viewable<T>(array)) return array;
+  return py::array_t<T, py::array::c_style>::ensure(array.attr("copy")());
+}
+
 // qkv's tensors have rank 0 to 4; the ops check the ranks they take within that.
 void check_rank_fits(const py::array& array, std::string_view name) {
   if (array.ndim() > kMaxRank) {
@@ -101,8 +112,7 @@ TensorView<const T> Inputs::floats(const py::object& operand, std::string_view n
         fmt::format("{}: expected dtype {} (the dtype of {}), got {}", name, wanted, of_dtype_of, dtype_str(array)));
   }
   check_rank_fits(array, name);
-  if (!viewable<T>(array)) array = py::array_t<T, py::array::c_style | py::array::forcecast>::ensure(array);
-  const TensorView<const T> view = view_as<T>(hold(array));
+  const TensorView<const T> view = view_as<T>(hold(readable<T>(array)));
   if (!allow_nonfinite) check_finite(view, name, rule, "pass allow_nonfinite=True to accept them");
   return view;
 }
@@ -160,7 +170,7 @@ TensorView<const int64_t> Inputs::offsets(const py::object& values, std::string_
     throw ShapeError(fmt::format("{}: expected dtype int32 or int64, got {}", name, dtype_str(array)));
   }
   check_rank_fits(array, name);
-  if (!viewable<int64_t>(array)) array = py::array_t<int64_t, py::array::c_style | py::array::forcecast>::ensure(array);
+  array = readable<int64_t>(array);
   return view_as<int64_t>(hold(array));
 }
 

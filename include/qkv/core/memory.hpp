@@ -8,7 +8,9 @@
 
 namespace qkv {
 
-// Bytes the system can still give this process without swapping (Linux: MemAvailable).
+// Bytes this process can still allocate: the least of what the system can give without swapping
+// (Linux: MemAvailable), what `ulimit -v` (RLIMIT_AS) and RLIMIT_DATA leave above what the process
+// already uses, and what its cgroup's memory limit (v2 or v1) leaves.
 uint64_t available_memory_bytes();
 
 // "1.5 GiB", "512.0 MiB", "12 bytes"
