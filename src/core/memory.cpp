@@ -9,6 +9,7 @@
 #include <filesystem>
 #include <fstream>
 #include <limits>
+#include <optional>
 #include <sstream>
 #include <string>
 #include <string_view>
@@ -21,33 +22,26 @@ namespace {
 
 constexpr uint64_t kUnlimited = std::numeric_limits<uint64_t>::max();
 
-// The system's MemAvailable: what it can still give without swapping.
-uint64_t system_available() {
-  std::ifstream meminfo("/proc/meminfo");
+// The "Key:  N kB" line of a /proc file (meminfo, self/status), in bytes; nullopt when absent.
+std::optional<uint64_t> proc_kib_field(const char* path, std::string_view wanted) {
+  std::ifstream file(path);
   std::string line;
-  while (std::getline(meminfo, line)) {
-    std::istringstream fields(line);
-    std::string key;
-    uint64_t kib = 0;
-    if (fields >> key >> kib && key == "MemAvailable:") return kib * 1024;
-  }
-  // Without /proc, the free physical pages are a lower bound of what can be had.
-  const long pages = sysconf(_SC_AVPHYS_PAGES);
-  const long page_size = sysconf(_SC_PAGESIZE);
-  return pages > 0 && page_size > 0 ? static_cast<uint64_t>(pages) * static_cast<uint64_t>(page_size) : 0;
-}
-
-// A "Key:  N kB" line of /proc/self/status, in bytes; 0 when absent.
-uint64_t own_status_bytes(std::string_view wanted) {
-  std::ifstream status("/proc/self/status");
-  std::string line;
-  while (std::getline(status, line)) {
+  while (std::getline(file, line)) {
     std::istringstream fields(line);
     std::string key;
     uint64_t kib = 0;
     if (fields >> key >> kib && key == wanted) return kib * 1024;
   }
-  return 0;
+  return std::nullopt;
+}
+
+// The system's MemAvailable: what it can still give without swapping.
+uint64_t system_available() {
+  if (const std::optional<uint64_t> available = proc_kib_field("/proc/meminfo", "MemAvailable:")) return *available;
+  // Without /proc, the free physical pages are a lower bound of what can be had.
+  const long pages = sysconf(_SC_AVPHYS_PAGES);
+  const long page_size = sysconf(_SC_PAGESIZE);
+  return pages > 0 && page_size > 0 ? static_cast<uint64_t>(pages) * static_cast<uint64_t>(page_size) : 0;
 }
 
 // What a resource limit (`ulimit -v` is RLIMIT_AS; RLIMIT_DATA counts private mappings, which
@@ -55,7 +49,7 @@ uint64_t own_status_bytes(std::string_view wanted) {
 uint64_t left_under_limit(int resource, std::string_view used_key) {
   rlimit limit{};
   if (getrlimit(resource, &limit) != 0 || limit.rlim_cur == RLIM_INFINITY) return kUnlimited;
-  const uint64_t used = own_status_bytes(used_key);
+  const uint64_t used = proc_kib_field("/proc/self/status", used_key).value_or(0);
   return limit.rlim_cur > used ? static_cast<uint64_t>(limit.rlim_cur) - used : 0;
 }
 
