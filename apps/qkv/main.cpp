@@ -3,22 +3,14 @@
 #include <fmt/format.h>
 
 #include <CLI/CLI.hpp>
-#include <cstdio>
-#include <exception>
-#include <optional>
 #include <string>
-#include <vector>
 
-#include "cli_io.hpp"
+#include "app.hpp"
 #include "commands.hpp"
 #include "qkv/core/error.hpp"
 #include "qkv/core/simd_target.hpp"
 
 namespace {
-
-// Exit codes: 0 success, 2 bad input (usage, files, shapes, values), 1 anything unexpected.
-constexpr int kExitBadInput = 2;
-constexpr int kExitInternal = 1;
 
 // The version, and what the kernels will run on: the CPU, its caches and the instruction set.
 std::string version_text() {
@@ -35,21 +27,6 @@ void use_simd_target_option(const std::string& target) {
     throw qkv::ValueError("--simd-target: " +
                           (message.rfind(prefix, 0) == 0 ? message.substr(prefix.size()) : message));
   }
-}
-
-// What to say when no subcommand was recognised: the first word left over is a subcommand
-// misspelt, or there was none.
-std::string missing_subcommand(const CLI::App& app) {
-  std::vector<std::string> names;
-  for (const CLI::App* sub : app.get_subcommands({})) names.push_back(sub->get_name());
-  const std::string known = fmt::format("{}", fmt::join(names, ", "));
-  for (const std::string& word : app.remaining()) {
-    if (word.starts_with('-')) continue;
-    const std::optional<std::string> near = qkv::cli::closest_name(word, names);
-    return fmt::format("SUBCOMMAND: expected one of {}, got \"{}\"{}", known, word,
-                       near ? fmt::format(" (did you mean {}?)", *near) : "");
-  }
-  return fmt::format("SUBCOMMAND: expected one of {}, got none (see --help)", known);
 }
 
 }  // namespace
@@ -80,30 +57,5 @@ int main(int argc, char** argv) {
     fmt::print("{}", app.help());
     return 0;
   }
-  try {
-    app.parse(argc, argv);
-  } catch (const CLI::RequiredError& e) {
-    if (!app.get_subcommands().empty()) {
-      fmt::print(stderr, "qkv: error: {} (see --help)\n", e.what());
-      return kExitBadInput;
-    }
-    fmt::print(stderr, "qkv: error: {}\n", missing_subcommand(app));
-    return kExitBadInput;
-  } catch (const CLI::CallForHelp& e) {
-    return app.exit(e);
-  } catch (const CLI::CallForAllHelp& e) {
-    return app.exit(e);
-  } catch (const CLI::CallForVersion& e) {
-    return app.exit(e);
-  } catch (const CLI::ParseError& e) {
-    fmt::print(stderr, "qkv: error: {} (see --help)\n", e.what());
-    return kExitBadInput;
-  } catch (const qkv::Error& e) {
-    fmt::print(stderr, "qkv: error: {}\n", e.what());
-    return kExitBadInput;
-  } catch (const std::exception& e) {
-    fmt::print(stderr, "qkv: internal error: {}\n", e.what());
-    return kExitInternal;
-  }
-  return 0;
+  return qkv::cli::run_app(app, argc, argv);
 }

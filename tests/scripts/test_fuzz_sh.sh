@@ -12,7 +12,7 @@ for args in "" "npy" "parquet 10" "npy 0" "npy ten" "npy 10 extra"; do
   if [[ $rc -ne 2 ]]; then
     echo "FAIL fuzz.sh ${args:-(no argument)}: exit code $rc, expected 2"
     failures=$((failures + 1))
-  elif [[ $out != *"npy, npz, model_file or attention_args"* || $out != *"seconds"* ]]; then
+  elif [[ $out != *"npy, npz, model_file, attention_args or attend_cli"* || $out != *"seconds"* ]]; then
     echo "FAIL fuzz.sh ${args:-(no argument)}: the message does not say what it takes: $out"
     failures=$((failures + 1))
   fi
