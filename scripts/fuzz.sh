@@ -39,7 +39,7 @@ dictionary=()
 # allocate gigabytes is a finding; -max_len: the readers' interesting structure fits in 64 KiB.
 # The CLI's inputs are kept to 16 KiB, whose arrays attend in well under a second whatever their
 # shapes, and its messages go nowhere (-close_fd_mask: libFuzzer keeps its own report).
-options=(-max_total_time="$seconds" -rss_limit_mb=2048 -print_final_stats=1)
+options=(-max_total_time="$seconds" -rss_limit_mb=2048 -print_final_stats=1 -artifact_prefix="$build/")
 if [[ $target == attend_cli ]]; then
   options+=(-max_len=16384 -close_fd_mask=3)
 else

@@ -5,6 +5,7 @@
 // outputs, all together (cli::OutputFiles), so that a refused or failed run leaves no file.
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include <CLI/CLI.hpp>
 #include <array>
@@ -35,8 +36,9 @@ namespace {
 
 constexpr const char* kAttendFooter =
     R"(Shapes: Q [..., Tq, Dk], K [..., Tk, Dk], V [..., Tk, Dv], with the same leading dims: none,
-[H] or [B, H], except that K and V may have fewer heads Hkv, a divisor of H (grouped-query
-attention: query head h reads K and V head h / (H / Hkv); Hkv = 1 is multi-query).
+[H], [B, H], or any number of batch dims [L1, ..., Ln, H] (run as one batch of L1*...*Ln), except
+that K and V may have fewer heads Hkv, a divisor of H (grouped-query attention: query head h reads
+K and V head h / (H / Hkv); Hkv = 1 is multi-query). --mask broadcasts to [..., H, Tq, Tk].
 Out is [..., Tq, Dv], --weights [..., Tq, Tk] (rows sum to 1), --lse [..., Tq].
 Inputs may be float32 or float64 .npy files. When Q, K or V is float64, the run is float64 end to
 end (the other inputs are widened, the outputs are float64); else it is float32 (a float64 mask or
@@ -179,10 +181,9 @@ void add_input_options(CLI::App& cmd, InputOptions& o) {
                                  "only with --dropout")
                       ->check(CLI::Validator(uint64_error, "0..2^64-1"))
                       ->type_name("N");
-  cmd.add_option(
-         "--mask", o.mask,
-         "M.npy, broadcast to [B, H, Tq, Tk]: bool, uint8, int32 or int64 = may attend (nonzero), float = additive "
-         "bias")
+  cmd.add_option("--mask", o.mask,
+                 "M.npy, broadcast to [..., H, Tq, Tk]: bool, uint8, int32 or int64 = may attend (nonzero), float = "
+                 "additive bias")
       ->type_name("FILE");
   cmd.add_option("--impl", o.impl,
                  "auto (the fastest implementation that supports the request), fused (tiled online softmax, O(T) "
@@ -221,7 +222,9 @@ struct Operands {
   std::optional<Tensor<int64_t>> cu_seqlens_q, cu_seqlens_k;
   std::optional<AttentionDropout> dropout;
   AttentionImpl impl = AttentionImpl::automatic;
-  Shape leading;  // the leading dims of Q as given: none, [H] or [B, H]
+  Shape leading;           // the leading dims of Q as run: none, [H] or [B, H]
+  Batch batch;             // Q's dims before [H, Tq, Dk] when it has more than four, run as B
+  BatchedMask mask_batch;  // the mask's own shape, when Q has a batch
   int64_t tq = 0, tk = 0, dv = 0;
 
   Shape with_leading(std::initializer_list<int64_t> tail) const {
@@ -330,9 +333,14 @@ void check_variant_options(const InputOptions& o, Score score) {
   }
 }
 
-void expect_shape(std::string_view arg, const Shape& actual, const Shape& expected, std::string_view meaning) {
+// `batch`: the shapes are those of a run with Q's batch flattened, shown as the files have them.
+void expect_shape(std::string_view arg, const Shape& actual, const Shape& expected, std::string_view meaning,
+                  const Batch& batch = {}) {
   if (!(actual == expected)) {
-    throw ShapeError(fmt::format("{}: expected shape {} ({}), got {}", arg, expected.str(), meaning, actual.str()));
+    const auto shown = [&](const Shape& shape) {
+      return batch.dims.empty() ? shape.str() : fmt::format("[{}]", fmt::join(batch.file_shape(shape), ", "));
+    };
+    throw ShapeError(fmt::format("{}: expected shape {} ({}), got {}", arg, shown(expected), meaning, shown(actual)));
   }
 }
 
@@ -352,6 +360,11 @@ Tensor<T> to_tensor(NpyArray array, std::string_view arg) {
 template <class T>
 void load_mask(const InputOptions& o, const Shape& scores, Operands<T>& x) {
   NpyArray array = read_input(o.mask, "--mask", kMaskDtypes);
+  if (!x.batch.dims.empty()) {
+    std::vector<int64_t> batched_scores = x.batch.dims;
+    batched_scores.insert(batched_scores.end(), scores.dims().begin() + 1, scores.dims().end());
+    x.mask_batch = flatten_mask_batch(array, x.batch, batched_scores);
+  }
   if (array.dtype == DType::boolean || array.dtype == DType::uint8 || array.dtype == DType::int32 ||
       array.dtype == DType::int64) {
     x.allowed = to_bool(std::move(array), "--mask");
@@ -459,6 +472,10 @@ Operands<T> load_operands(const InputOptions& o, InputArrays in) {
   if (o.softcap_option->count() > 0) x.softcap = o.softcap;
   if (o.dropout_option->count() > 0) x.dropout = AttentionDropout{.p = o.dropout, .seed = o.seed};
 
+  x.batch = batch_of(in.q, "--q");
+  flatten_batch(in.q, x.batch, "--q", "[H, Tq, Dk]");
+  flatten_batch(in.k, x.batch, "--k", "[Hkv, Tk, Dk]");
+  flatten_batch(in.v, x.batch, "--v", "[Hkv, Tk, Dv]");
   x.q = to_tensor<T>(std::move(in.q), "--q");
   const TensorView<const T> q4 = as_bhtd(x.q.cview(), "--q");
   x.leading = leading_dims_with(x.q.shape(), x.q.shape().rank() - 2);
@@ -480,16 +497,16 @@ Operands<T> load_operands(const InputOptions& o, InputArrays in) {
   const auto kv_shape = [&](int64_t t, int64_t d) { return leading_dims_with(kv_leading, kv_leading.rank(), {t, d}); };
   if (x.score == Score::dot) {
     expect_shape("--k", x.k.shape(), kv_shape(x.tk, dq),
-                 "[..., Hkv, Tk, Dk]: the leading dims of --q but for the heads, and Dk of --q");
+                 "[..., Hkv, Tk, Dk]: the leading dims of --q but for the heads, and Dk of --q", x.batch);
   } else {
     expect_shape("--k", x.k.shape(), kv_shape(x.tk, dk),
-                 "[..., Hkv, Tk, Dk]: the leading dims of --q but for the heads");
+                 "[..., Hkv, Tk, Dk]: the leading dims of --q but for the heads", x.batch);
   }
 
   x.v = to_tensor<T>(std::move(in.v), "--v");
   as_bhtd(x.v.cview(), "--v");  // the same for Dv
   x.dv = x.v.shape().from_back(1);
-  expect_shape("--v", x.v.shape(), kv_shape(x.tk, x.dv), "[..., Hkv, Tk, Dv]: the leading dims and Tk of --k");
+  expect_shape("--v", x.v.shape(), kv_shape(x.tk, x.dv), "[..., Hkv, Tk, Dv]: the leading dims and Tk of --k", x.batch);
 
   if (!o.mask.empty()) load_mask(o, Shape{q4.shape[0], q4.shape[1], x.tq, x.tk}, x);
   load_variants(o, q4.shape[1], x);
@@ -598,6 +615,16 @@ void run_attend(const AttendOptions& o) {
   }
 }
 
+// An output computed with Q's batch flattened ([L1*...*Ln, ...]), written as [L1, ..., Ln, ...].
+template <class T>
+void set_output(OutputFiles& files, std::string_view arg, Tensor<T> values, const Batch& batch) {
+  if (batch.dims.empty()) {
+    files.set(arg, std::move(values));
+  } else {
+    files.set(arg, encode_npy(values.cview(), batch.file_shape(values.shape())));
+  }
+}
+
 template <class T>
 void attend(const Operands<T>& x, const std::optional<HeatmapFormat>& heatmap, OutputFiles& files) {
   Tensor<T> out = allocate_output<T>(x.with_leading({x.tq, x.dv}), "-o");
@@ -620,9 +647,9 @@ void attend(const Operands<T>& x, const std::optional<HeatmapFormat>& heatmap, O
 
   // Every head of the first batch entry, written with the arrays: all the files or none.
   if (heatmap) files.set("--heatmap", render_heatmap(weights->cview(), *heatmap, {}));
-  files.set("-o", std::move(out));
-  if (weights) files.set("--weights", std::move(*weights));
-  if (lse) files.set("--lse", std::move(*lse));
+  set_output(files, "-o", std::move(out), x.batch);
+  if (weights) set_output(files, "--weights", std::move(*weights), x.batch);
+  if (lse) set_output(files, "--lse", std::move(*lse), x.batch);
   files.commit();
 }
 
@@ -662,9 +689,11 @@ void attend_backward(const BackwardOptions& o, const Operands<T>& x, OutputFiles
     throw ValueError(fmt::format("--dbias: needs a float --mask (an additive bias), got {}",
                                  x.allowed ? "a bool or integer --mask" : "no --mask"));
   }
-  Tensor<T> dout = to_tensor<T>(read_input(o.dout, "--dout", kFloatDtypes), "--dout");
-  expect_shape("--dout", dout.shape(), x.with_leading({x.tq, x.dv}),
-               "[..., Tq, Dv]: the shape of the attention output");
+  NpyArray dout_array = read_input(o.dout, "--dout", kFloatDtypes);
+  flatten_batch(dout_array, x.batch, "--dout", "[H, Tq, Dv]");
+  Tensor<T> dout = to_tensor<T>(std::move(dout_array), "--dout");
+  expect_shape("--dout", dout.shape(), x.with_leading({x.tq, x.dv}), "[..., Tq, Dv]: the shape of the attention output",
+               x.batch);
   if (!o.in.allow_nonfinite) check_input_finite(dout.cview(), "--dout");
 
   // The library computes dq, dk and dv whether or not they are written.
@@ -700,10 +729,17 @@ void attend_backward(const BackwardOptions& o, const Operands<T>& x, OutputFiles
     files.set("--dwk", std::move(dw_k));
     files.set("--dww", std::move(dw));
   }
-  files.set("--dq", std::move(dq));
-  files.set("--dk", std::move(dk));
-  files.set("--dv", std::move(dv));
-  if (dbias) files.set("--dbias", std::move(*dbias));
+  set_output(files, "--dq", std::move(dq), x.batch);
+  set_output(files, "--dk", std::move(dk), x.batch);
+  set_output(files, "--dv", std::move(dv), x.batch);
+  if (dbias && x.batch.dims.empty()) {
+    files.set("--dbias", std::move(*dbias));
+  } else if (dbias) {
+    // The gradient of the mask as given: summed over the batch entries an expanded mask was copied to.
+    const Tensor<T> own =
+        x.mask_batch.expanded ? sum_expanded_mask_gradient(*dbias, x.batch, x.mask_batch) : std::move(*dbias);
+    files.set("--dbias", encode_npy(own.cview(), x.mask_batch.shape));
+  }
   if (dsinks) files.set("--dsinks", std::move(*dsinks));
   files.commit();
 }

@@ -1,6 +1,7 @@
 #include "cli_io.hpp"
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -9,9 +10,14 @@
 #include <cmath>
 #include <cstdio>
 #include <limits>
+#include <span>
 #include <stdexcept>
+#include <string>
 #include <system_error>
+#include <type_traits>
 #include <utility>
+#include <variant>
+#include <vector>
 
 #include "qkv/core/error.hpp"
 #include "qkv/core/memory.hpp"
@@ -117,6 +123,126 @@ Tensor<int64_t> to_int64(NpyArray array, std::string_view arg) {
 Tensor<float> load_float32(const std::filesystem::path& path, std::string_view arg) {
   return to_float32(read_input(path, arg, kFloatDtypes), arg);
 }
+
+// ---- Batches of any rank ---------------------------------------------------------------------
+
+namespace {
+
+int64_t product(std::span<const int64_t> dims) {
+  int64_t n = 1;
+  for (const int64_t dim : dims) n *= dim;
+  return n;
+}
+
+std::string dims_str(std::span<const int64_t> dims) { return fmt::format("[{}]", fmt::join(dims, ", ")); }
+
+// The entry of a batch of dims `own` (each 1 or that of `batch`) that entry b of the flattened
+// `batch` broadcasts from.
+int64_t broadcast_entry(int64_t b, std::span<const int64_t> batch, std::span<const int64_t> own) {
+  int64_t entry = 0, stride = 1;
+  for (size_t i = batch.size(); i-- > 0;) {
+    if (own[i] != 1) entry += (b % batch[i]) * stride;
+    b /= batch[i];
+    stride *= own[i];
+  }
+  return entry;
+}
+
+// A mask's batch dims, padded on the left with 1s to the batch's rank.
+std::vector<int64_t> mask_batch_dims(std::span<const int64_t> mask, size_t batch_rank) {
+  std::vector<int64_t> own(batch_rank + 3 - mask.size(), 1);
+  own.insert(own.end(), mask.begin(), mask.end() - 3);
+  return own;
+}
+
+}  // namespace
+
+std::vector<int64_t> Batch::file_shape(const Shape& computed) const {
+  std::vector<int64_t> shape(dims);
+  for (int i = 1; i < computed.rank(); ++i) shape.push_back(computed[i]);
+  return shape;
+}
+
+Batch batch_of(const NpyArray& q, std::string_view arg) {
+  if (q.shape.size() < 2) {
+    throw ShapeError(fmt::format("{}: expected rank 2 or more ([..., Tq, Dk]), got shape {}", arg, q.shape_str()));
+  }
+  if (q.shape.size() <= static_cast<size_t>(kMaxRank)) return {};
+  return {.dims = std::vector<int64_t>(q.shape.begin(), q.shape.end() - 3)};
+}
+
+void flatten_batch(NpyArray& array, const Batch& batch, std::string_view arg, std::string_view meaning) {
+  if (batch.dims.empty()) return;
+  const size_t n = batch.dims.size();
+  if (array.shape.size() != n + 3 || !std::equal(batch.dims.begin(), batch.dims.end(), array.shape.begin())) {
+    throw ShapeError(fmt::format("{}: expected the batch dims {} of --q, then {}, got shape {}", arg,
+                                 dims_str(batch.dims), meaning, array.shape_str()));
+  }
+  std::vector<int64_t> shape{product(batch.dims)};
+  shape.insert(shape.end(), array.shape.end() - 3, array.shape.end());
+  array.shape = std::move(shape);
+}
+
+BatchedMask flatten_mask_batch(NpyArray& mask, const Batch& batch, std::span<const int64_t> scores) {
+  BatchedMask result{.shape = mask.shape};
+  const size_t n = batch.dims.size();
+  const auto refuse = [&] {
+    throw ShapeError(fmt::format("--mask: expected a shape that broadcasts to the scores [..., H, Tq, Tk] = {}, got {}",
+                                 dims_str(scores), mask.shape_str()));
+  };
+  if (mask.shape.size() > n + 3) refuse();
+  if (mask.shape.size() <= 3) return result;
+  const std::vector<int64_t> own = mask_batch_dims(mask.shape, n);
+  for (size_t i = 0; i < n; ++i) {
+    if (own[i] != 1 && own[i] != batch.dims[i]) refuse();
+  }
+  const std::vector<int64_t> rest(mask.shape.end() - 3, mask.shape.end());
+  const int64_t inner = product(rest);
+  const bool all_one = std::ranges::all_of(own, [](int64_t dim) { return dim == 1; });
+  const bool all_full = std::ranges::equal(own, batch.dims);
+  std::vector<int64_t> shape{all_one ? 1 : product(batch.dims)};
+  shape.insert(shape.end(), rest.begin(), rest.end());
+  if (!all_one && !all_full) {
+    // Entry b of the flattened batch reads, in each dim the mask broadcasts over, its entry 0.
+    result.expanded = true;
+    const int64_t count = product(batch.dims);
+    check_allocation_fits(static_cast<double>(count) * static_cast<double>(inner) * 8.0,
+                          "--mask, expanded to the batch");
+    std::visit(
+        [&](auto& values) {
+          std::remove_reference_t<decltype(values)> full(static_cast<size_t>(count * inner));
+          for (int64_t b = 0; b < count; ++b) {
+            const int64_t source = broadcast_entry(b, batch.dims, own);
+            std::copy_n(values.begin() + source * inner, inner, full.begin() + b * inner);
+          }
+          values = std::move(full);
+        },
+        mask.values);
+  }
+  mask.shape = std::move(shape);
+  return result;
+}
+
+template <class T>
+Tensor<T> sum_expanded_mask_gradient(const Tensor<T>& gradient, const Batch& batch, const BatchedMask& mask) {
+  const std::vector<int64_t> own = mask_batch_dims(mask.shape, batch.dims.size());
+  const int64_t inner = product(std::span(mask.shape).last(3));
+  const int64_t count = product(batch.dims);
+  Tensor<T> sum(Shape{product(own), inner});
+  T* out = sum.data();
+  const T* in = gradient.data();
+  // In a fixed order (b ascending), so that the sums are the same on every run.
+  for (int64_t b = 0; b < count; ++b) {
+    const int64_t target = broadcast_entry(b, batch.dims, own);
+    for (int64_t e = 0; e < inner; ++e) out[target * inner + e] += in[b * inner + e];
+  }
+  return sum;
+}
+
+template Tensor<float> sum_expanded_mask_gradient(const Tensor<float>&, const Batch&, const BatchedMask&);
+template Tensor<double> sum_expanded_mask_gradient(const Tensor<double>&, const Batch&, const BatchedMask&);
+
+// ---- Outputs --------------------------------------------------------------------------------
 
 template <class T>
 Tensor<T> allocate_output(const Shape& shape, std::string_view what) {

@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <filesystem>
 #include <optional>
+#include <span>
 #include <string>
 #include <string_view>
 #include <variant>
@@ -60,6 +61,43 @@ template <class T>
 void check_input_finite(TensorView<const T> values, std::string_view arg, NonFinite rule = NonFinite::refused) {
   check_finite(values, arg, rule, "pass --allow-nonfinite to accept them");
 }
+
+// ---- Batches of any rank ---------------------------------------------------------------------
+
+// The leading dims of a run beyond the two that qkv's tensors hold ([B, H, T, D]): Q of shape
+// [L1, ..., Ln, H, Tq, Dk] with n >= 2 runs as [L1*...*Ln, H, Tq, Dk], as torch reads `...`, and
+// every output is written with L1, ..., Ln again. Empty when Q has rank 4 or less.
+struct Batch {
+  std::vector<int64_t> dims;
+
+  // An output's shape as written: [L1*...*Ln, rest...] computed is [L1, ..., Ln, rest...] in the file.
+  std::vector<int64_t> file_shape(const Shape& computed) const;
+};
+
+// Q's batch: its dims before the last three, when it has more than four. A ShapeError for rank 0 or 1.
+Batch batch_of(const NpyArray& q, std::string_view arg);
+
+// K, V, dOut or Q itself reshaped from [L1, ..., Ln, X, Y, Z] to [L1*...*Ln, X, Y, Z]. A ShapeError
+// names `arg` when its leading dims are not the batch's; `meaning` says what they should be.
+void flatten_batch(NpyArray& array, const Batch& batch, std::string_view arg, std::string_view meaning);
+
+// How a mask given with batch dims runs: `shape` is its own (and its gradient's), and `expanded`
+// says that its batch dims mixed 1 and L_i, so it was copied to all L1*...*Ln entries (the
+// gradient then sums over the copies).
+struct BatchedMask {
+  std::vector<int64_t> shape;
+  bool expanded = false;
+};
+
+// A mask that broadcasts to the scores [L1, ..., Ln, H, Tq, Tk] (`scores`), reshaped to broadcast
+// to [L1*...*Ln, H, Tq, Tk]: batch dims all 1 or all L_i become one dim, any other mix is expanded.
+// A ShapeError names --mask when it does not broadcast.
+BatchedMask flatten_mask_batch(NpyArray& mask, const Batch& batch, std::span<const int64_t> scores);
+
+// The gradient of an expanded mask, [L1*...*Ln, H', Tq', Tk'], summed over the copies back into the
+// mask's own shape (as a tensor of that many elements: write it with `mask.shape`).
+template <class T>
+Tensor<T> sum_expanded_mask_gradient(const Tensor<T>& gradient, const Batch& batch, const BatchedMask& mask);
 
 // ---- Outputs --------------------------------------------------------------------------------
 

@@ -589,8 +589,19 @@ NpyArray read_npy(const std::filesystem::path& path) {
 
 template <class T>
 std::string encode_npy(TensorView<const T> view) {
+  return encode_npy(view, view.shape.dims());
+}
+
+template <class T>
+std::string encode_npy(TensorView<const T> view, std::span<const int64_t> file_shape) {
+  int64_t file_numel = 1;
+  for (const int64_t dim : file_shape) file_numel *= dim;
+  if (file_numel != view.numel()) {
+    throw ShapeError(fmt::format("file_shape: expected {} elements (those of the view, shape {}), got shape [{}]",
+                                 view.numel(), view.shape.str(), fmt::join(file_shape, ", ")));
+  }
   const DType dtype = dtype_for<T>();
-  std::string bytes = make_header(dtype, view.shape.dims());
+  std::string bytes = make_header(dtype, file_shape);
   const size_t data_start = bytes.size();
   bytes.resize(data_start + static_cast<size_t>(view.numel() * item_size(dtype)));
   char* out = bytes.data() + data_start;
@@ -612,8 +623,9 @@ void write_npy(const std::filesystem::path& path, TensorView<const T> view) {
   write_file_atomically(path, encode_npy(view));
 }
 
-#define QKV_INSTANTIATE_NPY(T)                             \
-  template std::string encode_npy<T>(TensorView<const T>); \
+#define QKV_INSTANTIATE_NPY(T)                                                       \
+  template std::string encode_npy<T>(TensorView<const T>);                           \
+  template std::string encode_npy<T>(TensorView<const T>, std::span<const int64_t>); \
   template void write_npy<T>(const std::filesystem::path&, TensorView<const T>);
 QKV_INSTANTIATE_NPY(float)
 QKV_INSTANTIATE_NPY(double)

@@ -104,9 +104,27 @@ def main():
         t.refuse("leading dims differ", ["attend", "--q", "q.npy", "--k", "k_b1.npy", "--v", "v.npy", "-o", "o.npy"],
                  "--k:")
         t.save("q_rank1.npy", np.ones((Dk,), dtype=f32))
-        t.refuse("Q of rank 1", ["attend", "--q", "q_rank1.npy", "--k", "k.npy", "--v", "v.npy", "-o", "o.npy"], "--q:")
+        t.refuse("Q of rank 1", ["attend", "--q", "q_rank1.npy", "--k", "k.npy", "--v", "v.npy", "-o", "o.npy"],
+                 "--q:", "rank 2 or more")
+        # Leading dims beyond [B, H] are a batch, which K, V and dOut must share and a mask broadcast over.
         t.save("q_rank5.npy", np.ones((1, B, H, Tq, Dk), dtype=f32))
-        t.refuse("Q of rank 5", ["attend", "--q", "q_rank5.npy", "--k", "k.npy", "--v", "v.npy", "-o", "o.npy"], "--q:")
+        t.refuse("Q of rank 5, K of rank 4",
+                 ["attend", "--q", "q_rank5.npy", "--k", "k.npy", "--v", "v.npy", "-o", "o.npy"],
+                 "--k:", f"batch dims [1, {B}] of --q", f"got shape [{B}, {H}, {Tk}, {Dk}]")
+        t.save("k_rank5.npy", np.ones((1, B, H, Tk, Dk), dtype=f32))
+        t.save("v_rank5.npy", np.ones((1, B, H, Tk, Dv), dtype=f32))
+        t.save("v_rank5_tk.npy", np.ones((1, B, H, Tk + 1, Dv), dtype=f32))
+        t.refuse("V of rank 5 with another Tk",
+                 ["attend", "--q", "q_rank5.npy", "--k", "k_rank5.npy", "--v", "v_rank5_tk.npy", "-o", "o.npy"],
+                 "--v:", f"expected shape [1, {B}, {H}, {Tk}, {Dv}]", f"got [1, {B}, {H}, {Tk + 1}, {Dv}]")
+        t.save("mask_rank5_b.npy", np.ones((3, B, 1, Tq, Tk), dtype=bool))
+        t.refuse("a mask over a batch it does not broadcast to",
+                 ["attend", "--q", "q_rank5.npy", "--k", "k_rank5.npy", "--v", "v_rank5.npy", "--mask",
+                  "mask_rank5_b.npy", "-o", "o.npy"], "--mask:", f"[1, {B}, {H}, {Tq}, {Tk}]", f"got [3, {B}, 1")
+        t.save("dout_rank4.npy", np.ones((B, H, Tq, Dv), dtype=f32))
+        t.refuse("dOut without the batch of Q",
+                 ["attend-backward", "--q", "q_rank5.npy", "--k", "k_rank5.npy", "--v", "v_rank5.npy", "--dout",
+                  "dout_rank4.npy", "--dq", "dq.npy"], "--dout:", f"batch dims [1, {B}] of --q")
         t.save("q_d0.npy", np.ones((Tq, 0), dtype=f32))
         t.save("k_d0.npy", np.ones((Tk, 0), dtype=f32))
         t.refuse("d_k = 0", ["attend", "--q", "q_d0.npy", "--k", "k_d0.npy", "--v", "v.npy", "-o", "o.npy"],

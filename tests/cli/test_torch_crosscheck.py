@@ -246,6 +246,15 @@ def make_cases():
         Case("huge common offset ±1e4", 24, lead=(3,), tq=10, tk=12, dk=4, dv=4, scale=1.0, offset=100.0),
         Case("size 113", 17, lead=(1, 2), tq=113, tk=113, dk=64, dv=64, causal=True),
         Case("size 113 x 127, d 113", 18, tq=113, tk=127, dk=113, dv=17),
+        # More than two leading dims run as one batch and come back in their shape; a mask whose batch
+        # dims mix 1 and full is copied to every entry, and its gradient summed back.
+        Case("batch [2,2] + heads 3", 25, lead=(2, 2, 3), tq=6, tk=10, dk=8, dv=5, causal=True),
+        Case("batch [2,1,2], bias [2,1,1,1,Tq,Tk]", 26, lead=(2, 1, 2, 3), tq=5, tk=7, dk=4, dv=4,
+             mask=("float", (2, 1, 1, 1, 5, 7), mask_row(1))),
+        Case("batch [2,2], bias [1,2,3,Tq,Tk]", 27, lead=(2, 2, 3), tq=5, tk=7, dk=4, dv=4,
+             mask=("float", (1, 2, 3, 5, 7), no_change)),
+        Case("batch [2,3], bool [2,3,1,Tq,Tk]", 28, lead=(2, 3, 2), tq=6, tk=6, dk=4, dv=4,
+             mask=("bool", (2, 3, 1, 6, 6), no_change)),
         Case("additive", 19, lead=(2, 2), tq=5, tk=7, dq=6, dk=4, dv=3, hidden=8),
         Case("additive causal+bias+row", 20, lead=(2,), tq=6, tk=5, dk=4, dv=4, hidden=5, causal=True,
              mask=("float", (6, 5), mask_row(5))),

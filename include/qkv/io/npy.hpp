@@ -11,6 +11,7 @@
 
 #include <cstdint>
 #include <filesystem>
+#include <span>
 #include <string>
 #include <string_view>
 #include <variant>
@@ -53,6 +54,11 @@ NpyArray decode_npz(std::string_view archive, const std::filesystem::path& archi
 // written as bool (every nonzero byte as 1).
 template <class T>
 std::string encode_npy(TensorView<const T> view);
+// The same elements, in the same order, stored with the shape `file_shape` (of the same number of
+// elements): an array whose leading dims a caller flattened into qkv's rank-4 batch, written with
+// them again.
+template <class T>
+std::string encode_npy(TensorView<const T> view, std::span<const int64_t> file_shape);
 
 // encode_npy written to `path` all or nothing (write_file_atomically).
 template <class T>
