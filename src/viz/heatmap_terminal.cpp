@@ -112,9 +112,11 @@ std::string cut_header(const Figure& f, const GridFit& fit) {
   for (int64_t j = 0; j < fit.keys; ++j) {
     const int64_t at = fit.label_width + j * (fit.gap + fit.cell_width) + fit.gap;
     if (at < free_from) continue;
-    const std::string label =
-        truncate_to_width(f.col_labels[static_cast<size_t>(j)], std::min(kCutLabelWidth, end - at));
-    if (label.empty()) continue;
+    const std::string& whole = f.col_labels[static_cast<size_t>(j)];
+    const int64_t room = std::min(kCutLabelWidth, end - at);
+    // A label cut to a column or two ("…", "1…") says nothing: the line ends without it.
+    if (room < std::min<int64_t>(3, display_width(whole))) break;
+    const std::string label = truncate_to_width(whole, room);
     out += pad_right("", at - used) + label;
     used = at + display_width(label);
     free_from = used + 1;

@@ -381,6 +381,7 @@ TEST(TerminalHeatmap, WideGridsFitTheWidthWithAWindowOfKeys) {
       EXPECT_NE(text.find(fmt::format("(keys 0–{} of 100 shown", shown - 1)), std::string::npos) << text;
       const std::vector<std::string> lines = lines_of(text);
       EXPECT_EQ(std::ranges::count_if(lines, [](const std::string& line) { return line.starts_with("k"); }), 100);
+      EXPECT_FALSE(lines[0].ends_with(" …") || lines[0].ends_with("k…")) << "a label cut to nothing: " << lines[0];
       // Coloured lines keep their blanks: a row fills the width exactly.
       if (color != TerminalColor::none) {
         EXPECT_EQ(columns_of(lines[1]), width) << lines[1];
