@@ -32,10 +32,12 @@
 // on the page (whose hover says "masked"), '·' in the terminal; `annotate` writes no value on them,
 // and they take no part in the default vmin and vmax.
 //
-// The terminal fits TerminalStyle::max_width columns when one is given: the grid first drops the
-// blank between cells and cuts key labels to what fits (thinning them to those that fit side by
-// side), then draws each key one column wide, and at last shows only the first keys that fit, with a
-// line saying which keys are shown; long labels, the title and that line are cut or wrapped to fit.
+// The terminal fits TerminalStyle::max_width columns when one is given. A grid as wide as its labels
+// that does not fit cuts its query labels to a quarter of the width and its key labels to 8 columns,
+// each starting at its key's column and thinned to those that do not run into each other; then, as
+// long as the keys do not fit, it drops the blank between cells, draws each key one column wide (not
+// with `annotate`), and at last shows only the first keys that fit. A line under the grid says what
+// was done; it, the title and the scale line wrap at the width.
 //
 // The terminal, plain, for α = [[0.9, 0.05, 0.05], [0.3, 0.45, 0.25]] with labels {"I", "read"} ×
 // {"I", "read", "書"}: the title and a head's caption (when there are any) on lines of their own, then
