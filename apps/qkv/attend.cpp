@@ -29,6 +29,7 @@
 #include "qkv/io/staged_files.hpp"
 #include "qkv/ops/additive_attention.hpp"
 #include "qkv/ops/attention.hpp"
+#include "qkv/ops/attention_visible.hpp"
 #include "qkv/viz/heatmap.hpp"
 
 namespace qkv::cli {
@@ -645,8 +646,15 @@ void attend(const Operands<T>& x, const std::optional<HeatmapFormat>& heatmap, O
     attention_forward(x.dot_params(), outputs, x.impl);
   });
 
-  // Every head of the first batch entry, written with the arrays: all the files or none.
-  if (heatmap) files.set("--heatmap", render_heatmap(weights->cview(), *heatmap, {}));
+  // Every head of the first batch entry, written with the arrays: all the files or none. The cells
+  // the mask hid are drawn as masked, not as the weights of 0 they hold.
+  if (heatmap) {
+    Tensor<uint8_t> visible(weights->shape());
+    naming_options([&] { attention_visible(x.q.cview(), x.k.cview(), x.mask(), as_rank4(visible.view())); });
+    HeatmapOptions picture;
+    picture.allowed = visible.cview();
+    files.set("--heatmap", render_heatmap(weights->cview(), *heatmap, picture));
+  }
   set_output(files, "-o", std::move(out), x.batch);
   if (weights) set_output(files, "--weights", std::move(*weights), x.batch);
   if (lse) set_output(files, "--lse", std::move(*lse), x.batch);
@@ -758,7 +766,8 @@ void register_attend(CLI::App& app) {
   cmd->add_option("--lse", options->lse, "also write each row's log-sum-exp of the scores L.npy [..., Tq]")
       ->type_name("FILE");
   cmd->add_option("--heatmap", options->heatmap,
-                  "also draw the weights (every head of batch 0): .png, .svg, .pdf or .html (see qkv heatmap)")
+                  "also draw the weights (every head of batch 0): .png, .svg, .pdf or .html (see qkv heatmap); "
+                  "the keys the mask hides are drawn as masked")
       ->type_name("FILE");
   cmd->callback([options] { run_attend(*options); });
 }

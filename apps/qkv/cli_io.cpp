@@ -2,6 +2,7 @@
 
 #include <fmt/format.h>
 #include <fmt/ranges.h>
+#include <sys/ioctl.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -9,6 +10,7 @@
 #include <charconv>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <limits>
 #include <span>
 #include <stdexcept>
@@ -402,6 +404,20 @@ TerminalColor terminal_color(std::string_view when) {
   const bool color = when == "always" || (when == "auto" && terminal_supports_color(stdout));
   if (!color) return TerminalColor::none;
   return terminal_supports_truecolor() ? TerminalColor::truecolor : TerminalColor::palette256;
+}
+
+int64_t terminal_width() {
+  int64_t columns = 0;
+  const char* env = std::getenv("COLUMNS");
+  const std::string_view text = env == nullptr ? "" : env;
+  const auto [end, error] = std::from_chars(text.data(), text.data() + text.size(), columns);
+  if (text.empty() || error != std::errc() || end != text.data() + text.size() || columns <= 0) {
+    winsize size{};
+    columns = ::isatty(STDOUT_FILENO) == 1 && ::ioctl(STDOUT_FILENO, TIOCGWINSZ, &size) == 0 && size.ws_col > 0
+                  ? size.ws_col
+                  : 80;
+  }
+  return std::max(columns, kMinTerminalWidth);
 }
 
 }  // namespace qkv::cli

@@ -161,4 +161,10 @@ AttentionWindow parse_window(std::string_view text, std::string_view arg);
 // 24-bit where terminal_supports_truecolor() says so, else the nearest of the 256-colour cube.
 TerminalColor terminal_color(std::string_view when);
 
+// The columns that text printed to standard output may take: COLUMNS when it is a whole number
+// (what a shell exports, and what a user sets to choose), else the terminal's own width when
+// standard output is one, else 80 (a pipe or a file, read in an 80-column window more often than
+// not). Never below kMinTerminalWidth (qkv/viz/heatmap.hpp), the narrowest a heatmap can fit.
+int64_t terminal_width();
+
 }  // namespace qkv::cli

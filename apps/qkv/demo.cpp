@@ -11,7 +11,8 @@
 // themselves (X, W_Q, W_K, W_V, Q, K, V, α; attention_arrays/*.npy) so that numpy or the PyTorch
 // original can be run on the same numbers. --score additive scores with Bahdanau's small network
 // instead, e_ij = w·tanh(W_a q_i + U_a k_j), on the same Q and K. Everything is drawn from
-// qkv::Rng(seed), so a seed reproduces the output byte for byte on every platform.
+// qkv::Rng(seed), so a seed reproduces the output byte for byte on every platform (at one terminal
+// width: what is printed is fitted to it, see terminal_width in cli_io.hpp).
 
 #include <fmt/format.h>
 #include <fmt/ranges.h>
@@ -71,8 +72,11 @@ struct DemoOptions {
 };
 
 // m [T, T] with token labels on both axes, 3 decimals, and a last column of row sums when asked.
-// Columns are as wide as their label or their widest value, whichever is wider.
-std::string labelled_matrix(TensorView<const double> m, const std::vector<std::string>& tokens, bool row_sums) {
+// Columns are as wide as their label or their widest value, whichever is wider; when that is wider
+// than `width`, labels are cut to the values' width and only the first columns that fit are shown,
+// with a line saying so (the sums are of whole rows).
+std::string labelled_matrix(TensorView<const double> m, const std::vector<std::string>& tokens, bool row_sums,
+                            int64_t width) {
   const auto format = [](double value) { return fmt::format("{:.3f}", value); };
   const int64_t n = m.shape[0];
   int64_t value_width = 0;
@@ -81,21 +85,43 @@ std::string labelled_matrix(TensorView<const double> m, const std::vector<std::s
   }
   int64_t label_width = 0;
   for (const std::string& token : tokens) label_width = std::max(label_width, display_width(token));
-
   const std::string indent = "   ";
+  const int64_t sums_width = row_sums ? 3 + value_width : 0;
+  std::vector<int64_t> col_widths;
+  int64_t natural = display_width(indent) + label_width + sums_width;
+  for (const std::string& token : tokens) {
+    col_widths.push_back(std::max(value_width, display_width(token)));
+    natural += 1 + col_widths.back();
+  }
+  int64_t shown = n;
+  if (natural > width) {
+    label_width = std::min(label_width, std::max(value_width, width / 5));
+    col_widths.assign(static_cast<size_t>(n), value_width);
+    const int64_t room = width - display_width(indent) - label_width - sums_width;
+    shown = std::clamp<int64_t>(room / (1 + value_width), 1, n);
+  }
+  const auto cell = [&](std::string_view text, int64_t j) {
+    return ' ' + pad_left(truncate_to_width(text, col_widths[j]), col_widths[j]);
+  };
+
   std::string out = indent + pad_right("", label_width);
-  for (const std::string& token : tokens) out += ' ' + pad_left(token, std::max(value_width, display_width(token)));
+  for (int64_t j = 0; j < shown; ++j) out += cell(tokens[j], j);
   if (row_sums) out += "   " + pad_left("sum", value_width);
   out += '\n';
   for (int64_t i = 0; i < n; ++i) {
-    out += indent + pad_right(tokens[i], label_width);
+    out += indent + pad_right(truncate_to_width(tokens[i], label_width), label_width);
     double sum = 0.0;
     for (int64_t j = 0; j < n; ++j) {
-      out += ' ' + pad_left(format(m(i, j)), std::max(value_width, display_width(tokens[j])));
+      if (j < shown) out += cell(format(m(i, j)), j);
       sum += m(i, j);
     }
     if (row_sums) out += "   " + pad_left(format(sum), value_width);
     out += '\n';
+  }
+  if (shown < n) {
+    out += wrap_text(fmt::format("{}(columns 0–{} of {} shown to fit {} columns{})\n", indent, shown - 1, n, width,
+                                 row_sums ? "; the sums are of whole rows" : ""),
+                     width);
   }
   return out;
 }
@@ -119,19 +145,29 @@ double variance(const std::vector<double>& values) {
   return sum / static_cast<double>(values.size());
 }
 
-// Three lines of numpy that recompute α from the saved arrays, printed after a run that saved them.
+// Lines of numpy that recompute α from the saved arrays, printed after a run that saved them. Code
+// cannot be wrapped, so each line is at most 40 columns, the narrowest width qkv prints at.
 constexpr std::string_view kDotSnippet =
-    "  import numpy as np; a = {n: np.load(f\"attention_arrays/{n}.npy\") for n in (\"X\", \"W_Q\", \"W_K\", "
-    "\"alpha\")}\n"
-    "  s = (a[\"X\"] @ a[\"W_Q\"].T) @ (a[\"X\"] @ a[\"W_K\"].T).T / np.sqrt(32); e = np.exp(s - s.max(1, "
-    "keepdims=True))\n"
-    "  print(np.abs(e / e.sum(1, keepdims=True) - a[\"alpha\"]).max())   # about 1e-7: the same α\n";
+    "  import numpy as np\n"
+    "  P = \"attention_arrays/\"\n"
+    "  L = lambda n: np.load(P + n + \".npy\")\n"
+    "  x, a = L(\"X\"), L(\"alpha\")\n"
+    "  q, k = x @ L(\"W_Q\").T, x @ L(\"W_K\").T\n"
+    "  s = q @ k.T / np.sqrt(32)\n"
+    "  e = np.exp(s - s.max(1)[:, None])\n"
+    "  p = e / e.sum(1, keepdims=True)\n"
+    "  print(abs(p - a).max())  # about 1e-7\n";
 constexpr std::string_view kAdditiveSnippet =
-    "  import numpy as np; a = {n: np.load(f\"attention_arrays/{n}.npy\") for n in (\"Q\", \"K\", \"W_a\", \"U_a\", "
-    "\"w\", \"alpha\")}\n"
-    "  s = np.tanh((a[\"Q\"] @ a[\"W_a\"].T)[:, None] + (a[\"K\"] @ a[\"U_a\"].T)[None]) @ a[\"w\"][0]; e = np.exp(s - "
-    "s.max(1, keepdims=True))\n"
-    "  print(np.abs(e / e.sum(1, keepdims=True) - a[\"alpha\"]).max())   # about 1e-7: the same α\n";
+    "  import numpy as np\n"
+    "  P = \"attention_arrays/\"\n"
+    "  L = lambda n: np.load(P + n + \".npy\")\n"
+    "  q, k, a = L(\"Q\"), L(\"K\"), L(\"alpha\")\n"
+    "  hq = (q @ L(\"W_a\").T)[:, None]\n"
+    "  hk = (k @ L(\"U_a\").T)[None]\n"
+    "  s = np.tanh(hq + hk) @ L(\"w\")[0]\n"
+    "  e = np.exp(s - s.max(1)[:, None])\n"
+    "  p = e / e.sum(1, keepdims=True)\n"
+    "  print(abs(p - a).max())  # about 1e-7\n";
 
 // e_ij = w·tanh(W_a q_i + U_a k_j) in float64, what additive_attention_forward scores with.
 double additive_score(TensorView<const float> w_a, TensorView<const float> u_a, TensorView<const float> w,
@@ -206,27 +242,35 @@ void run_demo(const DemoOptions& options) {
   const Tensor<double> alpha64 = to_tensor<double, float>(alpha.cview());
 
   const double sqrt_d = std::sqrt(static_cast<double>(kDim));
-  std::string text =
-      fmt::format("qkv demo: self-attention over T = {} tokens, d = {}, seed {}\n", t, kDim, options.seed);
-  text += fmt::format("tokens: {}\n", fmt::join(tokens, " | "));
-  text += fmt::format(
+  // Prose is wrapped at the terminal's width; the tables and the heatmap are made to fit it.
+  const int64_t width = terminal_width();
+  std::string text;
+  const auto say = [&](const std::string& paragraph, int64_t hanging = 0) {
+    text += wrap_text(paragraph, width, hanging);
+  };
+  say(fmt::format("qkv demo: self-attention over T = {} tokens, d = {}, seed {}\n", t, kDim, options.seed));
+  say(fmt::format("tokens: {}\n", fmt::join(tokens, " | ")), 8);
+  say(fmt::format(
       "X ~ N(0, 1) [{0}, {1}]; W_Q, W_K, W_V ~ U(−1/√{1}, 1/√{1}) [{1}, {1}], as nn.Linear({1}, {1}, bias=False)\n", t,
-      kDim);
+      kDim));
   if (additive) {
-    text += fmt::format(
-        "W_a, U_a [{0}, {0}], w [{0}] ~ U(−1/√{0}, 1/√{0}): additive scoring's network, drawn after W_V\n", kDim);
+    say(fmt::format("W_a, U_a [{0}, {0}], w [{0}] ~ U(−1/√{0}, 1/√{0}): additive scoring's network, drawn after W_V\n",
+                    kDim));
   }
   text += '\n';
 
   if (options.explain) {
-    text += fmt::format("1. project: X [{0}, {1}] · W_Qᵀ [{1}, {1}] → Q [{0}, {1}]; likewise K = X W_Kᵀ, V = X W_Vᵀ.\n",
-                        t, kDim);
-    text += "   Each token's features become a query (what it looks for), a key (what it offers) and a value\n";
-    text += fmt::format("   (what it passes on). For token 0, \"{}\":\n", tokens[0]);
-    text += fmt::format("     x_0 = {}\n", leading_values(x, 0));
-    text += fmt::format("     q_0 = {}\n", leading_values(q, 0));
-    text += fmt::format("     k_0 = {}\n", leading_values(k, 0));
-    text += fmt::format("     v_0 = {}\n\n", leading_values(v, 0));
+    say(fmt::format("1. project: X [{0}, {1}] · W_Qᵀ [{1}, {1}] → Q [{0}, {1}]; likewise K = X W_Kᵀ, V = X W_Vᵀ.\n", t,
+                    kDim),
+        3);
+    say(
+        fmt::format("   Each token's features become a query (what it looks for), a key (what it offers) and a "
+                    "value (what it passes on). For token 0, \"{}\":\n",
+                    tokens[0]));
+    say(fmt::format("     x_0 = {}\n", leading_values(x, 0)));
+    say(fmt::format("     q_0 = {}\n", leading_values(q, 0)));
+    say(fmt::format("     k_0 = {}\n", leading_values(k, 0)));
+    say(fmt::format("     v_0 = {}\n\n", leading_values(v, 0)));
 
     // The scores, recomputed here in float64 because the ops keep them to themselves.
     Tensor<double> e({t, t});
@@ -241,53 +285,50 @@ void run_demo(const DemoOptions& options) {
       }
     }
     if (additive) {
-      text += fmt::format(
-          "2. score (additive, Bahdanau): e_ij = w·tanh(W_a q_i + U_a k_j), W_a, U_a [{0}, {0}], w [{0}] → e [{1}, "
-          "{1}]\n",
-          kDim, t);
-      text += "   A small network scores each pair instead of a dot product; tanh bounds it, so no √d is needed.\n";
+      say(fmt::format("2. score (additive, Bahdanau): e_ij = w·tanh(W_a q_i + U_a k_j), W_a, U_a [{0}, {0}], w [{0}] → "
+                      "e [{1}, {1}]\n",
+                      kDim, t),
+          3);
+      say("   A small network scores each pair instead of a dot product; tanh bounds it, so no √d is needed.\n");
     } else {
-      text += fmt::format("2. score: e = Q Kᵀ / √{} = [{}, {}] · [{}, {}] / {:.3f} → e [{}, {}]\n", kDim, t, kDim, kDim,
-                          t, sqrt_d, t, t);
-      text += "   e_ij = q_i·k_j / √d: how well key j answers query i (rows = queries, columns = keys).\n";
+      say(fmt::format("2. score: e = Q Kᵀ / √{} = [{}, {}] · [{}, {}] / {:.3f} → e [{}, {}]\n", kDim, t, kDim, kDim, t,
+                      sqrt_d, t, t),
+          3);
+      say("   e_ij = q_i·k_j / √d: how well key j answers query i (rows = queries, columns = keys).\n");
     }
-    text += labelled_matrix(e.cview(), tokens, false);
+    text += labelled_matrix(e.cview(), tokens, false, width);
     text += '\n';
 
-    text += "3. normalise: α = softmax(e) along each row, α_ij = exp(e_ij) / Σ_k exp(e_ik): each row sums to 1.\n";
-    text += labelled_matrix(alpha64.cview(), tokens, true);
-    if (!additive)
-      text += fmt::format(
-          "   Why divide by √d: q·k adds up d products, so its variance grows with d (d·σ_q²·σ_k² for\n"
-          "   independent entries). Large scores push softmax towards a one-hot row whose gradients vanish;\n"
-          "   dividing by √d keeps the scores' spread the same whatever d is. Here var(q·k) = {:.3f} (about\n"
-          "   d/9 = {:.3f}, as nn.Linear's init gives q and k entries of variance 1/3)\n"
-          "   and var(e) = var(q·k) / {} = {:.3f}.\n\n",
-          variance(raw_dots), static_cast<double>(kDim) / 9.0, kDim, variance(raw_dots) / static_cast<double>(kDim));
+    say("3. normalise: α = softmax(e) along each row, α_ij = exp(e_ij) / Σ_k exp(e_ik): each row sums to 1.\n", 3);
+    text += labelled_matrix(alpha64.cview(), tokens, true, width);
+    if (!additive) {
+      say(fmt::format(
+          "   Why divide by √d: q·k adds up d products, so its variance grows with d (d·σ_q²·σ_k² for independent "
+          "entries). Large scores push softmax towards a one-hot row whose gradients vanish; dividing by √d keeps the "
+          "scores' spread the same whatever d is. Here var(q·k) = {:.3f} (about d/9 = {:.3f}, as nn.Linear's init "
+          "gives q and k entries of variance 1/3) and var(e) = var(q·k) / {} = {:.3f}.\n\n",
+          variance(raw_dots), static_cast<double>(kDim) / 9.0, kDim, variance(raw_dots) / static_cast<double>(kDim)));
+    }
 
-    text += fmt::format(
-        "4. weigh: out = α V = [{0}, {0}] · [{0}, {1}] → out [{0}, {1}]; out_i = Σ_j α_ij v_j, a blend of\n", t, kDim);
-    text += "   the values, mixed in the proportions row i of α gives. For token 0:\n";
+    say(fmt::format("4. weigh: out = α V = [{0}, {0}] · [{0}, {1}] → out [{0}, {1}]; out_i = Σ_j α_ij v_j, a blend of "
+                    "the values, mixed in the proportions row i of α gives. For token 0:\n",
+                    t, kDim),
+        3);
     std::string terms;
     for (int64_t j = 0; j < std::min(t, kShownTerms); ++j) {
       terms += fmt::format("{}{:.3f}·v_{}", j == 0 ? "" : " + ", alpha[j], j);
     }
     if (t > kShownTerms) terms += " + …";
-    text += fmt::format("     out_0 = {}\n", terms);
-    text += fmt::format("           = {}\n\n", leading_values(out, 0));
-  } else if (additive) {
-    text += fmt::format(
-        "α = softmax(e) [{}, {}] with additive scoring, e_ij = w·tanh(W_a q_i + U_a k_j): row i says how token i\n", t,
-        t);
-    text += "spreads its attention over the tokens (rows = queries, columns = keys); out = α V blends the values\n";
-    text += "in those proportions.\n";
-    text += labelled_matrix(alpha64.cview(), tokens, true);
-    text += '\n';
+    say(fmt::format("     out_0 = {}\n", terms), 8);
+    say(fmt::format("           = {}\n\n", leading_values(out, 0)));
   } else {
-    text += fmt::format(
-        "α = softmax(Q Kᵀ / √{}) [{}, {}]: row i says how token i spreads its attention over the tokens\n", kDim, t, t);
-    text += "(rows = queries, columns = keys); out = α V blends the values in those proportions.\n";
-    text += labelled_matrix(alpha64.cview(), tokens, true);
+    const std::string formula =
+        additive ? fmt::format("α = softmax(e) [{}, {}] with additive scoring, e_ij = w·tanh(W_a q_i + U_a k_j)", t, t)
+                 : fmt::format("α = softmax(Q Kᵀ / √{}) [{}, {}]", kDim, t, t);
+    say(formula +
+        ": row i says how token i spreads its attention over the tokens (rows = queries, columns = keys); out = α V "
+        "blends the values in those proportions.\n");
+    text += labelled_matrix(alpha64.cview(), tokens, true, width);
     text += '\n';
   }
 
@@ -295,7 +336,8 @@ void run_demo(const DemoOptions& options) {
   heatmap.row_labels = tokens;
   heatmap.col_labels = tokens;
   heatmap.terminal.color = terminal_color(options.color);
-  text += "heatmap of α: who looks at whom (rows = queries, columns = keys)\n";
+  heatmap.terminal.max_width = width;
+  say("heatmap of α: who looks at whom (rows = queries, columns = keys)\n");
   text += render_heatmap(alpha.cview(), HeatmapFormat::terminal, heatmap);
   text += '\n';
   if (!options.no_files) {
@@ -323,21 +365,21 @@ void run_demo(const DemoOptions& options) {
     const auto shown = [](const std::filesystem::path& p) {
       return std::filesystem::absolute(p).lexically_normal().string();
     };
-    text += fmt::format("saved: {} (the heatmap as an image)\n", shown(png_path));
-    text += fmt::format("       {} (open it in a browser: hover a token to see whom it looks at)\n", shown(html_path));
-    text += fmt::format("       {}/ (X, W_Q, W_K, W_V, Q, K, V, alpha{} as .npy; W_* as nn.Linear weights [out, in])\n",
-                        shown(arrays_dir), additive ? ", W_a, U_a, w" : "");
-    text += fmt::format("α again, with numpy, from the saved arrays (run in {}):\n", shown(options.out_dir));
+    say(fmt::format("saved: {} (the heatmap as an image)\n", shown(png_path)), 7);
+    say(fmt::format("       {} (open it in a browser: hover a token to see whom it looks at)\n", shown(html_path)));
+    say(fmt::format("       {}/ (X, W_Q, W_K, W_V, Q, K, V, alpha{} as .npy; W_* as nn.Linear weights [out, in])\n",
+                    shown(arrays_dir), additive ? ", W_a, U_a, w" : ""));
+    say(fmt::format("α again, with numpy, from the saved arrays (run in {}):\n", shown(options.out_dir)));
     text += additive ? kAdditiveSnippet : kDotSnippet;
     text += '\n';
   }
-  text +=
-      "The weights are random, so this pattern means nothing yet: training W_Q and W_K is what teaches\n"
-      "each token to look at the ones that matter to it (a verb at its object, a pronoun at its noun).\n";
-  text +=
-      "Try next: qkv demo --explain | qkv demo --score additive | qkv demo --tokens \"我 阅读 这 本 书 。\" | qkv "
-      "attend "
-      "--help\n";
+  say("The weights are random, so this pattern means nothing yet: training W_Q and W_K is what teaches each token to "
+      "look at the ones that matter to it (a verb at its object, a pronoun at its noun).\n");
+  text += "Try next:\n";
+  for (const std::string_view next : {"qkv demo --explain", "qkv demo --score additive",
+                                      "qkv demo --tokens \"我 阅读 这 本 书 。\"", "qkv attend --help"}) {
+    say(fmt::format("  {}\n", next), 2);
+  }
   std::fputs(text.c_str(), stdout);
 }
 
@@ -347,6 +389,10 @@ void register_demo(CLI::App& app) {
   auto options = std::make_shared<DemoOptions>();
   CLI::App* cmd = app.add_subcommand(
       "demo", "the worked example: self-attention over 6 tokens (d = 32), α printed and drawn as a heatmap");
+  cmd->footer(
+      "Everything is printed to fit the terminal: COLUMNS when it is a whole number, else the terminal's width, else "
+      "80 (at least 40). Prose wraps; the tables and the heatmap show the columns that fit, with a line saying "
+      "which.");
   cmd->add_option("--seed", options->seed, "seed of X and of W_Q, W_K, W_V; a seed reproduces the output exactly")
       ->check(CLI::Validator(uint64_error, "0..2^64-1"))
       ->capture_default_str();

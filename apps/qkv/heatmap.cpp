@@ -3,13 +3,11 @@
 //
 // Everything is checked before anything is drawn: the output path (its extension and directory),
 // the array (rank 2 to 4, finite, non-negative; of any sign with the diverging --cmap coolwarm),
-// the token lists against the axes, the head and
-// batch. Rows that do not sum to 1 are drawn anyway, with a warning. The file is rendered in memory
-// and written through a temporary file and a rename, so a refused or failed run leaves no file.
+// the token lists against the axes, the mask against alpha, the head and batch. Rows that do not sum to 1 are drawn
+// anyway, with a warning. The file is rendered in memory and written through a temporary file and a rename, so a
+// refused or failed run leaves no file.
 
 #include <fmt/format.h>
-#include <sys/ioctl.h>
-#include <unistd.h>
 
 #include <CLI/CLI.hpp>
 #include <algorithm>
@@ -36,6 +34,13 @@ constexpr const char* kFooter =
     R"(ALPHA is [Tq, Tk], [H, Tq, Tk] or [B, H, Tq, Tk] (what `qkv attend --weights` writes), float32
 or float64, finite and >= 0; rows are queries, columns keys. A row that does not sum to 1 is drawn
 with a warning; an all-zero row (a query that sees no key) is drawn as it is.
+Masked cells (--mask M.npy: bool or integer, nonzero = may attend, broadcast to ALPHA's shape as
+qkv attend --mask is; --causal: key j is masked for query i when j > i + Tk - Tq) are drawn as no
+weight: hatched grey in images, grey on the page, '·' in the terminal, with no --annotate value.
+Colours: --scale sqrt or log spreads small weights that a few large ones (a causal map's first row)
+leave dark; values above --vmax take the top colour, and the colour bar ends in a triangle then
+(the terminal's scale says ">= vmax"). The terminal grid fits COLUMNS (or the terminal, else 80):
+cells narrow, labels are cut, and at last only the first keys are shown, with a line saying so.
 Output by the extension of -o: .png, .svg, .pdf (token labels, colour bar, optional values),
 .html (one self-contained page: matrix and token views, hover for the exact value, a head
 selector), or - for the terminal (the default): truecolor when COLORTERM says so, shade characters
@@ -47,7 +52,8 @@ Examples:
   qkv heatmap alpha.npy --tokens "the student is reading a book" -o attention.png
   qkv heatmap alpha.npy --all-heads --cmap magma -o heads.svg
   qkv heatmap alpha.npy -o attention.html
-  qkv heatmap alpha.npy --head 2 --annotate)";
+  qkv heatmap alpha.npy --head 2 --annotate
+  qkv heatmap alpha.npy --causal --scale sqrt -o causal.png)";
 
 struct HeatmapCliOptions {
   std::string input;
@@ -66,6 +72,9 @@ struct HeatmapCliOptions {
   bool annotate = false;
   double vmax = 0.0;
   const CLI::Option* vmax_option = nullptr;
+  std::string scale = "linear";
+  std::string mask;
+  bool causal = false;
   std::string color = "auto";
 };
 
@@ -87,36 +96,43 @@ std::vector<std::string> axis_labels(const HeatmapCliOptions& o, const CLI::Opti
   return labels;
 }
 
-int64_t terminal_columns() {
-  winsize size{};
-  if (::ioctl(STDOUT_FILENO, TIOCGWINSZ, &size) == 0 && size.ws_col > 0) return size.ws_col;
-  return 0;
-}
-
 void print_terminal(const Tensor<float>& alpha, const HeatmapCliOptions& o, HeatmapOptions options) {
   options.terminal.color = terminal_color(o.color);
   options.terminal.decimals = 2;
+  options.terminal.max_width = terminal_width();
   const std::string text = render_heatmap(alpha.cview(), HeatmapFormat::terminal, options);
   std::fputs(text.c_str(), stdout);
   std::fflush(stdout);
+}
 
-  if (::isatty(STDOUT_FILENO)) {
-    int64_t widest = 0;
-    for (size_t start = 0; start < text.size();) {
-      const size_t end = std::min(text.find('\n', start), text.size());
-      std::string line = text.substr(start, end - start);
-      // Escapes take no columns.
-      for (size_t esc; (esc = line.find('\x1b')) != std::string::npos;) line.erase(esc, line.find('m', esc) - esc + 1);
-      widest = std::max(widest, display_width(line));
-      start = end + 1;
+// Which keys each query may see: --mask read as attend reads a bool or integer mask, broadcast to
+// alpha's shape, and --causal's lower triangle (bottom-right aligned, as attend's default).
+std::optional<Tensor<uint8_t>> allowed_cells(const HeatmapCliOptions& o, const Shape& shape) {
+  if (o.mask.empty() && !o.causal) return std::nullopt;
+  Tensor<uint8_t> allowed(shape, 1);
+  if (!o.mask.empty()) {
+    const Tensor<uint8_t> mask = to_bool(read_input(o.mask, "--mask", "bool, uint8, int32 or int64"), "--mask");
+    bool broadcasts = mask.shape().rank() <= shape.rank();
+    for (int i = 1; i <= mask.shape().rank() && broadcasts; ++i) {
+      broadcasts = mask.shape().from_back(i) == 1 || mask.shape().from_back(i) == shape.from_back(i);
     }
-    const int64_t columns = terminal_columns();
-    if (columns > 0 && widest > columns) {
-      note("note", fmt::format("the grid is {} columns wide and the terminal {}: -o attention.png or -o "
-                               "attention.html draws it whole",
-                               widest, columns));
+    if (!broadcasts) {
+      throw ShapeError(
+          fmt::format("--mask: expected a shape that broadcasts to ALPHA {}, got {}", shape.str(), mask.shape().str()));
+    }
+    const Tensor<uint8_t> dense = to_tensor<uint8_t, uint8_t>(broadcast_to(mask.cview(), shape, "--mask"));
+    for (int64_t n = 0; n < allowed.numel(); ++n) allowed[n] = dense[n];
+  }
+  if (o.causal) {
+    const int64_t tq = shape.from_back(2);
+    const int64_t tk = shape.from_back(1);
+    for (int64_t n = 0; n < allowed.numel(); ++n) {
+      const int64_t i = (n / tk) % tq;
+      const int64_t j = n % tk;
+      if (j > i + tk - tq) allowed[n] = 0;
     }
   }
+  return allowed;
 }
 
 void run_heatmap(const HeatmapCliOptions& o) {
@@ -156,6 +172,9 @@ void run_heatmap(const HeatmapCliOptions& o) {
   options.title = o.title;
   options.colormap = parse_colormap(o.cmap, "--cmap");
   options.annotate = o.annotate;
+  options.scale = parse_heatmap_scale(o.scale, "--scale");
+  const std::optional<Tensor<uint8_t>> allowed = allowed_cells(o, shape);
+  if (allowed) options.allowed = allowed->cview();
   if (o.vmax_option->count() > 0) {
     if (!std::isfinite(o.vmax) || o.vmax <= 0.0) {
       throw ValueError(fmt::format("--vmax: expected a finite number above 0 (weights start at 0), got {}", o.vmax));
@@ -257,6 +276,15 @@ void register_heatmap(CLI::App& app) {
                                    "the weight at the top of the colour scale (default: the largest; with coolwarm the "
                                    "scale runs from -X to X)")
                        ->type_name("X");
+  cmd->add_option("--scale", o->scale,
+                  "how weights map to colours: linear; sqrt (t = sqrt(u)) or log (three decades below --vmax) "
+                  "to see small weights beside large ones")
+      ->capture_default_str();
+  cmd->add_option("--mask", o->mask,
+                  "M.npy (bool or integer, nonzero = may attend, broadcast to ALPHA as for qkv attend --mask): "
+                  "draw the cells it masks as masked")
+      ->type_name("FILE");
+  cmd->add_flag("--causal", o->causal, "draw the keys after each query's diagonal (j > i + Tk - Tq) as masked");
   cmd->add_option("--color", o->color,
                   "colour the terminal grid: auto (on a terminal, unless NO_COLOR is set or TERM=dumb), always, never")
       ->check(CLI::IsMember({"auto", "always", "never"}))

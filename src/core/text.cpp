@@ -130,6 +130,88 @@ std::string pad_right(std::string_view text, int64_t width, std::string_view fil
   return out;
 }
 
+std::string truncate_to_width(std::string_view text, int64_t width) {
+  if (display_width(text) <= width) return std::string(text);
+  if (width < 1) return {};
+  size_t cut = 0;
+  for (int64_t used = 0; cut < text.size();) {
+    const auto [cp, length] = decode_utf8(text, cut);
+    if (used + codepoint_width(cp) > width - 1) break;
+    used += codepoint_width(cp);
+    cut += length;
+  }
+  return std::string(text.substr(0, cut)) + "…";
+}
+
+namespace {
+
+// One line of wrap_text, without its '\n'.
+void wrap_line(std::string& out, std::string_view line, int64_t width, int64_t hanging) {
+  const size_t body = std::min(line.find_first_not_of(' '), line.size());
+  // However deep the indent, a line keeps two columns for text: room for a wide character.
+  const int64_t deepest = std::max<int64_t>(width - 2, 0);
+  const std::string indent(static_cast<size_t>(std::min<int64_t>(static_cast<int64_t>(body), deepest)), ' ');
+  const std::string continuation(
+      static_cast<size_t>(std::clamp<int64_t>(static_cast<int64_t>(body) + hanging, 0, deepest)), ' ');
+  std::string current = indent;
+  int64_t used = display_width(indent);
+  bool has_word = false;
+  const auto flush = [&] {
+    out += current;
+    out += '\n';
+    current = continuation;
+    used = display_width(continuation);
+    has_word = false;
+  };
+  for (size_t pos = body; pos < line.size();) {
+    const size_t end = std::min(line.find(' ', pos), line.size());
+    std::string_view word = line.substr(pos, end - pos);
+    pos = std::min(line.find_first_not_of(' ', end), line.size());
+    if (word.empty()) continue;
+    int64_t word_width = display_width(word);
+    if (has_word && used + 1 + word_width > width) flush();
+    if (has_word) {
+      current += ' ';
+      ++used;
+    }
+    // A word wider than a whole line goes out in pieces of what is left of each line.
+    while (used + word_width > width) {
+      size_t cut = 0;
+      for (int64_t taken = used; cut < word.size();) {
+        const auto [cp, length] = decode_utf8(word, cut);
+        if (taken + codepoint_width(cp) > width) break;
+        taken += codepoint_width(cp);
+        cut += length;
+      }
+      if (cut == 0) break;
+      current += word.substr(0, cut);
+      word.remove_prefix(cut);
+      word_width = display_width(word);
+      flush();
+    }
+    current += word;
+    used += word_width;
+    has_word = has_word || !word.empty();
+  }
+  if (has_word || current == indent) flush();
+}
+
+}  // namespace
+
+std::string wrap_text(std::string_view text, int64_t width, int64_t hanging) {
+  if (width <= 0) return std::string(text);
+  std::string out;
+  for (size_t start = 0; start < text.size();) {
+    const size_t newline = text.find('\n', start);
+    const size_t end = newline == std::string_view::npos ? text.size() : newline;
+    wrap_line(out, text.substr(start, end - start), width, hanging);
+    start = end + 1;
+  }
+  // The last line had no '\n' of its own.
+  if (!text.empty() && text.back() != '\n') out.pop_back();
+  return out;
+}
+
 std::vector<std::string> split_labels(std::string_view text) {
   std::vector<std::string> labels;
   constexpr std::string_view kSpace = " \t\n\r\f\v";

@@ -10,6 +10,7 @@
 #include <cmath>
 #include <limits>
 #include <memory>
+#include <optional>
 #include <type_traits>
 
 #include "heatmap_internal.hpp"
@@ -135,13 +136,18 @@ void compute_scale(Figure& f, const HeatmapOptions& options) {
   }
   double lo = 0.0;
   double hi = -std::numeric_limits<double>::infinity();
-  for (const Panel& panel : f.panels) {
-    for (const double v : panel.values) {
-      if (!std::isfinite(v)) continue;
-      lo = std::min(lo, v);
-      hi = std::max(hi, v);
+  // Only the drawn weights count: a masked cell's 0 is no weight.
+  const auto for_each_weight = [&f](auto&& visit) {
+    for (const Panel& panel : f.panels) {
+      for (size_t cell = 0; cell < panel.values.size(); ++cell) {
+        if (std::isfinite(panel.values[cell]) && !panel.is_masked(cell)) visit(panel.values[cell]);
+      }
     }
-  }
+  };
+  for_each_weight([&](double v) {
+    lo = std::min(lo, v);
+    hi = std::max(hi, v);
+  });
   if (colormap_is_diverging(options.colormap)) {
     // A diverging map's middle is 0: the scale runs symmetrically to the largest magnitude.
     const double magnitude = std::max(std::abs(lo), hi > 0.0 ? hi : 0.0);
@@ -156,6 +162,10 @@ void compute_scale(Figure& f, const HeatmapOptions& options) {
   if (!(vmax > vmin)) vmax = vmin + 1.0;  // every value is vmin: a flat figure still gets a scale
   f.layout.vmin = vmin;
   f.layout.vmax = vmax;
+  for_each_weight([&](double v) {
+    f.layout.clipped_low = f.layout.clipped_low || v < vmin;
+    f.layout.clipped_high = f.layout.clipped_high || v > vmax;
+  });
   Ticks ticks = nice_ticks(vmin, vmax);
   f.layout.ticks = std::move(ticks.values);
   f.tick_text = std::move(ticks.text);
@@ -278,10 +288,27 @@ void compute_layout(Figure& f) {
                             .width = ceil_px(tick_w),
                             .height = layout.colorbar.height + ceil_px(tick_h)};
 
+  // The triangles sit in the margin above and below the bar, which is wider than they are tall.
+  static_assert(kClipMarkerHeight + kClipMarkerGap < kMargin);
+  if (layout.clipped_high) {
+    layout.clip_high_marker = {.x = layout.colorbar.x,
+                               .y = layout.colorbar.y - kClipMarkerGap - kClipMarkerHeight,
+                               .width = kColorbarWidth,
+                               .height = kClipMarkerHeight};
+  }
+  if (layout.clipped_low) {
+    layout.clip_low_marker = {.x = layout.colorbar.x,
+                              .y = layout.colorbar.y + layout.colorbar.height + kClipMarkerGap,
+                              .width = kColorbarWidth,
+                              .height = kClipMarkerHeight};
+  }
+
   int64_t width = layout.colorbar_labels.x + layout.colorbar_labels.width + kMargin;
   if (!f.title.empty()) width = std::max(width, ceil_px(measure_text(f.title, kTitleSize, true).width) + 2 * kMargin);
   layout.width = width;
-  layout.height = std::max(keys_title_bottom, layout.colorbar_labels.y + layout.colorbar_labels.height) + kMargin;
+  layout.height = std::max({keys_title_bottom, layout.colorbar_labels.y + layout.colorbar_labels.height,
+                            layout.clip_low_marker.y + layout.clip_low_marker.height}) +
+                  kMargin;
   if (!f.title.empty()) layout.title.width = width - 2 * kMargin;
 
   if (layout.width > kMaxSide || layout.height > kMaxSide || layout.width * layout.height > kMaxPixels) {
@@ -356,8 +383,27 @@ TextSize measure_text(std::string_view text, double size, bool bold) {
           .height = static_cast<double>(logical.height) / PANGO_SCALE};
 }
 
+namespace {
+
+double stretch(HeatmapScale scale, double u) {
+  switch (scale) {
+    case HeatmapScale::sqrt:
+      return std::sqrt(u);
+    case HeatmapScale::log:
+      return std::log10(1.0 + 999.0 * u) / 3.0;
+    case HeatmapScale::linear:
+      break;
+  }
+  return u;
+}
+
+}  // namespace
+
 double Figure::position(double value) const {
-  return std::clamp((value - layout.vmin) / (layout.vmax - layout.vmin), 0.0, 1.0);
+  const double u = std::clamp((value - layout.vmin) / (layout.vmax - layout.vmin), 0.0, 1.0);
+  if (!colormap_is_diverging(colormap)) return stretch(scale, u);
+  const double from_middle = 2.0 * u - 1.0;
+  return (1.0 + std::copysign(stretch(scale, std::abs(from_middle)), from_middle)) / 2.0;
 }
 
 std::string Figure::exact(double value) const {
@@ -412,6 +458,13 @@ Figure make_figure(TensorView<const T> alpha, const HeatmapOptions& options, Hea
   if (terminal && (options.terminal.decimals < 0 || options.terminal.decimals > 9)) {
     throw ValueError(fmt::format("terminal.decimals: expected 0 to 9, got {}", options.terminal.decimals));
   }
+  if (terminal && options.terminal.max_width != 0 && options.terminal.max_width < kMinTerminalWidth) {
+    throw ValueError(fmt::format("terminal.max_width: expected 0 (no limit) or at least {} columns, got {}",
+                                 kMinTerminalWidth, options.terminal.max_width));
+  }
+  f.scale = options.scale;
+  std::optional<TensorView<const uint8_t>> allowed;
+  if (options.allowed) allowed = as_rank4(broadcast_to(*options.allowed, alpha.shape, "allowed"));
   f.terminal = options.terminal;
   for (const auto& [row, col] : options.marked_cells) {
     if (row < 0 || row >= f.tq || col < 0 || col >= f.tk) {
@@ -446,6 +499,13 @@ Figure make_figure(TensorView<const T> alpha, const HeatmapOptions& options, Hea
         panel.values.push_back(value);
       }
     }
+    if (allowed) {
+      panel.masked.reserve(panel.values.size());
+      for (int64_t i = 0; i < f.tq; ++i) {
+        for (int64_t j = 0; j < f.tk; ++j) panel.masked.push_back((*allowed)(f.batch, h, i, j) == 0 ? 1 : 0);
+      }
+      f.has_mask = f.has_mask || std::ranges::find(panel.masked, 1) != panel.masked.end();
+    }
     f.panels.push_back(std::move(panel));
   }
   compute_scale(f, options);
@@ -468,6 +528,25 @@ HeatmapFormat heatmap_format_for_path(const std::filesystem::path& path, std::st
   if (extension == ".pdf") return HeatmapFormat::pdf;
   if (extension == ".html" || extension == ".htm") return HeatmapFormat::html;
   throw ValueError(fmt::format("{}: expected a file ending in .png, .svg, .pdf or .html, got {}", arg, path.string()));
+}
+
+std::string_view heatmap_scale_name(HeatmapScale scale) {
+  switch (scale) {
+    case HeatmapScale::sqrt:
+      return "sqrt";
+    case HeatmapScale::log:
+      return "log";
+    case HeatmapScale::linear:
+      break;
+  }
+  return "linear";
+}
+
+HeatmapScale parse_heatmap_scale(std::string_view name, std::string_view arg) {
+  for (const HeatmapScale scale : {HeatmapScale::linear, HeatmapScale::sqrt, HeatmapScale::log}) {
+    if (name == heatmap_scale_name(scale)) return scale;
+  }
+  throw ValueError(fmt::format("{}: expected linear, sqrt or log, got {}", arg, name));
 }
 
 std::string_view heatmap_format_name(HeatmapFormat format) {

@@ -101,12 +101,45 @@ Surface cell_image(const Figure& f, const Panel& panel) {
   for (int64_t i = 0; i < f.tq; ++i) {
     auto* row = reinterpret_cast<uint32_t*>(data + i * stride);
     for (int64_t j = 0; j < f.tk; ++j) {
-      const Rgb c = f.color(panel.values[static_cast<size_t>(i * f.tk + j)]);
+      const auto cell = static_cast<size_t>(i * f.tk + j);
+      const Rgb c = panel.is_masked(cell) ? kMaskedFill : f.color(panel.values[cell]);
       row[j] = (uint32_t{c.r} << 16) | (uint32_t{c.g} << 8) | uint32_t{c.b};
     }
   }
   cairo_surface_mark_dirty(image.get());
   return image;
+}
+
+// Diagonal lines across the masked cells: the matrix is crossed once, clipped to those cells.
+void draw_hatching(cairo_t* cr, const Figure& f, const Panel& panel, const HeatmapPanelLayout& p) {
+  if (panel.masked.empty()) return;
+  const auto x0 = static_cast<double>(p.matrix.x);
+  const auto y0 = static_cast<double>(p.matrix.y);
+  const auto cw = static_cast<double>(p.cell_width);
+  const auto ch = static_cast<double>(p.cell_height);
+  cairo_save(cr);
+  bool any = false;
+  for (int64_t i = 0; i < f.tq; ++i) {
+    for (int64_t j = 0; j < f.tk; ++j) {
+      if (!panel.is_masked(static_cast<size_t>(i * f.tk + j))) continue;
+      cairo_rectangle(cr, x0 + static_cast<double>(j) * cw, y0 + static_cast<double>(i) * ch, cw, ch);
+      any = true;
+    }
+  }
+  if (any) {
+    cairo_clip(cr);
+    const auto w = static_cast<double>(p.matrix.width);
+    const auto h = static_cast<double>(p.matrix.height);
+    set_color(cr, kMaskedHatch);
+    cairo_set_line_width(cr, 1.0);
+    for (double d = 0.0; d < w + h; d += static_cast<double>(kMaskedHatchGap)) {
+      cairo_move_to(cr, x0 + d, y0);
+      cairo_line_to(cr, x0 + d - h, y0 + h);
+    }
+    cairo_stroke(cr);
+  }
+  cairo_new_path(cr);
+  cairo_restore(cr);
 }
 
 void draw_cells(cairo_t* cr, const Figure& f, const Panel& panel, const HeatmapPanelLayout& p, bool vector_seams) {
@@ -122,10 +155,12 @@ void draw_cells(cairo_t* cr, const Figure& f, const Panel& panel, const HeatmapP
       for (int64_t j = 0; j < f.tk; ++j) {
         const double w = cw + (j + 1 < f.tk ? overlap : 0.0);
         const double h = ch + (i + 1 < f.tq ? overlap : 0.0);
+        const auto cell = static_cast<size_t>(i * f.tk + j);
         fill_rect(cr, x0 + static_cast<double>(j) * cw, y0 + static_cast<double>(i) * ch, w, h,
-                  f.color(panel.values[static_cast<size_t>(i * f.tk + j)]));
+                  panel.is_masked(cell) ? kMaskedFill : f.color(panel.values[cell]));
       }
     }
+    draw_hatching(cr, f, panel, p);
     return;
   }
   const Surface image = cell_image(f, panel);
@@ -179,6 +214,26 @@ void draw_panel(cairo_t* cr, CairoPainter& painter, const Figure& f, const Panel
   paint_axis_labels(painter, f, p);
 }
 
+// A triangle pointing away from the bar, in the colour of the bar's end: values beyond it are drawn
+// in that colour.
+void draw_clip_marker(cairo_t* cr, const PixelRect& r, bool up, Rgb color) {
+  if (r.height == 0) return;
+  const auto x = static_cast<double>(r.x);
+  const auto y = static_cast<double>(r.y);
+  const auto w = static_cast<double>(r.width);
+  const auto h = static_cast<double>(r.height);
+  const double base = up ? y + h : y;
+  cairo_move_to(cr, x, base);
+  cairo_line_to(cr, x + w, base);
+  cairo_line_to(cr, x + w / 2, up ? y : y + h);
+  cairo_close_path(cr);
+  set_color(cr, color);
+  cairo_fill_preserve(cr);
+  set_color(cr, kMutedInk);
+  cairo_set_line_width(cr, 1.0);
+  cairo_stroke(cr);
+}
+
 void draw_colorbar(cairo_t* cr, CairoPainter& painter, const Figure& f) {
   const HeatmapLayout& layout = f.layout;
   const auto x = static_cast<double>(layout.colorbar.x);
@@ -201,6 +256,8 @@ void draw_colorbar(cairo_t* cr, CairoPainter& painter, const Figure& f) {
   cairo_set_line_width(cr, 1.0);
   cairo_rectangle(cr, x - 0.5, y - 0.5, w + 1, h + 1);
   cairo_stroke(cr);
+  draw_clip_marker(cr, layout.clip_high_marker, true, colormap_at(f.colormap, 1.0));
+  draw_clip_marker(cr, layout.clip_low_marker, false, colormap_at(f.colormap, 0.0));
   paint_colorbar_ticks(painter, f);
 }
 

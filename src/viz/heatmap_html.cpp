@@ -10,8 +10,11 @@
 //     hovering a key does the same for the queries that look at it;
 //   - a head selector when alpha has more than one head.
 // Colours come from a 256-entry table of the colour map written by the C++ side, so the page, the
-// PNG and the terminal agree. Hooks for tests: tokens carry data-i / data-j, and a highlighted
-// token data-alpha (the exact value); the canvas carries its cell geometry as data attributes.
+// PNG and the terminal agree, and the scale (HeatmapScale) is applied as the C++ side applies it.
+// Masked cells are light grey, their hover says "masked"; a clipped end of the colour bar gets a
+// triangle (#clip-high, #clip-low). Hooks for tests: tokens carry data-i / data-j, and a highlighted
+// token data-alpha (the exact value) or data-masked; the canvas carries its cell geometry as data
+// attributes.
 
 #include <fmt/format.h>
 
@@ -69,7 +72,10 @@ std::string figure_json(const Figure& f) {
       if (v > 0) out += ',';
       out += f.exact(panel.values[v]);
     }
-    out += "]}";
+    out += ']';
+    if (!panel.masked.empty())
+      fmt::format_to(std::back_inserter(out), ",\"masked\":[{}]", fmt::join(panel.masked, ","));
+    out += '}';
   }
   fmt::format_to(std::back_inserter(out), "],\"initial\":{},\"vmin\":{},\"vmax\":{},\"ticks\":[{}],\"tickText\":{},",
                  f.first_head, f.layout.vmin, f.layout.vmax, fmt::join(f.layout.ticks, ","), json_strings(f.tick_text));
@@ -78,6 +84,9 @@ std::string figure_json(const Figure& f) {
     const Rgb c = colormap_at(f.colormap, k / 255.0);
     lut.push_back(fmt::format("#{:02x}{:02x}{:02x}", c.r, c.g, c.b));
   }
+  fmt::format_to(std::back_inserter(out), "\"scale\":{},\"diverging\":{},\"clippedLow\":{},\"clippedHigh\":{},",
+                 json_string(heatmap_scale_name(f.scale)), colormap_is_diverging(f.colormap), f.layout.clipped_low,
+                 f.layout.clipped_high);
   fmt::format_to(std::back_inserter(out), "\"colormap\":{},\"lut\":{}}}", json_string(colormap_name(f.colormap)),
                  json_strings(lut));
   return out;
@@ -111,7 +120,11 @@ main { display: flex; flex-wrap: wrap; gap: 40px; align-items: flex-start; }
 #tooltip { position: fixed; pointer-events: none; background: rgba(25, 25, 25, .92); color: #fff; font-size: 12px;
   padding: 5px 8px; border-radius: 4px; white-space: pre; display: none; z-index: 2; }
 .colorbar { display: flex; gap: 6px; }
-#bar { width: 16px; border: 1px solid #555; }
+#bar { position: relative; width: 16px; border: 1px solid #555; }
+.clip { position: absolute; left: -2px; width: 0; height: 0; border-left: 10px solid transparent;
+  border-right: 10px solid transparent; }
+.clip.high { bottom: 100%; margin-bottom: 2px; }
+.clip.low { top: 100%; margin-top: 2px; }
 #bar-ticks { position: relative; font-size: 11px; min-width: 3.5em; }
 #bar-ticks span { position: absolute; left: 0; transform: translateY(50%); white-space: nowrap; }
 #bar-ticks span::before { content: ""; display: inline-block; width: 4px; height: 1px; background: #555;
@@ -172,7 +185,16 @@ constexpr std::string_view kScript = R"QKV(<script>
   let head = data.initial;
   let selection = null;  // {kind: "query" | "key", index, mark}
 
-  const position = (v) => Math.min(1, Math.max(0, (v - data.vmin) / span));
+  // The C++ side's HeatmapScale: each half of a diverging map is stretched from the middle out.
+  const stretch = (u) => data.scale === "sqrt" ? Math.sqrt(u) : data.scale === "log" ? Math.log10(1 + 999 * u) / 3 : u;
+  const position = (v) => {
+    const u = Math.min(1, Math.max(0, (v - data.vmin) / span));
+    if (!data.diverging) return stretch(u);
+    const w = 2 * u - 1;
+    return (1 + Math.sign(w) * stretch(Math.abs(w))) / 2;
+  };
+  const maskedColor = "#e0e0e0";
+  const masked = (i, j) => heads[head].masked !== undefined && heads[head].masked[i * tk + j] === 1;
   const colorOf = (v) => lut[Math.round(position(v) * (lut.length - 1))];
   const inkOn = (hex) => {
     const n = parseInt(hex.slice(1), 16);
@@ -247,7 +269,7 @@ constexpr std::string_view kScript = R"QKV(<script>
     const image = cellsCtx.createImageData(tk, tq);
     for (let i = 0; i < tq; i++) {
       for (let j = 0; j < tk; j++) {
-        const n = parseInt(colorOf(alpha(i, j)).slice(1), 16);
+        const n = parseInt((masked(i, j) ? maskedColor : colorOf(alpha(i, j))).slice(1), 16);
         const o = 4 * (i * tk + j);
         image.data[o] = n >> 16;
         image.data[o + 1] = (n >> 8) & 255;
@@ -303,6 +325,17 @@ constexpr std::string_view kScript = R"QKV(<script>
   const ticks = $("bar-ticks");
   ticks.style.height = barHeight + "px";
   ticks.style.marginTop = geometry.y0 + "px";
+  // A triangle past each clipped end, in that end's colour: values beyond it are drawn in it.
+  for (const [end, clipped, color] of [["high", data.clippedHigh, lut[lut.length - 1]], ["low", data.clippedLow, lut[0]]]) {
+    if (!clipped) continue;
+    const marker = document.createElement("div");
+    marker.className = "clip " + end;
+    marker.id = "clip-" + end;
+    marker.style[end === "high" ? "borderBottom" : "borderTop"] = "10px solid " + color;
+    marker.title = end === "high" ? "values above " + data.vmax + " are drawn as " + data.vmax
+      : "values below " + data.vmin + " are drawn as " + data.vmin;
+    bar.appendChild(marker);
+  }
   data.ticks.forEach((t, k) => {
     const label = document.createElement("span");
     label.textContent = data.tickText[k];
@@ -321,15 +354,16 @@ constexpr std::string_view kScript = R"QKV(<script>
       return;
     }
     const a = alpha(i, j);
-    tooltip.textContent = "query " + i + " " + quote(rows[i]) + " \u2192 key " + j + " " + quote(cols[j]) +
-      "\n\u03b1 = " + exact(a);
+    const what = masked(i, j) ? "masked" : "\u03b1 = " + exact(a);
+    tooltip.textContent = "query " + i + " " + quote(rows[i]) + " \u2192 key " + j + " " + quote(cols[j]) + "\n" + what;
     tooltip.style.display = "block";
     tooltip.style.left = (event.clientX + 14) + "px";
     tooltip.style.top = (event.clientY + 14) + "px";
     Object.assign(cursor.style, { display: "block", left: (geometry.x0 + j * cell) + "px",
       top: (geometry.y0 + i * cell) + "px", width: cell + "px", height: cell + "px" });
     select({ kind: "query", index: i, mark: j });
-    $("readout").textContent = "\u03b1[" + i + ", " + j + "] = " + exact(a) + ": query " + quote(rows[i]) +
+    $("readout").textContent = "\u03b1[" + i + ", " + j + "]" + (masked(i, j) ? " masked" : " = " + exact(a)) +
+      ": query " + quote(rows[i]) +
       " \u2192 key " + quote(cols[j]) + (heads.length > 1 ? " (" + heads[head].name + ")" : "");
   });
   const leaveMatrix = () => {
@@ -366,6 +400,7 @@ constexpr std::string_view kScript = R"QKV(<script>
       el.style.background = "";
       el.style.color = "";
       el.removeAttribute("data-alpha");
+      el.removeAttribute("data-masked");
       el.removeAttribute("title");
       el.querySelector(".w").textContent = "";
     }
@@ -373,6 +408,14 @@ constexpr std::string_view kScript = R"QKV(<script>
   }
 
   function paint(el, a, i, j) {
+    if (masked(i, j)) {
+      el.style.background = maskedColor;
+      el.style.color = "#555";
+      el.dataset.masked = "true";
+      el.title = "\u03b1[" + i + ", " + j + "] masked";
+      el.querySelector(".w").textContent = "masked";
+      return;
+    }
     const color = colorOf(a);
     el.style.background = color;
     el.style.color = inkOn(color);
@@ -404,8 +447,8 @@ constexpr std::string_view kScript = R"QKV(<script>
     links.replaceChildren(lines);
   }
 
-  function top3(values, labels) {
-    return values.map((a, k) => [a, k]).sort((x, y) => y[0] - x[0]).slice(0, 3)
+  function top3(values, labels, seen) {
+    return values.map((a, k) => [a, k]).filter(([, k]) => seen(k)).sort((x, y) => y[0] - x[0]).slice(0, 3)
       .map(([a, k]) => quote(labels[k]) + " " + a.toFixed(3)).join(", ");
   }
 
@@ -437,11 +480,11 @@ constexpr std::string_view kScript = R"QKV(<script>
         const a = alpha(index, j);
         values.push(a);
         paint(keyEls[j], a, index, j);
-        if (a > 0) pairs.push([queryEls[index], keyEls[j], a]);
+        if (a > 0 && !masked(index, j)) pairs.push([queryEls[index], keyEls[j], a]);
       }
       if (mark !== undefined) keyEls[mark].classList.add("marked");
       else $("readout").textContent = "query " + index + " " + quote(rows[index]) + " looks most at " +
-        top3(values, cols) + suffix;
+        top3(values, cols, (j) => !masked(index, j)) + suffix;
     } else {
       keyEls[index].classList.add("source");
       const values = [];
@@ -449,10 +492,10 @@ constexpr std::string_view kScript = R"QKV(<script>
         const a = alpha(i, index);
         values.push(a);
         paint(queryEls[i], a, i, index);
-        if (a > 0) pairs.push([queryEls[i], keyEls[index], a]);
+        if (a > 0 && !masked(i, index)) pairs.push([queryEls[i], keyEls[index], a]);
       }
       $("readout").textContent = "key " + index + " " + quote(cols[index]) + " is looked at most by " +
-        top3(values, rows) + suffix;
+        top3(values, rows, (i) => !masked(i, index)) + suffix;
     }
     drawLinks(pairs);
   }

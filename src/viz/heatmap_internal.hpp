@@ -42,11 +42,25 @@ inline constexpr Rgb kMarkColor = {255, 0, 0};
 inline constexpr Rgb kMarkLining = {255, 255, 255};
 inline constexpr int64_t kMarkWidth = 2;
 
+// A masked cell: kMaskedFill crossed by diagonal kMaskedHatch lines kMaskedHatchGap px apart. The
+// hatching, not the grey, is what tells it from the gray map's light end.
+inline constexpr Rgb kMaskedFill = {224, 224, 224};
+inline constexpr Rgb kMaskedHatch = {150, 150, 150};
+inline constexpr int64_t kMaskedHatchGap = 6;
+
+// The triangle that ends the colour bar where values were clipped, kClipMarkerHeight px tall and
+// kClipMarkerGap px from the bar.
+inline constexpr int64_t kClipMarkerHeight = 10;
+inline constexpr int64_t kClipMarkerGap = 2;
+
 // One [Tq, Tk] matrix of the figure.
 struct Panel {
   int64_t head = 0;
-  std::string caption;         // "head 3"; empty for rank 2
-  std::vector<double> values;  // [Tq, Tk], row-major; finite but in a terminal figure
+  std::string caption;          // "head 3"; empty for rank 2
+  std::vector<double> values;   // [Tq, Tk], row-major; finite but in a terminal figure
+  std::vector<uint8_t> masked;  // [Tq, Tk], 1 where the query may not see the key; empty: none masked
+
+  bool is_masked(size_t cell) const { return !masked.empty() && masked[cell] != 0; }
 };
 
 struct Figure {
@@ -60,6 +74,8 @@ struct Figure {
   bool labels_given = false;
   std::string title;
   Colormap colormap = Colormap::viridis;
+  HeatmapScale scale = HeatmapScale::linear;
+  bool has_mask = false;  // some drawn cell is masked
   bool annotate = false;
   TerminalStyle terminal;
   std::vector<std::pair<int64_t, int64_t>> marked_cells;  // (row, column), checked
@@ -71,7 +87,7 @@ struct Figure {
   std::vector<std::string> col_text;
   std::vector<std::string> tick_text;  // one per layout.ticks
 
-  double position(double value) const;    // of a finite value on the scale, in [0, 1]
+  double position(double value) const;    // of a finite value on the scale (HeatmapScale), in [0, 1]
   std::string exact(double value) const;  // the value as given, digits enough to read it back
   Rgb color(double value) const { return colormap_at(colormap, position(value)); }
 };
@@ -135,7 +151,7 @@ class Painter {
 void paint_title(Painter& painter, const Figure& figure);
 // "head 3" above a panel of a grid.
 void paint_caption(Painter& painter, const Panel& panel, const HeatmapPanelLayout& p);
-// Each cell's value, centred on it.
+// Each unmasked cell's value, centred on it.
 void paint_annotations(Painter& painter, const Figure& figure, const Panel& panel, const HeatmapPanelLayout& p);
 // The ticks and labels of a panel's queries (left of it) and keys (below it), where it has them.
 void paint_axis_labels(Painter& painter, const Figure& figure, const HeatmapPanelLayout& p);

@@ -33,7 +33,9 @@ void paint_annotations(Painter& painter, const Figure& f, const Panel& panel, co
   const auto ch = static_cast<double>(p.cell_height);
   for (int64_t i = 0; i < f.tq; ++i) {
     for (int64_t j = 0; j < f.tk; ++j) {
-      const double value = panel.values[static_cast<size_t>(i * f.tk + j)];
+      const auto cell = static_cast<size_t>(i * f.tk + j);
+      if (panel.is_masked(cell)) continue;
+      const double value = panel.values[cell];
       const Rgb ink = is_light(f.color(value)) ? Rgb{0, 0, 0} : Rgb{255, 255, 255};
       painter.text(annotation(value), kAnnotationSize, false, ink, mx + (static_cast<double>(j) + 0.5) * cw,
                    my + (static_cast<double>(i) + 0.5) * ch, Anchor::middle);

@@ -106,6 +106,20 @@ void marks_svg(std::string& out, const Figure& f, const HeatmapPanelLayout& p) {
   out += "</g>\n";
 }
 
+// The PNG's triangle past a clipped end of the colour bar, with the clipping as its tooltip.
+void clip_marker_svg(std::string& out, const PixelRect& r, bool up, Rgb color, const std::string& tooltip) {
+  if (r.height == 0) return;
+  const auto x = static_cast<double>(r.x);
+  const auto w = static_cast<double>(r.width);
+  const auto base = static_cast<double>(up ? r.y + r.height : r.y);
+  const auto tip = static_cast<double>(up ? r.y : r.y + r.height);
+  fmt::format_to(std::back_inserter(out),
+                 R"svg(<path class="clip-{}" d="M{} {}H{}L{} {}z" fill="{}" stroke="{}"><title>{}</title></path>)svg",
+                 up ? "high" : "low", x, base, x + w, x + w / 2, tip, hex(color), hex(kMutedInk),
+                 escape_markup(tooltip));
+  out += '\n';
+}
+
 void panel_svg(std::string& out, SvgPainter& painter, const Figure& f, const Panel& panel,
                const HeatmapPanelLayout& p) {
   const auto mx = static_cast<double>(p.matrix.x);
@@ -118,7 +132,18 @@ void panel_svg(std::string& out, SvgPainter& painter, const Figure& f, const Pan
                    panel.head);
     for (int64_t i = 0; i < f.tq; ++i) {
       for (int64_t j = 0; j < f.tk; ++j) {
-        const double value = panel.values[static_cast<size_t>(i * f.tk + j)];
+        const auto cell = static_cast<size_t>(i * f.tk + j);
+        const double value = panel.values[cell];
+        if (panel.is_masked(cell)) {
+          fmt::format_to(std::back_inserter(out),
+                         R"svg(<rect x="{}" y="{}" width="{}" height="{}" fill="url(#qkv-masked)" class="masked">)svg"
+                         R"svg(<title>{} → {}: masked</title></rect>)svg",
+                         mx + static_cast<double>(j) * cw, my + static_cast<double>(i) * ch, cw, ch,
+                         escape_markup(f.row_labels[static_cast<size_t>(i)]),
+                         escape_markup(f.col_labels[static_cast<size_t>(j)]));
+          out += '\n';
+          continue;
+        }
         fmt::format_to(
             std::back_inserter(out),
             R"svg(<rect x="{}" y="{}" width="{}" height="{}" fill="{}"><title>{} → {}: {}</title></rect>)svg",
@@ -190,7 +215,14 @@ std::string render_svg(const Figure& f) {
     fmt::format_to(std::back_inserter(out), "<stop offset=\"{}\" stop-color=\"{}\"/>\n",
                    static_cast<double>(k) / static_cast<double>(samples.size() - 1), hex(samples[k]));
   }
-  out += "</linearGradient></defs>\n";
+  out += "</linearGradient>\n";
+  // The PNG's hatching: a light grey tile with a diagonal line, repeated across each masked cell.
+  fmt::format_to(std::back_inserter(out),
+                 R"svg(<pattern id="qkv-masked" width="{0}" height="{0}" patternUnits="userSpaceOnUse" )svg"
+                 R"svg(patternTransform="rotate(45)"><path d="M0 0h{0}v{0}h-{0}z" fill="{1}"/>)svg"
+                 R"svg(<path d="M0 0v{0}" stroke="{2}" stroke-width="1.5"/></pattern>)svg",
+                 kMaskedHatchGap, hex(kMaskedFill), hex(kMaskedHatch));
+  out += "\n</defs>\n";
   box(out, 0, 0, static_cast<double>(layout.width), static_cast<double>(layout.height), "#ffffff");
 
   SvgPainter painter(out);
@@ -204,6 +236,10 @@ std::string render_svg(const Figure& f) {
   const auto bh = static_cast<double>(layout.colorbar.height);
   box(out, bx - 1, by - 1, bw + 2, bh + 2, hex(kMutedInk));
   box(out, bx, by, bw, bh, "url(#qkv-colormap)");
+  clip_marker_svg(out, layout.clip_high_marker, true, colormap_at(f.colormap, 1.0),
+                  fmt::format("values above {} are drawn as {}", f.exact(layout.vmax), f.exact(layout.vmax)));
+  clip_marker_svg(out, layout.clip_low_marker, false, colormap_at(f.colormap, 0.0),
+                  fmt::format("values below {} are drawn as {}", f.exact(layout.vmin), f.exact(layout.vmin)));
   paint_colorbar_ticks(painter, f);
   out += "</svg>\n";
   return out;

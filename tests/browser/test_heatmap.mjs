@@ -5,7 +5,9 @@
 // labels (CJK and markup-like ones) are shown as text; hovering a query token colours every key by
 // α_ij, exactly as the data and the colour map say, and hovering a key does the same for the
 // queries; the head selector switches heads; hovering a matrix cell shows its exact value and the
-// cell is drawn in its colour; a screenshot is non-blank. Also the demo's page and a 256 × 256 page.
+// cell is drawn in its colour; a screenshot is non-blank. Also the demo's page, a causal page
+// (masked cells grey, their hover "masked", the sqrt scale, the clipping triangle) and a 256 × 256
+// page.
 //
 // Run: QKV_BIN=build/release/apps/qkv node tests/browser/test_heatmap.mjs (after `npm ci --prefix
 // tests/browser`, which scripts/install-deps.sh does). QKV_SCREENSHOT_DIR keeps the screenshots.
@@ -325,6 +327,54 @@ try {
     await demo.screenshot({ path: path.join(screenshotDir, "demo-page.png"), fullPage: true });
     check(demoProblems.length === 0, "demo page: no console errors: " + demoProblems.join("; "));
     await demo.close();
+  }
+
+  // ---- a causal page: masked cells, the sqrt scale, a clipped top ------------------------------
+  {
+    const T = 4;
+    const causal = [];
+    for (let i = 0; i < T; i++) for (let j = 0; j < T; j++) causal.push(j <= i ? 1 / (i + 1) : 0);
+    writeNpy(path.join(tmp, "causal.npy"), [T, T], causal);
+    qkvRun(["heatmap", "causal.npy", "--causal", "--scale", "sqrt", "--vmax", "0.5", "-o", "causal.html"]);
+    const { page: masked, problems: maskedProblems } = await open(path.join(tmp, "causal.html"));
+    const geometry = await masked.$eval("#matrix", (el) => {
+      const box = el.getBoundingClientRect();
+      return { left: box.left, top: box.top, x0: Number(el.dataset.x0), y0: Number(el.dataset.y0),
+        cell: Number(el.dataset.cellWidth) };
+    });
+    const cellAt = async (i, j) => {
+      const x = geometry.x0 + (j + 0.5) * geometry.cell;
+      const y = geometry.y0 + (i + 0.5) * geometry.cell;
+      await masked.mouse.move(geometry.left + x, geometry.top + y);
+      const pixel = await masked.evaluate(([px, py]) => {
+        const canvas = document.getElementById("matrix");
+        const ratio = canvas.width / canvas.getBoundingClientRect().width;
+        const d = canvas.getContext("2d").getImageData(Math.floor(px * ratio), Math.floor(py * ratio), 1, 1).data;
+        return `rgb(${d[0]}, ${d[1]}, ${d[2]})`;
+      }, [x, y]);
+      return { tooltip: await masked.textContent("#tooltip"), pixel };
+    };
+    const hidden = await cellAt(0, 3);
+    check(hidden.tooltip.includes("masked") && !hidden.tooltip.includes("α ="),
+      `a masked cell's hover says masked: "${hidden.tooltip}"`);
+    check(hidden.pixel === "rgb(224, 224, 224)", `a masked cell is grey, drawn ${hidden.pixel}`);
+    // 0.25 of a --vmax of 0.5 sits at √0.5 of the colour map under --scale sqrt.
+    const data = await masked.evaluate(() => JSON.parse(document.getElementById("qkv-data").textContent));
+    const quarter = await cellAt(3, 0);
+    const want = rgb(data.lut[Math.round(Math.sqrt(0.5) * (data.lut.length - 1))]);
+    check(quarter.pixel === want, `cell [3, 0] under --scale sqrt: drawn ${quarter.pixel}, expected ${want}`);
+    check(quarter.tooltip.includes("α = 0.25"), `an unmasked cell's hover gives its value: "${quarter.tooltip}"`);
+    await masked.mouse.move(0, 0);
+    await masked.hover('#queries .tok[data-i="0"]');
+    const keys = await masked.$$eval("#keys .tok", (els) => els.map((el) => ({
+      masked: el.dataset.masked === "true", weight: el.querySelector(".w").textContent })));
+    check(keys.map((k) => k.masked).join() === "false,true,true,true" &&
+      keys.slice(1).every((k) => k.weight === "masked"),
+      "query 0's masked keys say masked in the token view: " + JSON.stringify(keys));
+    check(await masked.$("#clip-high") !== null && await masked.$("#clip-low") === null,
+      "the colour bar shows the clipped top (weights of 1 above --vmax 0.5), and only it");
+    check(maskedProblems.length === 0, "causal page: no console errors: " + maskedProblems.join("; "));
+    await masked.close();
   }
 
   // ---- a large page ------------------------------------------------------------------------------

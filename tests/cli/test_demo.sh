@@ -2,7 +2,8 @@
 # qkv demo: the worked example prints a T×T α whose rows sum to 1, reproduces itself byte for byte
 # from a seed, takes UTF-8 (CJK) tokens, refuses 0 or more than 64 tokens with exit code 2, walks
 # the four steps with --explain, colours only when asked or on a terminal, saves its arrays with
-# numpy lines that recompute α from them, and scores additively with --score additive.
+# numpy lines that recompute α from them, scores additively with --score additive, and fits every
+# line it prints to COLUMNS (prose wrapped, tables and the heatmap cut to what fits).
 set -uo pipefail
 
 # shellcheck source=harness.sh
@@ -62,12 +63,39 @@ grep -q -- "--tokens: expected 1 to 64 tokens" "$tmp/err" ||
   fail "qkv demo --tokens '': unclear message: $(cat "$tmp/err")"
 
 sixty_four=$(printf 't%d ' $(seq 1 64))
-run demo --tokens "$sixty_four"
+COLUMNS=1000 run demo --tokens "$sixty_four"
 [[ $rc -eq 0 ]] || fail "qkv demo with 64 tokens exited $rc"
-check_alpha "qkv demo with 64 tokens" 64
+check_alpha "qkv demo with 64 tokens (COLUMNS=1000)" 64
 run demo --tokens "$sixty_four t65"
 [[ $rc -eq 2 ]] || fail "qkv demo with 65 tokens exited $rc, expected 2"
 grep -q "got 65" "$tmp/err" || fail "qkv demo with 65 tokens: the message does not say how many came: $(cat "$tmp/err")"
+
+# The widest line of $tmp/out, in terminal columns (CJK two, escapes none).
+widest() {
+  /usr/bin/python3 -c '
+import re, sys, unicodedata
+text = re.sub("\x1b\\[[0-9;]*m", "", open(sys.argv[1], encoding="utf-8").read())
+print(max(sum(0 if unicodedata.combining(c) else 2 if unicodedata.east_asian_width(c) in "WF" else 1
+              for c in line) for line in text.splitlines()))' "$tmp/out"
+}
+
+# Everything the demo prints fits the terminal: prose wraps, tables and the heatmap show what fits.
+mkdir -p "$tmp/w"
+for width in 80 60 40; do
+  COLUMNS=$width run demo --explain --out-dir "$tmp/w"
+  [[ $rc -eq 0 ]] || fail "COLUMNS=$width qkv demo --explain exited $rc"
+  [[ $(widest) -le $width ]] || fail "COLUMNS=$width qkv demo --explain: a line is $(widest) columns wide"
+  COLUMNS=$width run demo --score additive --explain --out-dir "$tmp/w"
+  [[ $(widest) -le $width ]] || fail "COLUMNS=$width qkv demo --score additive --explain: a line is $(widest) wide"
+done
+thirty=$(printf '阅读%d ' $(seq 1 30))
+COLUMNS=80 run demo --tokens "$thirty" --explain --color always
+[[ $rc -eq 0 ]] || fail "qkv demo with 30 tokens exited $rc"
+[[ $(widest) -le 80 ]] || fail "qkv demo with 30 CJK tokens: a line is $(widest) columns wide at COLUMNS=80"
+grep -q "(columns 0–[0-9]* of 30 shown to fit 80 columns" "$tmp/out" ||
+  fail "qkv demo with 30 tokens: no line saying which columns of α are shown"
+grep -q "(keys 0–[0-9]* of 30 shown\|(fitted to 80 columns" "$tmp/out" ||
+  fail "qkv demo with 30 tokens: the heatmap does not say how it was fitted"
 
 run demo --explain
 [[ $rc -eq 0 ]] || fail "qkv demo --explain exited $rc"
@@ -95,7 +123,7 @@ for name in X W_Q W_K W_V Q K V alpha; do
 done
 check_snippet() {
   local what=$1 snippet
-  snippet=$(grep -A3 "α again, with numpy" "$tmp/out" | tail -3 | sed 's/^  //')
+  snippet=$(sed -n '/^α again, with numpy/,/^$/p' "$tmp/out" | grep '^  ' | sed 's/^  //')
   [[ -n $snippet ]] || { fail "$what: no numpy lines to recompute α"; return; }
   if ! (cd "$tmp/d" && /usr/bin/python3 -c "$snippet" >"$tmp/snippet" 2>&1); then
     fail "$what: the printed numpy lines fail: $(cat "$tmp/snippet")"

@@ -6,16 +6,20 @@ libxml2's xmllint with one <rect> per cell in its cells group); the terminal gri
 colour only when asked or on a terminal. Refusals: exit code 2, one error line naming the argument
 at fault, and the directory exactly as it was (no output, no temporary file, an existing output left
 untouched). Rows that do not sum to 1 are drawn with a warning. The pixels of the PNGs are checked
-by tests/viz/test_heatmap.cpp, the page in a browser by tests/browser/test_heatmap.mjs.
+by tests/viz/test_heatmap.cpp, the page in a browser by tests/browser/test_heatmap.mjs. Masked cells
+(--mask, --causal, attend --heatmap's mask) are drawn as masked in every format, --scale and the
+clipping marker behave as documented, and the terminal grid fits COLUMNS in display columns.
 
 Run: QKV_BIN=build/release/apps/qkv /usr/bin/python3 tests/cli/test_heatmap.py
 """
 
 import os
+import re
 import shutil
 import subprocess
 import sys
 import tempfile
+import unicodedata
 
 import numpy as np
 
@@ -23,6 +27,12 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from cli_harness import QKV, Suite  # noqa: E402  (the harness sits beside this script)
 
 SIGNATURES = {".png": b"\x89PNG\r\n\x1a\n", ".pdf": b"%PDF-", ".html": b"<!DOCTYPE html>", ".svg": b"<?xml"}
+
+
+def display_width(line):
+    """The columns a line takes on a terminal: escapes none, East Asian wide characters two."""
+    line = re.sub("\x1b\\[[0-9;]*m", "", line)
+    return sum(0 if unicodedata.combining(c) else 2 if unicodedata.east_asian_width(c) in "WF" else 1 for c in line)
 
 
 def softmax_rows(shape, seed, spread=2.0):
@@ -242,8 +252,118 @@ def main():
         t.refuse("attend --heatmap into a missing directory", [*qkv, "-o", "o3.npy", "--heatmap", "missing/w.png"],
                  "--heatmap:", "missing")
 
+        # ---- Masked cells are no weights: drawn apart from a weight of 0 in every format.
+        causal = np.tril(np.ones((5, 5), dtype=np.float32))
+        causal[4] = [0.0, 0.25, 0.25, 0.25, 0.25]  # an unmasked 0 at [4, 0]
+        causal /= causal.sum(axis=1, keepdims=True)
+        t.save("causal.npy", causal)
+        t.save("tril.npy", np.tril(np.ones((5, 5), dtype=bool)))
+        t.save("last_key.npy", np.array([[1, 1, 1, 1, 0]], dtype=np.int64))
+
+        def masked_grid(r):
+            lines = r.stdout.splitlines()
+            if lines[1] != "0 ██  ·  ·  ·  ·":
+                return f"row 0 is {lines[1]!r}, expected its masked keys as '·'"
+            if not lines[5].startswith("4    ░░"):
+                return f"row 4's unmasked 0 is not a blank shade: {lines[5]!r}"
+            return None if lines[-1].endswith(", · masked") else f"the scale does not say '· masked': {lines[-1]!r}"
+
+        t.succeed("terminal: --causal draws masked cells as '·'", ["heatmap", "causal.npy", "--causal"], masked_grid)
+        t.succeed("terminal: a bool --mask is the same as --causal", ["heatmap", "causal.npy", "--mask", "tril.npy"],
+                  masked_grid)
+        t.succeed("terminal: an int64 [1, Tk] --mask broadcasts over the queries",
+                  ["heatmap", "causal.npy", "--mask", "last_key.npy"],
+                  lambda r: None if all(line.endswith("·") for line in r.stdout.splitlines()[1:6])
+                  else f"key 4 is not masked in every row:\n{r.stdout}")
+        t.succeed("terminal: --annotate writes no value on masked cells",
+                  ["heatmap", "causal.npy", "--causal", "--annotate"],
+                  lambda r: None if r.stdout.splitlines()[1] == "0 █1.00     ·     ·     ·     ·"
+                  and "0.00" in r.stdout.splitlines()[5] else f"unexpected values:\n{r.stdout}")
+
+        def svg_masked(name, masked, zeros_annotated):
+            def check(_):
+                with open(t.path(name), encoding="utf-8") as f:
+                    svg = f.read()
+                got = svg.count('class="masked"')
+                if got != masked:
+                    return f"{name}: {got} masked cells, expected {masked}"
+                if zeros_annotated is not None and svg.count(">0.00</text>") != zeros_annotated:
+                    return f"{name}: {svg.count('>0.00</text>')} cells annotated 0.00, expected {zeros_annotated}"
+                return rects(name, 25)(None)
+            return check
+
+        t.succeed("SVG: --causal marks the 10 cells above the diagonal, annotated with no value",
+                  ["heatmap", "causal.npy", "--causal", "--annotate", "-o", "causal.svg"],
+                  svg_masked("causal.svg", 10, 1))
+        t.succeed("HTML: --causal carries the mask for the hover",
+                  ["heatmap", "causal.npy", "--causal", "-o", "causal.html"],
+                  lambda _: None if '"masked":[0,1,1,1,1,' in open(t.path("causal.html"), encoding="utf-8").read()
+                  else "no mask in the page's data")
+        t.succeed("PNG and PDF with --causal", ["heatmap", "causal.npy", "--causal", "-o", "causal.png"],
+                  lambda _: t.written("causal.png"))
+        t.refuse("a --mask that does not broadcast", ["heatmap", "causal.npy", "--mask", t.save(
+            "mask23.npy", np.ones((2, 3), dtype=bool)), "-o", "m.png"], "--mask:", "broadcasts", "[5, 5]", "[2, 3]")
+        t.refuse("a float --mask", ["heatmap", "causal.npy", "--mask", t.save(
+            "maskf.npy", np.zeros((5, 5), dtype=np.float32))], "--mask:", "float32")
+        t.refuse("a missing --mask", ["heatmap", "causal.npy", "--mask", "none.npy"], "--mask:", "none.npy")
+        t.succeed("attend --heatmap --causal draws what the mask hid as masked",
+                  [*qkv, "--causal", "-o", "oc.npy", "--heatmap", "wc.svg"],
+                  lambda _: (None if open(t.path("wc.svg"), encoding="utf-8").read().count('class="masked"') == 20
+                             else "expected 2 heads × 10 masked cells of a bottom-right causal [5, 6]"))
+        t.succeed("attend --heatmap without a mask masks nothing", [*qkv, "-o", "on.npy", "--heatmap", "wn.svg"],
+                  lambda _: None if 'class="masked"' not in open(t.path("wn.svg"), encoding="utf-8").read()
+                  else "masked cells without a mask")
+
+        # ---- The colour scale: --scale, and clipping shown when --vmax clips.
+        small = t.save("small.npy", np.array([[0.25, 0.75], [0.01, 0.99]], dtype=np.float32))
+        scale_line = lambda r: r.stdout.splitlines()[-1]  # noqa: E731
+        t.succeed("--scale sqrt moves the shades as documented", ["heatmap", small, "--scale", "sqrt"],
+                  lambda r: None if r.stdout.splitlines()[1] == "0 ▒▒ ██" else f"row 0: {r.stdout.splitlines()[1]!r}")
+        t.succeed("--scale linear is the default", ["heatmap", small, "--scale", "linear"],
+                  lambda r: None if r.stdout.splitlines()[1] == "0 ░░ ▓▓" else f"row 0: {r.stdout.splitlines()[1]!r}")
+        t.succeed("--scale log shows a weight of 0.01", ["heatmap", small, "--scale", "log"],
+                  lambda r: None if r.stdout.splitlines()[2].startswith("1 ░░") else f"row 1: {r.stdout!r}")
+        t.refuse("unknown --scale", ["heatmap", small, "--scale", "cubic"], "--scale:", "linear, sqrt or log", "cubic")
+        t.succeed("no clipping marker when nothing is clipped", ["heatmap", small, "--vmax", "1"],
+                  lambda r: None if scale_line(r) == "scale: 0.00 [ ░▒▓█] 1.00" else f"scale: {scale_line(r)!r}")
+        t.succeed("the scale says >= when --vmax clips", ["heatmap", small, "--vmax", "0.5"],
+                  lambda r: None if scale_line(r) == "scale: 0.00 [ ░▒▓█] ≥0.50" else f"scale: {scale_line(r)!r}")
+        for vmax, marked in (("0.5", 1), ("1", 0)):
+            t.succeed(f"SVG: a clipping triangle {'only ' if marked else 'not '}when --vmax {vmax} clips",
+                      ["heatmap", small, "--vmax", vmax, "-o", f"clip{vmax}.svg"],
+                      lambda _, vmax=vmax, marked=marked: (
+                          None if open(t.path(f"clip{vmax}.svg"), encoding="utf-8").read().count('class="clip-high"')
+                          == marked else f"expected {marked} clip-high markers"))
+
+        # ---- The terminal grid fits COLUMNS: every line, counted in display columns.
+        def fits(width, *must_have):
+            def check(r):
+                wide = [line for line in r.stdout.splitlines() if display_width(line) > width]
+                if wide:
+                    return f"{len(wide)} lines wider than {width}, the first: {wide[0]!r}"
+                missing = [text for text in must_have if text not in r.stdout]
+                return f"missing {missing}" if missing else None
+            return check
+
+        t.save("wide.npy", softmax_rows((64, 64), 8))
+        t.succeed("64 keys at COLUMNS=60: a window of keys, and a line saying so", ["heatmap", "wide.npy"],
+                  fits(60, "(keys 0–57 of 64 shown"), env={"COLUMNS": "60"})
+        t.succeed("64 keys at COLUMNS=80: one column a key", ["heatmap", "wide.npy"],
+                  fits(80, "(fitted to 80 columns"), env={"COLUMNS": "80"})
+        t.succeed("64 keys piped without COLUMNS: 80 columns", ["heatmap", "wide.npy"],
+                  fits(80, "(fitted to 80 columns"), env={"COLUMNS": "not a number"})
+        t.succeed("64 keys, coloured, at COLUMNS=60", ["heatmap", "wide.npy", "--color", "always"],
+                  fits(60, "(keys 0–"), env={"COLUMNS": "60", "COLORTERM": "truecolor"})
+        cjk = " ".join(f"阅读{i}" for i in range(30))
+        t.succeed("30 CJK tokens, annotated, at COLUMNS=60",
+                  ["heatmap", t.save("t30.npy", softmax_rows((30, 30), 9)), "--tokens", cjk, "--annotate",
+                   "--title", "注意力 " * 20], fits(60, "(keys 0–"), env={"COLUMNS": "60"})
+        t.succeed("COLUMNS below 40 draws 40 wide", ["heatmap", "wide.npy"], fits(40, "(keys 0–37 of 64"),
+                  env={"COLUMNS": "12"})
+
         t.succeed("heatmap --help", ["heatmap", "--help"],
                   lambda r: None if all(s in r.stdout for s in ("--all-heads", "--cmap", ".html", "NO_COLOR",
+                                                                "--mask", "--causal", "--scale", "COLUMNS",
                                                                 "Examples")) else "help lacks something")
 
         return t.report()

@@ -1,8 +1,10 @@
 // Tests of the text helpers (src/core/text.cpp): display widths of scripts, marks and invalid bytes,
-// labels made safe to draw, padding to a width in columns, and token lists split on whitespace.
+// labels made safe to draw, padding, cutting and wrapping to a width in columns, and token lists split
+// on whitespace.
 
 #include <gtest/gtest.h>
 
+#include <sstream>
 #include <string>
 #include <vector>
 
@@ -50,6 +52,36 @@ TEST(SplitLabels, WhitespaceSeparatesAnythingElseBelongs) {
   EXPECT_EQ(split_labels("我 阅读 书。"), (std::vector<std::string>{"我", "阅读", "书。"}));
   EXPECT_TRUE(split_labels("   ").empty());
   EXPECT_EQ(split_labels("a\u3000b").size(), 1U);  // an ideographic space is not ASCII whitespace
+}
+
+TEST(TruncateToWidth, CutsBetweenCodePointsAndEndsWithAnEllipsis) {
+  EXPECT_EQ(truncate_to_width("student", 7), "student");
+  EXPECT_EQ(truncate_to_width("student", 4), "stu…");
+  EXPECT_EQ(truncate_to_width("student", 1), "…");
+  EXPECT_EQ(truncate_to_width("student", 0), "");
+  // A wide character that would overrun is left out whole.
+  EXPECT_EQ(truncate_to_width("书书书", 6), "书书书");
+  EXPECT_EQ(truncate_to_width("书书书", 5), "书书…");
+  EXPECT_EQ(truncate_to_width("书书书", 4), "书…");
+  EXPECT_EQ(display_width(truncate_to_width("书书书", 4)), 3);
+}
+
+TEST(WrapText, BreaksAtSpacesKeepingEachLinesIndent) {
+  EXPECT_EQ(wrap_text("aaa bbb ccc", 7), "aaa bbb\nccc");
+  EXPECT_EQ(wrap_text("aaa bbb ccc\n", 7), "aaa bbb\nccc\n");
+  EXPECT_EQ(wrap_text("aaa bbb ccc\n", 0), "aaa bbb ccc\n");
+  EXPECT_EQ(wrap_text("  aaa bbb ccc\n", 9), "  aaa bbb\n  ccc\n");
+  EXPECT_EQ(wrap_text("1. aaa bbb ccc\n", 10, 3), "1. aaa bbb\n   ccc\n");
+  EXPECT_EQ(wrap_text("one\n\ntwo\n", 5), "one\n\ntwo\n") << "blank lines stay";
+  // Columns, not bytes: four CJK characters are eight columns.
+  EXPECT_EQ(wrap_text("书书 书书 书书\n", 5), "书书\n书书\n书书\n");
+  // A word wider than the line is cut, so that no line is wider.
+  EXPECT_EQ(wrap_text("ab /a/very/long/path\n", 6), "ab\n/a/ver\ny/long\n/path\n");
+  for (const int64_t width : {2, 3, 10}) {
+    const std::string wrapped = wrap_text("   deep indent and a longwordthatgoeson 书书书\n", width, 4);
+    std::istringstream lines(wrapped);
+    for (std::string line; std::getline(lines, line);) EXPECT_LE(display_width(line), width) << "'" << line << "'";
+  }
 }
 
 }  // namespace

@@ -78,6 +78,29 @@ def test_text_is_the_terminal_grid(rng):
     assert repr(drawing) == drawing.text()
 
 
+def test_mask_draws_masked_cells_apart_from_zero_weights():
+    weights = np.array([[1.0, 0.0, 0.0], [0.5, 0.5, 0.0], [0.0, 0.5, 0.5]])
+    causal = np.tril(np.ones((3, 3), dtype=bool))
+    drawing = qkv.heatmap(weights, mask=causal)
+    lines = drawing.text().splitlines()
+    assert lines[1] == "0 ██  ·  ·" and lines[3] == "2    ▒▒ ▒▒"  # masked '·', the unmasked 0 blank
+    assert lines[-1] == "scale: 0.000 [ ░▒▓█] 1.000, · masked"
+    assert drawing.svg().count(b'class="masked"') == 3
+    assert qkv.heatmap(weights, mask=np.array([1, 1, 0], dtype=np.int32)).svg().count(b'class="masked"') == 3
+    with pytest.raises(qkv.ShapeError, match="mask"):
+        qkv.heatmap(weights, mask=np.ones((2, 3), dtype=bool))
+    with pytest.raises(ValueError, match="mask: expected a bool or integer array"):
+        qkv.heatmap(weights, mask=np.zeros((3, 3), np.float32))
+
+
+def test_scale_spreads_small_weights():
+    weights = np.array([[0.25, 1.0]])
+    assert qkv.heatmap(weights).text().splitlines()[1] == "0 ░░ ██"
+    assert qkv.heatmap(weights, scale="sqrt").text().splitlines()[1] == "0 ▒▒ ██"
+    with pytest.raises(ValueError, match="scale: expected linear, sqrt or log, got cubic"):
+        qkv.heatmap(weights, scale="cubic")
+
+
 def test_bad_extension_raises_and_writes_nothing(rng, tmp_path):
     with pytest.raises(ValueError, match="path"):
         qkv.heatmap(weights_of(rng, (3, 3)), path=tmp_path / "attention.jpg")

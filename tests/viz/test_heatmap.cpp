@@ -11,7 +11,9 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "qkv/core/error.hpp"
@@ -821,6 +823,213 @@ TEST(HeatmapHtml, SelfContainedWithEscapedData) {
   HeatmapOptions second;
   second.head = 1;
   EXPECT_NE(render_heatmap(alpha.cview(), HeatmapFormat::html, second).find("\"initial\":1,"), std::string::npos);
+}
+
+// A causal 3 × 3 α whose cell (2, 0) is a weight of 0 that no mask forced, and its mask.
+Tensor<float> causal_three() { return Tensor<float>({3, 3}, {1.0F, 0.0F, 0.0F, 0.5F, 0.5F, 0.0F, 0.0F, 0.5F, 0.5F}); }
+Tensor<uint8_t> causal_mask() { return Tensor<uint8_t>({3, 3}, {1, 0, 0, 1, 1, 0, 1, 1, 1}); }
+
+PixelRect cell_rect(const HeatmapPanelLayout& p, int64_t i, int64_t j) {
+  return {.x = p.matrix.x + j * p.cell_width,
+          .y = p.matrix.y + i * p.cell_height,
+          .width = p.cell_width,
+          .height = p.cell_height};
+}
+
+// The pixels of a rectangle, row by row.
+std::vector<Rgb> pixels(const Image& image, const PixelRect& r) {
+  std::vector<Rgb> out;
+  for (int64_t y = r.y; y < r.y + r.height; ++y)
+    for (int64_t x = r.x; x < r.x + r.width; ++x) out.push_back(image.at(x, y));
+  return out;
+}
+
+TEST(HeatmapPng, MaskedCellsAreHatchedGreyNotZeroWeights) {
+  const Tensor<float> alpha = causal_three();
+  const Tensor<uint8_t> mask = causal_mask();
+  HeatmapOptions options;
+  options.allowed = mask.cview();
+  const Image image(render_heatmap(alpha.cview(), HeatmapFormat::png, options));
+  ASSERT_TRUE(image.ok());
+  const HeatmapLayout layout = heatmap_layout(alpha.cview(), options);
+  const HeatmapPanelLayout& p = layout.panels[0];
+  const Rgb zero = viridis(0.0);
+  // The unmasked 0 is the colour map's bottom, all over.
+  for (const Rgb c : pixels(image, cell_rect(p, 2, 0))) ASSERT_EQ(c, zero) << str(c);
+  for (const auto& [i, j] : {std::pair{0, 1}, std::pair{0, 2}, std::pair{1, 2}}) {
+    int64_t fill = 0;
+    int64_t hatch = 0;
+    for (const Rgb c : pixels(image, cell_rect(p, i, j))) {
+      EXPECT_NE(c, zero) << "masked cell [" << i << ", " << j << "] has the colour of a 0 weight";
+      EXPECT_TRUE(c.r == c.g && c.g == c.b) << "masked cell [" << i << ", " << j << "] is not grey: " << str(c);
+      fill += c == Rgb{224, 224, 224} ? 1 : 0;
+      hatch += c.r < 200 ? 1 : 0;
+    }
+    EXPECT_GT(fill, p.cell_width * p.cell_height / 3) << "cell [" << i << ", " << j << "]";
+    EXPECT_GT(hatch, p.cell_width) << "cell [" << i << ", " << j << "] has no hatching";
+  }
+  // The other cells keep their colours, on a scale that the masked cells take no part in.
+  EXPECT_EQ(image.at(p.matrix.x + p.cell_width / 2, p.matrix.y + p.cell_height / 2), viridis(1.0));
+  EXPECT_EQ(image.at(p.matrix.x + p.cell_width * 3 / 2, p.matrix.y + p.cell_height * 3 / 2), viridis(0.5));
+
+  // --annotate writes nothing on a masked cell, and "0.00" on the unmasked 0.
+  HeatmapOptions annotated = options;
+  annotated.annotate = true;
+  const Image with_values(render_heatmap(alpha.cview(), HeatmapFormat::png, annotated));
+  const HeatmapPanelLayout q = heatmap_layout(alpha.cview(), annotated).panels[0];
+  EXPECT_EQ(pixels(with_values, cell_rect(q, 0, 1)), pixels(image, cell_rect(p, 0, 1)));
+  EXPECT_NE(pixels(with_values, cell_rect(q, 2, 0)), pixels(image, cell_rect(p, 2, 0)));
+}
+
+TEST(HeatmapPng, LargeMaskedMatricesAreFlatGrey) {
+  const int64_t t = 200;  // beyond kMaxVectorCells: one image, a pixel per cell
+  Tensor<float> alpha({t, t});
+  Tensor<uint8_t> mask({t, t});
+  for (int64_t i = 0; i < t; ++i) {
+    for (int64_t j = 0; j <= i; ++j) {
+      alpha[i * t + j] = 1.0F / static_cast<float>(i + 1);
+      mask[i * t + j] = 1;
+    }
+  }
+  HeatmapOptions options;
+  options.allowed = mask.cview();
+  const Image image(render_heatmap(alpha.cview(), HeatmapFormat::png, options));
+  const HeatmapPanelLayout p = heatmap_layout(alpha.cview(), options).panels[0];
+  EXPECT_EQ(image.at(p.matrix.x + (t - 1) * p.cell_width, p.matrix.y), (Rgb{224, 224, 224}));
+}
+
+TEST(HeatmapLayout, RefusesAMaskThatDoesNotBroadcast) {
+  const Tensor<float> alpha = causal_three();
+  const Tensor<uint8_t> mask({2, 3}, {1, 1, 1, 1, 1, 1});
+  HeatmapOptions options;
+  options.allowed = mask.cview();
+  for (const HeatmapFormat format : {HeatmapFormat::png, HeatmapFormat::svg, HeatmapFormat::html}) {
+    try {
+      render_heatmap(alpha.cview(), format, options);
+      ADD_FAILURE() << "a [2, 3] mask of a [3, 3] alpha was taken";
+    } catch (const ShapeError& e) {
+      EXPECT_NE(std::string(e.what()).find("allowed"), std::string::npos) << e.what();
+      EXPECT_NE(std::string(e.what()).find("[2, 3]"), std::string::npos) << e.what();
+    }
+  }
+}
+
+TEST(HeatmapSvg, MaskedCellsAreHatchedRectsWithTheirOwnTooltip) {
+  const Tensor<float> alpha = causal_three();
+  const Tensor<uint8_t> mask = causal_mask();
+  HeatmapOptions options;
+  options.allowed = mask.cview();
+  options.annotate = true;
+  const std::string svg = render_heatmap(alpha.cview(), HeatmapFormat::svg, options);
+  EXPECT_EQ(count(svg, R"svg(fill="url(#qkv-masked)" class="masked")svg"), 3U) << svg;
+  EXPECT_NE(svg.find("<title>0 → 1: masked</title>"), std::string::npos);
+  EXPECT_NE(svg.find(R"(fill="#440154"><title>2 → 0: 0</title>)"), std::string::npos) << "the unmasked 0";
+  EXPECT_NE(svg.find(R"(<pattern id="qkv-masked")"), std::string::npos);
+  EXPECT_EQ(count(svg, "<rect "), 9U) << "still one <rect> per cell";
+  // Annotations: 6 values, none on the masked cells.
+  EXPECT_EQ(count(svg, ">0.00</text>"), 1U) << svg;
+  EXPECT_EQ(count(svg, ">0.50</text>"), 4U);
+}
+
+TEST(HeatmapHtml, CarriesTheMaskTheScaleAndClipping) {
+  const Tensor<float> alpha = causal_three();
+  const Tensor<uint8_t> mask = causal_mask();
+  HeatmapOptions options;
+  const std::string plain = render_heatmap(alpha.cview(), HeatmapFormat::html, options);
+  EXPECT_EQ(plain.find("\"masked\":["), std::string::npos);
+  EXPECT_NE(plain.find(R"("scale":"linear","diverging":false,"clippedLow":false,"clippedHigh":false)"),
+            std::string::npos);
+  options.allowed = mask.cview();
+  options.scale = HeatmapScale::sqrt;
+  options.vmax = 0.75;
+  const std::string html = render_heatmap(alpha.cview(), HeatmapFormat::html, options);
+  EXPECT_NE(html.find(R"("masked":[0,1,1,0,0,1,0,0,0])"), std::string::npos);
+  EXPECT_NE(html.find(R"("scale":"sqrt","diverging":false,"clippedLow":false,"clippedHigh":true)"), std::string::npos);
+  EXPECT_NE(html.find(R"(? "masked" :)"), std::string::npos) << "the hover names masked cells";
+}
+
+TEST(HeatmapPng, ScaleOptionsStretchSmallWeights) {
+  const Tensor<float> alpha({1, 4}, {0.25F, 0.01F, 0.001F, 1.0F});
+  for (const auto& [scale, stretch] :
+       {std::pair{HeatmapScale::linear, +[](double u) { return u; }},
+        std::pair{HeatmapScale::sqrt, +[](double u) { return std::sqrt(u); }},
+        std::pair{HeatmapScale::log, +[](double u) { return std::log10(1.0 + 999.0 * u) / 3.0; }}}) {
+    HeatmapOptions options;
+    options.scale = scale;
+    const Image image(render_heatmap(alpha.cview(), HeatmapFormat::png, options));
+    const HeatmapPanelLayout p = heatmap_layout(alpha.cview(), options).panels[0];
+    for (int64_t j = 0; j < 4; ++j) {
+      const Rgb got = image.at(p.matrix.x + j * p.cell_width + p.cell_width / 2, p.matrix.y + p.cell_height / 2);
+      const Rgb want = viridis(stretch(static_cast<double>(alpha[j])));
+      EXPECT_EQ(got, want) << heatmap_scale_name(scale) << " key " << j << ": got " << str(got) << ", expected "
+                           << str(want);
+    }
+  }
+  EXPECT_EQ(viridis(std::sqrt(0.25)), viridis(0.5));
+  // A diverging map stretches each half from its middle: ±x stay as far from it.
+  const Tensor<float> signed_values({1, 3}, {-0.25F, 0.0F, 0.25F});
+  HeatmapOptions diverging;
+  diverging.colormap = Colormap::coolwarm;
+  diverging.vmax = 1.0;
+  diverging.vmin = -1.0;
+  diverging.scale = HeatmapScale::sqrt;
+  const Image image(render_heatmap(signed_values.cview(), HeatmapFormat::png, diverging));
+  const HeatmapPanelLayout p = heatmap_layout(signed_values.cview(), diverging).panels[0];
+  const auto at = [&](int64_t j) {
+    return image.at(p.matrix.x + j * p.cell_width + p.cell_width / 2, p.matrix.y + p.cell_height / 2);
+  };
+  EXPECT_EQ(at(0), colormap_at(Colormap::coolwarm, (1.0 - std::sqrt(0.25)) / 2.0));
+  EXPECT_EQ(at(1), colormap_at(Colormap::coolwarm, 0.5));
+  EXPECT_EQ(at(2), colormap_at(Colormap::coolwarm, (1.0 + std::sqrt(0.25)) / 2.0));
+
+  EXPECT_EQ(parse_heatmap_scale("log", "--scale"), HeatmapScale::log);
+  try {
+    parse_heatmap_scale("cubic", "--scale");
+    ADD_FAILURE() << "an unknown scale was taken";
+  } catch (const ValueError& e) {
+    EXPECT_STREQ(e.what(), "--scale: expected linear, sqrt or log, got cubic");
+  }
+}
+
+TEST(HeatmapPng, TheColourBarShowsClippingExactlyWhenValuesExceedVmax) {
+  const Tensor<float> alpha({2, 2}, {0.1F, 0.9F, 0.5F, 0.5F});
+  const auto centre_of = [](const PixelRect& r) { return std::pair{r.x + r.width / 2, r.y + r.height * 2 / 3}; };
+  for (const std::optional<double> vmax : {std::optional<double>(), std::optional(0.9), std::optional(0.5)}) {
+    HeatmapOptions options;
+    options.vmax = vmax;
+    const HeatmapLayout layout = heatmap_layout(alpha.cview(), options);
+    const bool clipped = vmax && *vmax < 0.9;
+    EXPECT_EQ(layout.clipped_high, clipped) << (vmax ? *vmax : -1.0);
+    EXPECT_FALSE(layout.clipped_low);
+    EXPECT_EQ(layout.clip_low_marker.height, 0);
+    const Image image(render_heatmap(alpha.cview(), HeatmapFormat::png, options));
+    // Above the bar: the triangle, in the top colour, or the white margin.
+    const PixelRect above = {
+        .x = layout.colorbar.x, .y = layout.colorbar.y - 12, .width = layout.colorbar.width, .height = 10};
+    if (clipped) {
+      EXPECT_EQ(layout.clip_high_marker.height, 10);
+      const auto [x, y] = centre_of(layout.clip_high_marker);
+      EXPECT_EQ(image.at(x, y), viridis(1.0)) << str(image.at(x, y));
+      expect_inside(layout.clip_high_marker, layout, "the clipping triangle");
+    } else {
+      EXPECT_EQ(layout.clip_high_marker.height, 0);
+      EXPECT_EQ(image.ink(above), 0) << "a triangle with nothing clipped";
+    }
+    const std::string svg = render_heatmap(alpha.cview(), HeatmapFormat::svg, options);
+    EXPECT_EQ(count(svg, R"(<path class="clip-high")"), clipped ? 1U : 0U);
+  }
+  // A diverging map clips both ends.
+  const Tensor<float> signed_values({1, 2}, {-2.0F, 2.0F});
+  HeatmapOptions diverging;
+  diverging.colormap = Colormap::coolwarm;
+  diverging.vmin = -1.0;
+  diverging.vmax = 1.0;
+  const HeatmapLayout layout = heatmap_layout(signed_values.cview(), diverging);
+  EXPECT_TRUE(layout.clipped_low && layout.clipped_high);
+  const Image image(render_heatmap(signed_values.cview(), HeatmapFormat::png, diverging));
+  const PixelRect& low = layout.clip_low_marker;
+  EXPECT_EQ(image.at(low.x + low.width / 2, low.y + low.height / 3), colormap_at(Colormap::coolwarm, 0.0));
+  expect_inside(low, layout, "the low clipping triangle");
 }
 
 }  // namespace

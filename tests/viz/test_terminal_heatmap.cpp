@@ -1,9 +1,11 @@
 // Tests of the terminal heatmap (HeatmapFormat::terminal, src/viz/heatmap_terminal.cpp): exact
 // plain layouts, alignment of CJK labels by display width, colour escapes, the scale, label and option errors, terminal
-// detection.
+// detection, masked cells, clipping on the scale line, and grids fitted to a width in columns.
 
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -253,6 +255,178 @@ TEST(TerminalHeatmap, SingleTokenAndEmptyMatrix) {
   HeatmapOptions options;
   options.terminal.legend = false;
   EXPECT_EQ(terminal(empty.cview(), options), "  0  1\n");
+}
+
+// The columns a line takes on a terminal: escapes (ESC [ ... m) take none.
+int64_t columns_of(std::string line) {
+  for (size_t esc; (esc = line.find('\x1b')) != std::string::npos;) line.erase(esc, line.find('m', esc) - esc + 1);
+  return display_width(line);
+}
+
+// A causal 3 × 3 α whose cell (2, 0) is a weight of 0 that no mask forced.
+Tensor<float> causal_three() { return Tensor<float>({3, 3}, {1.0F, 0.0F, 0.0F, 0.5F, 0.5F, 0.0F, 0.0F, 0.5F, 0.5F}); }
+Tensor<uint8_t> causal_mask() { return Tensor<uint8_t>({3, 3}, {1, 0, 0, 1, 1, 0, 1, 1, 1}); }
+
+TEST(TerminalHeatmap, MaskedCellsAreDotsNotZeroWeights) {
+  const Tensor<float> alpha = causal_three();
+  const Tensor<uint8_t> mask = causal_mask();
+  HeatmapOptions options;
+  options.allowed = mask.cview();
+  // The unmasked 0 of row 2 is a blank shade; the masked cells are '·'.
+  const std::string expected =
+      "   0  1  2\n"
+      "0 ██  ·  ·\n"
+      "1 ▒▒ ▒▒  ·\n"
+      "2    ▒▒ ▒▒\n"
+      "scale: 0.000 [ ░▒▓█] 1.000, · masked\n";
+  EXPECT_EQ(terminal(alpha.cview(), options), expected);
+
+  options.annotate = true;
+  options.terminal.decimals = 2;
+  const std::vector<std::string> lines = lines_of(terminal(alpha.cview(), options));
+  ASSERT_EQ(lines.size(), 5U);
+  EXPECT_EQ(lines[1], "0 █1.00     ·     ·") << "masked cells carry no value";
+  EXPECT_NE(lines[3].find("0.00"), std::string::npos) << "the unmasked 0 keeps its value: " << lines[3];
+
+  options.terminal.color = TerminalColor::truecolor;
+  const std::string colored = terminal(alpha.cview(), options);
+  EXPECT_EQ(lines_of(colored)[1].substr(lines_of(colored)[1].size() - 2), "·") << "no background on a masked cell";
+}
+
+TEST(TerminalHeatmap, MaskMustBroadcastToAlpha) {
+  const Tensor<float> alpha = causal_three();
+  const Tensor<uint8_t> rows({3, 1}, {1, 1, 0});
+  HeatmapOptions options;
+  options.allowed = rows.cview();
+  EXPECT_NE(terminal(alpha.cview(), options).find("2  ·  ·  ·"), std::string::npos) << "a [3, 1] mask masks row 2";
+  const Tensor<uint8_t> wrong({2, 2}, {1, 1, 1, 1});
+  options.allowed = wrong.cview();
+  EXPECT_THROW(
+      {
+        try {
+          terminal(alpha.cview(), options);
+        } catch (const ShapeError& e) {
+          EXPECT_NE(std::string(e.what()).find("allowed"), std::string::npos) << e.what();
+          throw;
+        }
+      },
+      ShapeError);
+}
+
+TEST(TerminalHeatmap, ScaleLineMarksClippedEnds) {
+  const Tensor<float> alpha = three_by_three();
+  HeatmapOptions options;
+  EXPECT_EQ(lines_of(terminal(alpha.cview(), options)).back(), "scale: 0.000 [ ░▒▓█] 1.000");
+  options.vmax = 0.5;
+  EXPECT_EQ(lines_of(terminal(alpha.cview(), options)).back(), "scale: 0.000 [ ░▒▓█] ≥0.500");
+  options.vmax = 1.5;
+  EXPECT_EQ(lines_of(terminal(alpha.cview(), options)).back(), "scale: 0.000 [ ░▒▓█] 1.500") << "nothing clipped";
+  // A masked value above vmax is no weight, and clips nothing.
+  const Tensor<float> masked_big({1, 2}, {0.4F, 0.9F});
+  const Tensor<uint8_t> mask({1, 2}, {1, 0});
+  HeatmapOptions masked;
+  masked.vmax = 0.5;
+  masked.allowed = mask.cview();
+  EXPECT_EQ(lines_of(terminal(masked_big.cview(), masked)).back(), "scale: 0.000 [ ░▒▓█] 0.500, · masked");
+}
+
+TEST(TerminalHeatmap, ScaleOptionMovesTheShades) {
+  // 0.25 of vmax: the second shade (░) on a linear scale, the middle (▒, t = 0.5) under sqrt.
+  const Tensor<float> alpha({1, 2}, {0.25F, 1.0F});
+  HeatmapOptions options;
+  EXPECT_EQ(lines_of(terminal(alpha.cview(), options))[1], "0 ░░ ██");
+  options.scale = HeatmapScale::sqrt;
+  EXPECT_EQ(lines_of(terminal(alpha.cview(), options))[1], "0 ▒▒ ██");
+  // 0.01 of vmax under log: t = log10(10.99) / 3 = 0.347, the second shade; linear leaves it blank.
+  const Tensor<float> small({1, 2}, {0.01F, 1.0F});
+  options.scale = HeatmapScale::log;
+  EXPECT_EQ(lines_of(terminal(small.cview(), options))[1], "0 ░░ ██");
+  options.scale = HeatmapScale::linear;
+  EXPECT_EQ(lines_of(terminal(small.cview(), options))[1], "0    ██");
+}
+
+// [tq, tk] of values that take every shade.
+Tensor<float> ramp(int64_t tq, int64_t tk) {
+  Tensor<float> alpha({tq, tk});
+  for (int64_t n = 0; n < tq * tk; ++n) alpha[n] = static_cast<float>(n % 7) / 7.0F;
+  return alpha;
+}
+
+std::vector<std::string> numbered(const std::string& prefix, int64_t n) {
+  std::vector<std::string> labels;
+  for (int64_t i = 0; i < n; ++i) labels.push_back(prefix + std::to_string(i));
+  return labels;
+}
+
+// Every line of `text` takes at most `width` columns; the widest.
+int64_t widest_line(const std::string& text) {
+  int64_t widest = 0;
+  for (const std::string& line : lines_of(text)) widest = std::max(widest, columns_of(line));
+  return widest;
+}
+
+TEST(TerminalHeatmap, WideGridsFitTheWidthWithAWindowOfKeys) {
+  const Tensor<float> alpha = ramp(100, 100);
+  HeatmapOptions options = labelled(numbered("k", 100));
+  const std::string whole = terminal(alpha.cview(), options);
+  EXPECT_GT(widest_line(whole), 300) << "without a width the grid is as wide as its labels";
+  for (const int64_t width : {80, 60, 40}) {
+    options.terminal.max_width = width;
+    for (const TerminalColor color : {TerminalColor::none, TerminalColor::truecolor}) {
+      options.terminal.color = color;
+      const std::string text = terminal(alpha.cview(), options);
+      EXPECT_LE(widest_line(text), width) << text;
+      // Row labels ("k99") take 3 columns, each key one: the keys beyond the width are left out.
+      const int64_t shown = width - 3;
+      EXPECT_NE(text.find(fmt::format("(keys 0–{} of 100 shown", shown - 1)), std::string::npos) << text;
+      const std::vector<std::string> lines = lines_of(text);
+      EXPECT_EQ(std::ranges::count_if(lines, [](const std::string& line) { return line.starts_with("k"); }), 100);
+      EXPECT_FALSE(lines[0].ends_with(" …") || lines[0].ends_with("k…")) << "a label cut to nothing: " << lines[0];
+      // Coloured lines keep their blanks: a row fills the width exactly.
+      if (color != TerminalColor::none) {
+        EXPECT_EQ(columns_of(lines[1]), width) << lines[1];
+      }
+    }
+  }
+}
+
+TEST(TerminalHeatmap, GridsThatFitNarrowerCellsAreDrawnWhole) {
+  // 30 keys: three columns a key do not fit 80, two do; labels are cut and thinned, every key shown.
+  const Tensor<float> alpha = ramp(30, 30);
+  HeatmapOptions options = labelled(numbered("tok", 30));
+  options.terminal.max_width = 80;
+  const std::string text = terminal(alpha.cview(), options);
+  EXPECT_LE(widest_line(text), 80) << text;
+  EXPECT_NE(text.find("(fitted to 80 columns: key labels cut and thinned)"), std::string::npos) << text;
+  EXPECT_EQ(text.find("shown"), std::string::npos) << text;
+  const std::vector<std::string> lines = lines_of(text);
+  EXPECT_EQ(lines[0].rfind("     tok0", 0), 0U) << "labels start at their key's column: " << lines[0];
+  options.terminal.color = TerminalColor::truecolor;
+  EXPECT_EQ(columns_of(lines_of(terminal(alpha.cview(), options))[1]), 5 + 30 * 2) << "two columns a key, no gap";
+}
+
+TEST(TerminalHeatmap, CjkLabelsAndTitlesFitByColumns) {
+  const Tensor<float> alpha = ramp(40, 40);
+  HeatmapOptions options = labelled(numbered("书书书书书书", 40));
+  options.title = std::string(30, 'x') + " " + "注意力权重注意力权重注意力权重注意力权重注意力权重";
+  options.annotate = true;
+  options.terminal.decimals = 2;
+  options.terminal.max_width = 50;
+  const std::string text = terminal(alpha.cview(), options);
+  EXPECT_LE(widest_line(text), 50) << text;
+  // A row label of 14 columns is cut to a quarter of 50 (12), with "…".
+  EXPECT_NE(text.find("\n书书书书书…"), std::string::npos) << text;
+  EXPECT_NE(text.find("(keys 0–"), std::string::npos) << text;
+}
+
+TEST(TerminalHeatmap, GridsThatFitAreUnchangedByAWidth) {
+  const Tensor<float> alpha = three_by_three();
+  const HeatmapOptions options = labelled({"the", "cat", "sat"});
+  HeatmapOptions fitted = options;
+  fitted.terminal.max_width = 40;
+  EXPECT_EQ(terminal(alpha.cview(), fitted), terminal(alpha.cview(), options));
+  fitted.terminal.max_width = 39;
+  EXPECT_THROW(terminal(alpha.cview(), fitted), ValueError);
 }
 
 TEST(Viridis, EndsAndMiddle) {

@@ -134,7 +134,8 @@ class Heatmap:
 def heatmap(weights, rows: Union[None, str, Sequence[str]] = None, cols: Union[None, str, Sequence[str]] = None,
             path: Union[None, str, os.PathLike] = None, *, title: str = "", colormap: str = "viridis",
             vmin: Optional[float] = None, vmax: Optional[float] = None, annotate: bool = False, batch: int = 0,
-            head: Optional[int] = None, marked: Sequence[Tuple[int, int]] = (), decimals: int = 3) -> Heatmap:
+            head: Optional[int] = None, marked: Sequence[Tuple[int, int]] = (), decimals: int = 3, mask=None,
+            scale: str = "linear") -> Heatmap:
     """Draws attention weights: rows are queries, columns keys ("who looks at whom").
 
     weights: [Tq, Tk], [H, Tq, Tk] or [B, H, Tq, Tk] (what attention(..., return_weights=True)
@@ -148,13 +149,19 @@ def heatmap(weights, rows: Union[None, str, Sequence[str]] = None, cols: Union[N
     scores or gradients, centres the scale on 0), vmin/vmax (the ends of the colour scale),
     annotate (print each cell's value), marked (cells (i, j) to outline), decimals (of the
     terminal's values) as for `qkv heatmap` on the command line.
+    mask: which keys each query may see, as attention's mask= takes it (bool or integer, nonzero =
+        may attend, broadcast to the weights' shape): the other cells are drawn as masked (hatched
+        grey, '·' in the terminal), with no value and no part in the colour scale.
+    scale: "linear", "sqrt" or "log" (three decades below vmax): how a weight maps to a colour;
+        sqrt and log show small weights beside a few large ones.
 
     Returns a Heatmap, which a notebook shows inline.
     """
     options = {
         "rows": _labels(rows, "rows"), "cols": _labels(cols, "cols"), "title": title, "colormap": colormap,
         "vmin": vmin, "vmax": vmax, "annotate": annotate, "batch": batch, "head": head,
-        "marked": [tuple(cell) for cell in marked], "color": False, "decimals": decimals,
+        "marked": [tuple(cell) for cell in marked], "color": False, "decimals": decimals, "mask": mask,
+        "scale": scale,
     }
     drawing = Heatmap(weights, options)
     if path is not None:

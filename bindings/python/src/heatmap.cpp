@@ -53,13 +53,23 @@ HeatmapOptions options_of(const py::dict& o) {
   options.marked_cells = o["marked"].cast<std::vector<std::pair<int64_t, int64_t>>>();
   options.terminal.color = o["color"].cast<bool>() ? TerminalColor::truecolor : TerminalColor::none;
   options.terminal.decimals = o["decimals"].cast<int>();
+  options.scale = parse_heatmap_scale(o["scale"].cast<std::string>(), "scale");
   return options;
 }
 
 template <class T>
-py::bytes render_as(const py::object& weights, HeatmapFormat format, const HeatmapOptions& options, bool check_only) {
+py::bytes render_as(const py::object& weights, HeatmapFormat format, HeatmapOptions options, const py::object& mask,
+                    bool check_only) {
   Inputs in;
   const TensorView<const T> alpha = in.floats<T>(weights, "weights", "", true);
+  if (!mask.is_none()) {
+    const AttentionMask<T> read = in.mask<T>(mask, false, true);
+    // A float mask is a bias of the scores, which says nothing about cells once they are weights.
+    if (read.bias) throw ValueError("mask: expected a bool or integer array (nonzero = may attend), got a float one");
+    // Checked here too, so that the error names the argument as Python spells it.
+    if (read.allowed) broadcast_to(*read.allowed, alpha.shape, "mask");
+    options.allowed = read.allowed;
+  }
   std::string bytes;
   run_without_gil([&] {
     if (check_only) {
@@ -76,8 +86,9 @@ py::bytes render_as(const py::object& weights, HeatmapFormat format, const Heatm
 py::bytes render(const py::object& weights, const std::string& format, const py::dict& options, bool check_only) {
   const HeatmapFormat f = format_of(format);
   const HeatmapOptions o = options_of(options);
-  if (precision_of(weights, "weights") == Precision::float32) return render_as<float>(weights, f, o, check_only);
-  return render_as<double>(weights, f, o, check_only);
+  const py::object mask = options["mask"];
+  if (precision_of(weights, "weights") == Precision::float32) return render_as<float>(weights, f, o, mask, check_only);
+  return render_as<double>(weights, f, o, mask, check_only);
 }
 
 }  // namespace

@@ -21,8 +21,23 @@
 // Geometry, in pixels (PNG pixels, SVG px; a PDF has 0.75 pt per pixel, i.e. 96 dpi): cells are
 // whole pixels, at most 48 and at least 1 on a side, so T up to 1024 (and beyond) fits one image;
 // labels are thinned to every 2nd, 5th, 10th, ... when cells are shorter than a line of text. With
-// `annotate` the cells grow to hold their value. A cell's colour is the colour map at
-// t = (value − vmin) / (vmax − vmin), clamped to [0, 1].
+// `annotate` the cells grow to hold their value. A cell's colour is the colour map at t = s(u),
+// u = (value − vmin) / (vmax − vmin) clamped to [0, 1] and s the HeatmapScale (u itself by default).
+// Values beyond vmax (below vmin) are drawn in the end colour, and the colour bar then ends in a
+// triangle at that end (the terminal's scale line says "≥ vmax", "≤ vmin").
+//
+// Masked cells (HeatmapOptions::allowed is 0 there: the query may not see that key) are not weights
+// at all, and are drawn so that no colour map can be mistaken for them: light grey hatched with
+// darker grey lines in PNG, PDF and SVG (flat light grey in a matrix drawn as one image), light grey
+// on the page (whose hover says "masked"), '·' in the terminal; `annotate` writes no value on them,
+// and they take no part in the default vmin and vmax.
+//
+// The terminal fits TerminalStyle::max_width columns when one is given. A grid as wide as its labels
+// that does not fit cuts its query labels to a quarter of the width and its key labels to 8 columns,
+// each starting at its key's column and thinned to those that do not run into each other; then, as
+// long as the keys do not fit, it drops the blank between cells, draws each key one column wide (not
+// with `annotate`), and at last shows only the first keys that fit. A line under the grid says what
+// was done; it, the title and the scale line wrap at the width.
 //
 // The terminal, plain, for α = [[0.9, 0.05, 0.05], [0.3, 0.45, 0.25]] with labels {"I", "read"} ×
 // {"I", "read", "書"}: the title and a head's caption (when there are any) on lines of their own, then
@@ -61,6 +76,25 @@ std::string_view heatmap_format_name(HeatmapFormat format);
 // nearest colour of the xterm 256-colour cube (palette256), or a 24-bit ANSI background (truecolor).
 enum class TerminalColor { none, palette256, truecolor };
 
+// How a value's place u in [0, 1] between vmin and vmax becomes the colour map's t. sqrt and log
+// spread the small weights that a few large ones (a causal map's first row, all 1) leave dark:
+//   linear  t = u
+//   sqrt    t = √u                       (u = 0.25 sits at the middle)
+//   log     t = log10(1 + 999 u) / 3     (three decades: u = 0.001, 0.01, 0.1, 1 at 0.1, 0.35, 0.67, 1)
+// With a diverging colour map the scale applies to each half from the middle out, so that 0 stays
+// at the middle and ±x at the same distance from it.
+enum class HeatmapScale { linear, sqrt, log };
+
+// "linear", "sqrt", "log"
+std::string_view heatmap_scale_name(HeatmapScale scale);
+
+// The scale named `name`; throws ValueError naming `arg` otherwise ("--scale: expected linear, sqrt
+// or log, got cubic").
+HeatmapScale parse_heatmap_scale(std::string_view name, std::string_view arg);
+
+// The narrowest TerminalStyle::max_width: what the scale line and a few keys need.
+inline constexpr int64_t kMinTerminalWidth = 40;
+
 // What only the terminal reads.
 struct TerminalStyle {
   TerminalColor color = TerminalColor::none;
@@ -68,6 +102,9 @@ struct TerminalStyle {
   int decimals = 3;
   // A line after each grid that maps shades or colours to values: "scale: 0.000 [ ░▒▓█] 0.700".
   bool legend = true;
+  // The most columns a line may take (display columns: CJK two, escapes none), at least kMinTerminalWidth; 0 for
+  // no limit. Callers pass the terminal's width (qkv uses COLUMNS, the terminal's own, else 80).
+  int64_t max_width = 0;
 };
 
 struct HeatmapOptions {
@@ -83,6 +120,11 @@ struct HeatmapOptions {
   // finite magnitude, so that 0 sits at the map's middle. Given, they must be finite with vmin < vmax.
   std::optional<double> vmin;
   std::optional<double> vmax;
+  HeatmapScale scale = HeatmapScale::linear;
+  // Which keys each query may see, broadcastable to alpha's shape (trailing dims aligned, each 1 or
+  // alpha's), nonzero = may attend, as AttentionMask::allowed; the cells where it is 0 are drawn as
+  // masked. None: every cell is a weight.
+  std::optional<TensorView<const uint8_t>> allowed;
   // Each cell shows its value, black or white by the cell's lightness: with 2 decimals in an image,
   // right-aligned with TerminalStyle::decimals in the terminal.
   bool annotate = false;
@@ -129,13 +171,19 @@ struct HeatmapLayout {
   PixelRect colorbar;         // vmax at the top, vmin at the bottom
   PixelRect colorbar_labels;  // the tick values, right of the bar
   std::vector<double> ticks;  // values marked on the colour bar, within [vmin, vmax]
+  // Whether a drawn (unmasked, finite) value lies below vmin or above vmax: the colour bar then ends
+  // in a triangle of the end colour there, within the rectangle given.
+  bool clipped_low = false;
+  bool clipped_high = false;
+  PixelRect clip_low_marker;   // below the colour bar; empty unless clipped_low
+  PixelRect clip_high_marker;  // above the colour bar; empty unless clipped_high
 };
 
 // alpha [Tq, Tk], [H, Tq, Tk] or [B, H, Tq, Tk] → where everything of the image goes. Throws
 // ShapeError for another rank, Tq or Tk of 0, a label list that is neither empty nor one per row
-// (column), or a batch or head out of range; ValueError for a non-finite value, a bad vmin/vmax,
-// a marked cell out of range, or an image beyond 32767 pixels a side (cairo's limit; a message
-// says what made it so big).
+// (column), an `allowed` mask that does not broadcast to alpha, or a batch or head out of range; ValueError for a
+// non-finite value, a bad vmin/vmax, a marked cell out of range, or an image beyond 32767 pixels a side (cairo's limit;
+// a message says what made it so big).
 template <class T>
 HeatmapLayout heatmap_layout(TensorView<const T> alpha, const HeatmapOptions& options);
 
@@ -143,7 +191,7 @@ HeatmapLayout heatmap_layout(TensorView<const T> alpha, const HeatmapOptions& op
 // lines ending in '\n' (a plain grid's lines carry no trailing spaces), with the errors of
 // heatmap_layout but two: the terminal draws a Tq or Tk of 0 (as its header alone) and non-finite
 // values (e.g. −inf scores of masked keys, whose cells it leaves blank), and throws ValueError for
-// TerminalStyle's decimals outside 0..9. Nothing is written: callers hand the bytes on to
+// TerminalStyle's decimals outside 0..9 or a max_width from 1 to 39. Nothing is written: callers hand the bytes on to
 // write_file_atomically or to the terminal.
 template <class T>
 std::string render_heatmap(TensorView<const T> alpha, HeatmapFormat format, const HeatmapOptions& options);
