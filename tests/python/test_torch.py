@@ -154,8 +154,9 @@ def test_tensors_reach_qkv_without_a_copy(rng, monkeypatch):
             return result
         return call
 
-    monkeypatch.setattr(qkv.torch._qkv, "attention", spy("forward", qkv.torch._qkv.attention))
-    monkeypatch.setattr(qkv.torch._qkv, "attention_backward", spy("backward", qkv.torch._qkv.attention_backward))
+    monkeypatch.setattr(qkv.torch, "_batched_attention", spy("forward", qkv.torch._batched_attention))
+    monkeypatch.setattr(qkv.torch, "_batched_attention_backward",
+                        spy("backward", qkv.torch._batched_attention_backward))
     out = sdpa(q, k, v)
     dout = torch.ones_like(out)
     out.backward(dout)

@@ -43,6 +43,13 @@ from ._qkv import (
     simd_targets,
     use_simd_target,
 )
+from ._batch import _backward, _forward
+
+# Any number of batch dims before the heads, as torch takes them (qkv/_batch.py).
+attention = _forward(attention)
+additive_attention = _forward(additive_attention)
+attention_backward = _backward(attention_backward, weight_count=0)
+additive_attention_backward = _backward(additive_attention_backward, weight_count=3)
 
 __all__ = [
     "Error", "FileError", "Heatmap", "ResourceError", "SelfAttention", "ShapeError", "__version__",

@@ -26,6 +26,8 @@ import numpy as np
 import torch
 
 from . import _qkv
+# qkv.attention and its backward, which take any number of batch dims.
+from . import attention as _batched_attention, attention_backward as _batched_attention_backward
 
 __all__ = ["SelfAttention", "scaled_dot_product_attention"]
 
@@ -81,9 +83,9 @@ def _forward(q, k, v, attn_mask, causal, scale: Optional[float], sinks=None, ali
     """(out, lse); causal is qkv.attention's (False, True, "bottom-right" or "top-left"), options
     what _options returns."""
     try:
-        out, lse = _qkv.attention(_array(q, "query"), _array(k, "key"), _array(v, "value"), scale=scale,
-                                  causal=causal, mask=_mask_array(attn_mask), alibi=_optional_array(alibi, "alibi"),
-                                  sinks=_optional_array(sinks, "sinks"), return_lse=True, **(options or {}))
+        out, lse = _batched_attention(_array(q, "query"), _array(k, "key"), _array(v, "value"), scale=scale,
+                                      causal=causal, mask=_mask_array(attn_mask), alibi=_optional_array(alibi, "alibi"),
+                                      sinks=_optional_array(sinks, "sinks"), return_lse=True, **(options or {}))
     except (_qkv.Error, _qkv.ResourceError) as e:
         raise _renamed(e) from None
     return torch.from_numpy(out), torch.from_numpy(lse)
@@ -93,11 +95,11 @@ def _backward(q, k, v, attn_mask, causal, scale, out, lse, dout, sinks=None, ali
               options: Optional[dict] = None):
     """(dq, dk, dv, dmask, dsinks), dmask None unless attn_mask is a float bias, dsinks None without sinks."""
     try:
-        grads = _qkv.attention_backward(_array(q, "query"), _array(k, "key"), _array(v, "value"),
-                                        _array(dout, "dout"), out=_array(out, "out"), lse=_array(lse, "lse"),
-                                        scale=scale, causal=causal, mask=_mask_array(attn_mask),
-                                        alibi=_optional_array(alibi, "alibi"), sinks=_optional_array(sinks, "sinks"),
-                                        **(options or {}))
+        grads = _batched_attention_backward(_array(q, "query"), _array(k, "key"), _array(v, "value"),
+                                            _array(dout, "dout"), out=_array(out, "out"), lse=_array(lse, "lse"),
+                                            scale=scale, causal=causal, mask=_mask_array(attn_mask),
+                                            alibi=_optional_array(alibi, "alibi"),
+                                            sinks=_optional_array(sinks, "sinks"), **(options or {}))
     except (_qkv.Error, _qkv.ResourceError) as e:
         raise _renamed(e) from None
     grads = [torch.from_numpy(g) for g in grads]

@@ -377,7 +377,8 @@ Shapes (B batch, H heads, Hkv key/value heads, Tq queries, Tk keys, Dk and Dv fe
     q    [B, H, Tq, Dk]       out      [B, H, Tq, Dv]
     k    [B, Hkv, Tk, Dk]     lse      [B, H, Tq]       log (sum_j exp(s_ij) + exp(sink_h))
     v    [B, Hkv, Tk, Dv]     weights  [B, H, Tq, Tk]   alpha, each row sums to 1 (less the sink)
-B and H may be left out together, or B alone: [Tq, Dk] and [H, Tq, Dk] work, and the outputs keep
+B and H may be left out together, or B alone: [Tq, Dk] and [H, Tq, Dk] work; B may also be any
+number of batch dims, [B1, ..., Bn, H, Tq, Dk], run as one batch of B1*...*Bn. The outputs keep
 q's leading dims. k and v have q's leading dims, except that Hkv may be any divisor of H
 (grouped-query attention, Hkv = 1 multi-query): query head h reads key/value head h // (H // Hkv).
 
@@ -390,7 +391,7 @@ Arguments:
     window: None or (left, right): query i sees keys i + o - left <= j <= i + o + right, with o
         the diagonal's offset (Tk - Tq bottom-right, 0 top-left); -1 leaves a side unbounded.
         (0, 0) leaves each query its diagonal key alone; (-1, 0) is causal.
-    mask: broadcastable to [B, H, Tq, Tk]. bool or integer: nonzero = may attend. float (q's dtype,
+    mask: broadcastable to [..., H, Tq, Tk]. bool or integer: nonzero = may attend. float (q's dtype,
         or float32 for float64 q): a bias added to the scaled scores, -inf masks a key. It combines
         with causal and the window.
     softcap: None or c > 0: the scaled scores x become c * tanh(x / c) before the bias is added.
