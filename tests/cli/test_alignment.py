@@ -113,6 +113,21 @@ def check_experiment(t):
             problems.append(f"results.csv {r['model']}: training time {r['train_seconds']} s")
     t.check("alignment: results on the test split, all three models", problems)
 
+    # A quick run is short, but long enough to show what the experiment is about: attention learns the
+    # alignment and translates far better than the model without it. Its results.md says what it is.
+    problems = []
+    by_model = {r.get("model"): r for r in results}
+    if set(by_model) == set(SCORES):
+        for model in ("additive", "dot"):
+            exact, alignment = float(by_model[model]["exact_match"]), float(by_model[model]["alignment_accuracy"])
+            if exact < float(by_model["none"]["exact_match"]) + 0.2:
+                problems.append(f"{model}: exact match {exact}, not 0.2 above none's {by_model['none']['exact_match']}")
+            if alignment < 0.4:
+                problems.append(f"{model}: alignment accuracy {alignment} < 0.4")
+    if "A --quick run: 400 steps" not in (directory / "results.md").read_text():
+        problems.append("results.md does not say that the run was a --quick one and how it compares")
+    t.check("alignment --quick learns visibly and says it is a quick run", problems)
+
     problems = []
     by_length = t.read_csv(directory / "by_length.csv",
                            ["source_length", "sentences", "additive_exact", "additive_token", "additive_alignment",

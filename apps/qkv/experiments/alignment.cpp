@@ -96,8 +96,10 @@ Settings settings_for(const ExperimentOptions& options) {
   s.attention_hidden = std::max<int64_t>(s.decoder_hidden / 2, 1);
   s.embedding = options.quick ? 16 : 32;
   s.batch = options.quick ? 32 : 64;
-  s.steps = options.steps.value_or(options.quick ? 60 : 1500);
-  s.evaluations = options.quick ? 3 : 10;
+  // 400 steps: the fewest after which both attention models translate and align visibly better
+  // than the one without (60 left all three at chance), in about 12 s of training on one core.
+  s.steps = options.steps.value_or(options.quick ? 400 : 1500);
+  s.evaluations = options.quick ? 4 : 10;
   s.lr = 3e-3;
   s.max_grad_norm = 1.0;
   return s;
@@ -442,6 +444,13 @@ Report report_alignment(const ExperimentOptions& options, const AlignmentMeasure
       "used: on a shared machine the first includes waiting for a core.",
       data.test.size()));
   report.add_table("Results on the test split", std::move(results), "results.csv");
+  if (options.quick) {
+    report.add_note(fmt::format(
+        "A --quick run: {} steps on {} sentences, models of H = {}. The attention models already translate and "
+        "align well ahead of the one without; the default run (1 500 steps on 12 000 sentences, H = 64, about two "
+        "minutes) reaches exact match 1.000 for both and alignment accuracy 0.93–0.98 (docs/experiments.md).",
+        s.steps, s.train, s.decoder_hidden));
+  }
 
   std::vector<TableColumn> columns = {{"source_length", "{}"}, {"sentences", "{}"}};
   for (const TrainedModel& m : models) {

@@ -133,6 +133,8 @@ void Report::add_setting(std::string name, std::string value) {
 
 void Report::add_paragraph(std::string markdown) { blocks_.emplace_back(std::move(markdown)); }
 
+void Report::add_note(std::string markdown) { blocks_.emplace_back(NoteBlock{std::move(markdown)}); }
+
 void Report::add_table(std::string caption, Table table, std::string csv_name) {
   blocks_.emplace_back(TableBlock{std::move(caption), std::move(table), std::move(csv_name)});
 }
@@ -155,6 +157,8 @@ std::string Report::markdown() const {
   for (const Block& block : blocks_) {
     if (const auto* text = std::get_if<std::string>(&block)) {
       out += *text + "\n\n";
+    } else if (const auto* note = std::get_if<NoteBlock>(&block)) {
+      out += note->text + "\n\n";
     } else if (const auto* table = std::get_if<TableBlock>(&block)) {
       if (table->shown) {
         out += fmt::format("## {}\n\n{}\n(CSV: `{}`)\n\n", table->caption, table->table.markdown(), table->csv_name);
@@ -174,6 +178,7 @@ std::string Report::tables_markdown() const {
   for (const Block& block : blocks_) {
     const auto* table = std::get_if<TableBlock>(&block);
     if (table != nullptr && table->shown) out += fmt::format("{}\n\n{}\n", table->caption, table->table.markdown());
+    if (const auto* note = std::get_if<NoteBlock>(&block)) out += note->text + "\n\n";
   }
   return out;
 }

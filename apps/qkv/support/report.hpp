@@ -54,6 +54,9 @@ class Report {
   void add_setting(std::string name, std::string value);
   // A paragraph of Markdown, placed after what was added before it.
   void add_paragraph(std::string markdown);
+  // A paragraph that the terminal shows too, among the tables: what a reader must know to read
+  // them (e.g. that a --quick run is too short to reach the published numbers).
+  void add_note(std::string markdown);
   // A table under a "## caption" heading, also written as `csv_name` (e.g. "results.csv").
   void add_table(std::string caption, Table table, std::string csv_name);
   // Data too long to read as a table (a value per training step): written as `csv_name` only, and
@@ -86,7 +89,10 @@ class Report {
     Figure figure;
     std::string png_name;
   };
-  using Block = std::variant<std::string, TableBlock, FigureBlock>;
+  struct NoteBlock {
+    std::string text;
+  };
+  using Block = std::variant<std::string, TableBlock, FigureBlock, NoteBlock>;
 
   std::string title_;
   std::vector<std::pair<std::string, std::string>> settings_;
