@@ -11,8 +11,12 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
+#include <fstream>
+#include <iterator>
 #include <limits>
 #include <span>
+#include <sstream>
 #include <stdexcept>
 #include <string>
 #include <system_error>
@@ -124,6 +128,69 @@ Tensor<int64_t> to_int64(NpyArray array, std::string_view arg) {
 
 Tensor<float> load_float32(const std::filesystem::path& path, std::string_view arg) {
   return to_float32(read_input(path, arg, kFloatDtypes), arg);
+}
+
+// ---- Tokens ----------------------------------------------------------------------------------
+
+namespace {
+
+// Whether `text` is well-formed UTF-8: no stray continuation byte, no truncated or overlong
+// sequence, no surrogate, nothing beyond U+10FFFF.
+bool is_utf8(std::string_view text) {
+  size_t i = 0;
+  while (i < text.size()) {
+    const auto byte = static_cast<unsigned char>(text[i]);
+    const size_t length = byte < 0x80           ? 1
+                          : (byte >> 5) == 0x6  ? 2
+                          : (byte >> 4) == 0xE  ? 3
+                          : (byte >> 3) == 0x1E ? 4
+                                                : 0;
+    if (length == 0 || i + length > text.size()) return false;
+    uint32_t code = length == 1 ? byte : byte & (0x7F >> length);
+    for (size_t k = 1; k < length; ++k) {
+      const auto next = static_cast<unsigned char>(text[i + k]);
+      if ((next >> 6) != 0x2) return false;
+      code = (code << 6) | (next & 0x3F);
+    }
+    const uint32_t smallest[] = {0, 0, 0x80, 0x800, 0x10000};
+    if (code < smallest[length] || code > 0x10FFFF || (code >= 0xD800 && code <= 0xDFFF)) return false;
+    i += length;
+  }
+  return true;
+}
+
+}  // namespace
+
+std::vector<std::string> read_tokens_file(const std::filesystem::path& path, std::string_view arg) {
+  std::error_code ec;
+  if (std::filesystem::is_directory(path, ec)) {
+    throw IoError(fmt::format("{}: {}: is a directory, expected a text file of tokens", arg, path.string()));
+  }
+  std::ifstream file(path, std::ios::binary);
+  if (!file) throw IoError(fmt::format("{}: {}: cannot open it: {}", arg, path.string(), std::strerror(errno)));
+  const std::string text((std::istreambuf_iterator<char>(file)), std::istreambuf_iterator<char>());
+  if (file.bad()) throw IoError(fmt::format("{}: {}: cannot read it", arg, path.string()));
+  std::vector<std::string> tokens;
+  size_t start = 0;
+  int64_t line = 0;
+  while (start < text.size()) {
+    ++line;
+    size_t end = text.find('\n', start);
+    if (end == std::string::npos) end = text.size();
+    std::string token = text.substr(start, end - start);
+    if (!token.empty() && token.back() == '\r') token.pop_back();
+    start = end + 1;
+    if (token.find_first_not_of(" \t\v\f\r") == std::string::npos) {
+      throw ValueError(fmt::format("{}: {}: line {} is blank, expected one token per line", arg, path.string(), line));
+    }
+    if (!is_utf8(token)) {
+      throw ValueError(fmt::format("{}: {}: line {} is not valid UTF-8", arg, path.string(), line));
+    }
+    tokens.push_back(std::move(token));
+  }
+  if (tokens.empty())
+    throw ValueError(fmt::format("{}: {}: expected one token per line, got none", arg, path.string()));
+  return tokens;
 }
 
 // ---- Batches of any rank ---------------------------------------------------------------------

@@ -62,6 +62,13 @@ void check_input_finite(TensorView<const T> values, std::string_view arg, NonFin
   check_finite(values, arg, rule, "pass --allow-nonfinite to accept them");
 }
 
+// The tokens in the text file given to option `arg` (--tokens-file): one per line, UTF-8, kept as
+// written (spaces inside a token included), "\r\n" read as a line break and the last line's break
+// optional. IoError naming `arg` and the path for a file that cannot be read; ValueError naming
+// `arg`, the path and the line number for a blank line (empty or white space only) or one that is
+// not UTF-8, and for a file without tokens.
+std::vector<std::string> read_tokens_file(const std::filesystem::path& path, std::string_view arg);
+
 // ---- Batches of any rank ---------------------------------------------------------------------
 
 // The leading dims of a run beyond the two that qkv's tensors hold ([B, H, T, D]): Q of shape

@@ -65,6 +65,8 @@ struct DemoOptions {
   std::string score = "dot";
   std::string tokens;
   CLI::Option* tokens_option = nullptr;  // tells "--tokens ''" (refused) from no --tokens
+  std::string tokens_file;               // --tokens-file: the tokens one per line
+  CLI::Option* tokens_file_option = nullptr;
   bool explain = false;
   std::string color = "auto";
   std::string out_dir = ".";
@@ -184,12 +186,14 @@ double additive_score(TensorView<const float> w_a, TensorView<const float> u_a, 
 }
 
 void run_demo(const DemoOptions& options) {
+  const bool from_file = options.tokens_file_option->count() > 0;
   const bool tokens_given = options.tokens_option->count() > 0;
-  const std::vector<std::string> tokens = split_labels(tokens_given ? options.tokens : kDefaultTokens);
+  const std::vector<std::string> tokens = from_file ? read_tokens_file(options.tokens_file, "--tokens-file")
+                                                    : split_labels(tokens_given ? options.tokens : kDefaultTokens);
   const auto t = static_cast<int64_t>(tokens.size());
   if (t < 1 || t > kMaxTokens) {
-    throw ValueError(
-        fmt::format("--tokens: expected 1 to {} tokens separated by spaces, got {}", kMaxTokens, tokens.size()));
+    throw ValueError(fmt::format("{}: expected 1 to {} tokens {}, got {}", from_file ? "--tokens-file" : "--tokens",
+                                 kMaxTokens, from_file ? "one per line" : "separated by spaces", tokens.size()));
   }
   const bool additive = options.score == "additive";
   const std::filesystem::path png_path = std::filesystem::path(options.out_dir) / "attention.png";
@@ -400,6 +404,12 @@ void register_demo(CLI::App& app) {
       cmd->add_option("--tokens", options->tokens,
                       fmt::format("the tokens, separated by spaces: 1 to {} of them, any UTF-8 text (default \"{}\")",
                                   kMaxTokens, kDefaultTokens));
+  options->tokens_file_option =
+      cmd->add_option(
+             "--tokens-file", options->tokens_file,
+             "the tokens from a UTF-8 text file, one per line (spaces kept, no blank lines), instead of --tokens")
+          ->type_name("FILE")
+          ->excludes(options->tokens_option);
   cmd->add_flag("--explain", options->explain, "walk through the four steps with shapes and values");
   cmd->add_option("--score", options->score,
                   "dot: e = q·k/√d (scaled dot product); additive: e = w·tanh(W_a q + U_a k) (Bahdanau)")

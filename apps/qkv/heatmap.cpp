@@ -17,6 +17,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "cli_io.hpp"
@@ -46,7 +47,9 @@ Output by the extension of -o: .png, .svg, .pdf (token labels, colour bar, optio
 selector), or - for the terminal (the default): truecolor when COLORTERM says so, shade characters
 under NO_COLOR or when piped. Images draw one head (--head, default 0) or a grid of every head
 (--all-heads); the page carries every head. Labels: --tokens for self-attention (both axes), or
---rows and --cols; tokens are separated by spaces and may be any UTF-8 text (CJK included).
+--rows and --cols; tokens are separated by spaces and may be any UTF-8 text (CJK included). Tokens
+that hold spaces, or too many for one argument: --tokens-file (--rows-file, --cols-file), a UTF-8
+text file with one token per line (no blank lines).
 Examples:
   qkv attend --q q.npy --k k.npy --v v.npy -o out.npy --weights alpha.npy
   qkv heatmap alpha.npy --tokens "the student is reading a book" -o attention.png
@@ -62,6 +65,10 @@ struct HeatmapCliOptions {
   const CLI::Option* tokens_option = nullptr;  // a given but empty list is refused, an absent one numbers
   const CLI::Option* rows_option = nullptr;
   const CLI::Option* cols_option = nullptr;
+  std::string tokens_file, rows_file, cols_file;  // the same lists as files, one token per line
+  const CLI::Option* tokens_file_option = nullptr;
+  const CLI::Option* rows_file_option = nullptr;
+  const CLI::Option* cols_file_option = nullptr;
   int64_t head = 0;
   const CLI::Option* head_option = nullptr;
   bool all_heads = false;
@@ -82,18 +89,37 @@ void note(std::string_view kind, std::string_view message) {
   fmt::print(stderr, "qkv heatmap: {}: {}\n", kind, message);
 }
 
-// The labels of one axis from the options, checked against its length.
-std::vector<std::string> axis_labels(const HeatmapCliOptions& o, const CLI::Option* own, const std::string& own_text,
-                                     std::string_view own_arg, int64_t count, std::string_view axis,
-                                     const Shape& shape) {
-  const bool from_tokens = o.tokens_option->count() > 0;
-  if (!from_tokens && own->count() == 0) return {};
-  const std::vector<std::string> labels = split_labels(from_tokens ? o.tokens : own_text);
-  if (static_cast<int64_t>(labels.size()) != count) {
-    throw ShapeError(fmt::format("{}: expected {} tokens separated by spaces (one per {} of alpha {}), got {}",
-                                 from_tokens ? "--tokens" : own_arg, count, axis, shape.str(), labels.size()));
+// Labels as given, and the option they came from ("--rows", "--rows-file").
+struct GivenLabels {
+  std::string_view arg;
+  bool from_file = false;
+  std::vector<std::string> labels;
+};
+
+// The labels of `text` (tokens separated by spaces) or of `file` (one token a line), whichever was
+// given (CLI11 refuses both); none when neither was.
+std::optional<GivenLabels> given_labels(const CLI::Option* text_option, const std::string& text,
+                                        std::string_view text_arg, const CLI::Option* file_option,
+                                        const std::string& file, std::string_view file_arg) {
+  if (text_option->count() > 0) return GivenLabels{.arg = text_arg, .from_file = false, .labels = split_labels(text)};
+  if (file_option->count() > 0) {
+    return GivenLabels{.arg = file_arg, .from_file = true, .labels = read_tokens_file(file, file_arg)};
   }
-  return labels;
+  return std::nullopt;
+}
+
+// The labels of one axis: those of both axes (--tokens, --tokens-file) or its own, checked against
+// its length; none (numbered) when neither was given.
+std::vector<std::string> axis_labels(const std::optional<GivenLabels>& both, const std::optional<GivenLabels>& own,
+                                     int64_t count, std::string_view axis, const Shape& shape) {
+  const std::optional<GivenLabels>& given = both ? both : own;
+  if (!given) return {};
+  if (static_cast<int64_t>(given->labels.size()) != count) {
+    throw ShapeError(fmt::format("{}: expected {} tokens {} (one per {} of alpha {}), got {}", given->arg, count,
+                                 given->from_file ? "one per line" : "separated by spaces", axis, shape.str(),
+                                 given->labels.size()));
+  }
+  return given->labels;
 }
 
 void print_terminal(const Tensor<float>& alpha, const HeatmapCliOptions& o, HeatmapOptions options) {
@@ -162,13 +188,20 @@ void run_heatmap(const HeatmapCliOptions& o) {
   }
 
   HeatmapOptions options;
-  if (o.tokens_option->count() > 0 && tq != tk) {
+  const std::optional<GivenLabels> both =
+      given_labels(o.tokens_option, o.tokens, "--tokens", o.tokens_file_option, o.tokens_file, "--tokens-file");
+  if (both && tq != tk) {
     throw ShapeError(fmt::format(
-        "--tokens: labels both axes, but alpha {} has Tq = {} queries and Tk = {} keys; give --rows and --cols",
-        shape.str(), tq, tk));
+        "{}: labels both axes, but alpha {} has Tq = {} queries and Tk = {} keys; give --rows and --cols (or their "
+        "-file forms)",
+        both->arg, shape.str(), tq, tk));
   }
-  options.row_labels = axis_labels(o, o.rows_option, o.rows, "--rows", tq, "query (Tq)", shape);
-  options.col_labels = axis_labels(o, o.cols_option, o.cols, "--cols", tk, "key (Tk)", shape);
+  const std::optional<GivenLabels> rows =
+      given_labels(o.rows_option, o.rows, "--rows", o.rows_file_option, o.rows_file, "--rows-file");
+  const std::optional<GivenLabels> cols =
+      given_labels(o.cols_option, o.cols, "--cols", o.cols_file_option, o.cols_file, "--cols-file");
+  options.row_labels = axis_labels(both, rows, tq, "query (Tq)", shape);
+  options.col_labels = axis_labels(both, cols, tk, "key (Tk)", shape);
   options.title = o.title;
   options.colormap = parse_colormap(o.cmap, "--cmap");
   options.annotate = o.annotate;
@@ -258,8 +291,31 @@ void register_heatmap(CLI::App& app) {
       ->type_name("FILE");
   CLI::Option* tokens = cmd->add_option("--tokens", o->tokens, "labels of both axes (self-attention: Tq = Tk)");
   o->tokens_option = tokens;
-  o->rows_option = cmd->add_option("--rows", o->rows, "labels of the queries (rows), \"tok tok …\"")->excludes(tokens);
-  o->cols_option = cmd->add_option("--cols", o->cols, "labels of the keys (columns), \"tok tok …\"")->excludes(tokens);
+  CLI::Option* rows =
+      cmd->add_option("--rows", o->rows, "labels of the queries (rows), \"tok tok …\"")->excludes(tokens);
+  CLI::Option* cols =
+      cmd->add_option("--cols", o->cols, "labels of the keys (columns), \"tok tok …\"")->excludes(tokens);
+  o->rows_option = rows;
+  o->cols_option = cols;
+  CLI::Option* tokens_file =
+      cmd->add_option("--tokens-file", o->tokens_file,
+                      "labels of both axes from a UTF-8 text file, one token per line (spaces kept; no blank lines)")
+          ->type_name("FILE")
+          ->excludes(tokens)
+          ->excludes(rows)
+          ->excludes(cols);
+  o->tokens_file_option = tokens_file;
+  o->rows_file_option =
+      cmd->add_option("--rows-file", o->rows_file, "labels of the queries from a file, as --tokens-file")
+          ->type_name("FILE")
+          ->excludes(tokens)
+          ->excludes(tokens_file)
+          ->excludes(rows);
+  o->cols_file_option = cmd->add_option("--cols-file", o->cols_file, "labels of the keys from a file, as --tokens-file")
+                            ->type_name("FILE")
+                            ->excludes(tokens)
+                            ->excludes(tokens_file)
+                            ->excludes(cols);
   CLI::Option* all_heads = cmd->add_flag("--all-heads", o->all_heads, "draw every head, as a grid of small multiples");
   o->head_option = cmd->add_option("--head", o->head, "the head to draw (default 0); the page opens at it")
                        ->type_name("H")

@@ -34,6 +34,10 @@ constexpr int64_t kTitleGap = 10;
 constexpr int64_t kColorbarGap = 24;
 constexpr int64_t kColorbarWidth = 16;
 constexpr int64_t kMinColorbarHeight = 120;
+// The key of the marks: a swatch this big, its text this far right of it, entries this far apart.
+constexpr int64_t kKeySwatch = 14;
+constexpr int64_t kKeyTextGap = 5;
+constexpr int64_t kKeyEntryGap = 18;
 // cairo's image surfaces stop at 32767 pixels a side; 2^27 pixels (512 MiB as ARGB32) keeps a
 // grid of many large heads from exhausting memory.
 constexpr int64_t kMaxSide = 32767;
@@ -303,10 +307,29 @@ void compute_layout(Figure& f) {
                               .height = kClipMarkerHeight};
   }
 
-  int64_t width = layout.colorbar_labels.x + layout.colorbar_labels.width + kMargin;
+  // The key of the marks: one line under the "keys" title, entries left to right from the grid's edge.
+  int64_t bottom = keys_title_bottom;
+  int64_t key_right = 0;
+  if (!f.keys.empty()) {
+    const int64_t key_y = keys_title_bottom + kAxisTitleGap;
+    const int64_t line_h = std::max(kKeySwatch, ceil_px(measure_text("Ag书", kLabelSize).height));
+    int64_t x = grid_x;
+    for (const MarkKey& key : f.keys) {
+      HeatmapKeyEntry entry;
+      entry.swatch = {.x = x, .y = key_y + (line_h - kKeySwatch) / 2, .width = kKeySwatch, .height = kKeySwatch};
+      const int64_t text_w = ceil_px(measure_text(key.text, kLabelSize).width);
+      entry.text = {.x = x + kKeySwatch + kKeyTextGap, .y = key_y, .width = text_w, .height = line_h};
+      layout.key.push_back(entry);
+      key_right = entry.text.x + text_w;
+      x = key_right + kKeyEntryGap;
+    }
+    bottom = key_y + line_h;
+  }
+
+  int64_t width = std::max(layout.colorbar_labels.x + layout.colorbar_labels.width, key_right) + kMargin;
   if (!f.title.empty()) width = std::max(width, ceil_px(measure_text(f.title, kTitleSize, true).width) + 2 * kMargin);
   layout.width = width;
-  layout.height = std::max({keys_title_bottom, layout.colorbar_labels.y + layout.colorbar_labels.height,
+  layout.height = std::max({bottom, layout.colorbar_labels.y + layout.colorbar_labels.height,
                             layout.clip_low_marker.y + layout.clip_low_marker.height}) +
                   kMargin;
   if (!f.title.empty()) layout.title.width = width - 2 * kMargin;
@@ -466,13 +489,50 @@ Figure make_figure(TensorView<const T> alpha, const HeatmapOptions& options, Hea
   std::optional<TensorView<const uint8_t>> allowed;
   if (options.allowed) allowed = as_rank4(broadcast_to(*options.allowed, alpha.shape, "allowed"));
   f.terminal = options.terminal;
+  f.marks.clear();
+  for (const int64_t row : options.marked_rows) {
+    if (row < 0 || row >= f.tq) {
+      throw ValueError(
+          fmt::format("marked_rows: expected a query (row) within [0, {}) of {}, got {}", f.tq, described, row));
+    }
+    f.marks.push_back({.row = row,
+                       .col = 0,
+                       .rows = 1,
+                       .cols = f.tk,
+                       .color = kRowMarkColor,
+                       .tooltip = fmt::format("marked query: {}", f.row_labels[static_cast<size_t>(row)])});
+  }
+  for (const int64_t col : options.marked_cols) {
+    if (col < 0 || col >= f.tk) {
+      throw ValueError(
+          fmt::format("marked_cols: expected a key (column) within [0, {}) of {}, got {}", f.tk, described, col));
+    }
+    f.marks.push_back({.row = 0,
+                       .col = col,
+                       .rows = f.tq,
+                       .cols = 1,
+                       .color = kColMarkColor,
+                       .tooltip = fmt::format("marked key: {}", f.col_labels[static_cast<size_t>(col)])});
+  }
   for (const auto& [row, col] : options.marked_cells) {
     if (row < 0 || row >= f.tq || col < 0 || col >= f.tk) {
       throw ValueError(fmt::format("marked_cells: expected (row, column) within [0, {}) × [0, {}) of {}, got ({}, {})",
                                    f.tq, f.tk, described, row, col));
     }
+    f.marks.push_back({.row = row,
+                       .col = col,
+                       .rows = 1,
+                       .cols = 1,
+                       .color = kMarkColor,
+                       .tooltip = fmt::format("marked: {} → {}", f.row_labels[static_cast<size_t>(row)],
+                                              f.col_labels[static_cast<size_t>(col)])});
   }
-  f.marked_cells = options.marked_cells;
+  const auto add_key = [&](bool any, const std::string& label, Rgb color) {
+    if (any && !label.empty()) f.keys.push_back({.color = color, .text = sanitize_label(label)});
+  };
+  add_key(!options.marked_cells.empty(), options.marked_cells_label, kMarkColor);
+  add_key(!options.marked_rows.empty(), options.marked_rows_label, kRowMarkColor);
+  add_key(!options.marked_cols.empty(), options.marked_cols_label, kColMarkColor);
   f.float32 = std::is_same_v<T, float>;
 
   const bool page = format == HeatmapFormat::html;

@@ -191,17 +191,20 @@ void draw_marks(cairo_t* cr, const Figure& f, const HeatmapPanelLayout& p) {
   const auto cw = static_cast<double>(p.cell_width);
   const auto ch = static_cast<double>(p.cell_height);
   const auto width = static_cast<double>(kMarkWidth);
-  for (const auto& [i, j] : f.marked_cells) {
-    const double x = static_cast<double>(p.matrix.x) + static_cast<double>(j) * cw;
-    const double y = static_cast<double>(p.matrix.y) + static_cast<double>(i) * ch;
-    if (!mark_has_outline(p.cell_width, p.cell_height)) {
-      fill_rect(cr, x, y, cw, ch, kMarkColor);
+  for (const Mark& mark : f.marks) {
+    const double x = static_cast<double>(p.matrix.x) + static_cast<double>(mark.col) * cw;
+    const double y = static_cast<double>(p.matrix.y) + static_cast<double>(mark.row) * ch;
+    const int64_t w_px = mark.cols * p.cell_width;
+    const int64_t h_px = mark.rows * p.cell_height;
+    const auto w = static_cast<double>(w_px);
+    const auto h = static_cast<double>(h_px);
+    if (!mark_has_outline(w_px, h_px)) {
+      fill_rect(cr, x, y, w, h, mark.color);
       continue;
     }
-    fill_frame(cr, x, y, cw, ch, width, kMarkColor);
-    if (mark_has_lining(p.cell_width, p.cell_height)) {
-      fill_frame(cr, x + width, y + width, cw - 2 * width, ch - 2 * width, 1.0, kMarkLining);
-    }
+    fill_frame(cr, x, y, w, h, width, mark.color);
+    if (mark_has_lining(w_px, h_px))
+      fill_frame(cr, x + width, y + width, w - 2 * width, h - 2 * width, 1.0, kMarkLining);
   }
 }
 
@@ -269,6 +272,7 @@ void draw_figure(cairo_t* cr, const Figure& f, bool vector_seams) {
   paint_title(painter, f);
   for (size_t k = 0; k < f.panels.size(); ++k) draw_panel(cr, painter, f, f.panels[k], layout.panels[k], vector_seams);
   paint_axis_titles(painter, f);
+  paint_key(painter, f);
   draw_colorbar(cr, painter, f);
 }
 

@@ -41,6 +41,22 @@ inline constexpr Rgb kMutedInk = {85, 85, 85};
 inline constexpr Rgb kMarkColor = {255, 0, 0};
 inline constexpr Rgb kMarkLining = {255, 255, 255};
 inline constexpr int64_t kMarkWidth = 2;
+// Marked rows and columns: the same frame in colours that are neither red nor any map's.
+inline constexpr Rgb kRowMarkColor = {255, 0, 255};
+inline constexpr Rgb kColMarkColor = {0, 255, 255};
+
+// A marked block of cells: rows [row, row + rows) × columns [col, col + cols), framed in `color`.
+struct Mark {
+  int64_t row = 0, col = 0, rows = 1, cols = 1;
+  Rgb color = kMarkColor;
+  std::string tooltip;  // the SVG's <title>: "marked: c → z"
+};
+
+// What the key says of one kind of mark; one per HeatmapLayout::key entry.
+struct MarkKey {
+  Rgb color = kMarkColor;
+  std::string text;
+};
 
 // A masked cell: kMaskedFill crossed by diagonal kMaskedHatch lines kMaskedHatchGap px apart. The
 // hatching, not the grey, is what tells it from the gray map's light end.
@@ -78,7 +94,8 @@ struct Figure {
   bool has_mask = false;  // some drawn cell is masked
   bool annotate = false;
   TerminalStyle terminal;
-  std::vector<std::pair<int64_t, int64_t>> marked_cells;  // (row, column), checked
+  std::vector<Mark> marks;    // the marked rows and columns, then the marked cells, checked
+  std::vector<MarkKey> keys;  // the key's entries, as HeatmapLayout::key
   bool float32 = false;       // alpha was float: values are written as the shortest float that reads back
   std::vector<Panel> panels;  // what an image draws (one head, or every head); the page carries all
   HeatmapLayout layout;       // of the image (the scale only for the page and the terminal)
@@ -159,6 +176,9 @@ void paint_axis_labels(Painter& painter, const Figure& figure, const HeatmapPane
 void paint_axis_titles(Painter& painter, const Figure& figure);
 // The ticks of the colour bar and their values.
 void paint_colorbar_ticks(Painter& painter, const Figure& figure);
+
+// The key of the marks (HeatmapLayout::key): each swatch framed as its marks are, then its text.
+void paint_key(Painter& painter, const Figure& figure);
 
 // ---- renderers -----------------------------------------------------------------------------------
 

@@ -93,4 +93,27 @@ void paint_colorbar_ticks(Painter& painter, const Figure& f) {
   }
 }
 
+void paint_key(Painter& painter, const Figure& f) {
+  const auto frame = [&](double x, double y, double w, double h, double t, Rgb color) {
+    painter.box(x, y, w, t, color);
+    painter.box(x, y + h - t, w, t, color);
+    painter.box(x, y + t, t, h - 2 * t, color);
+    painter.box(x + w - t, y + t, t, h - 2 * t, color);
+  };
+  for (size_t k = 0; k < f.keys.size() && k < f.layout.key.size(); ++k) {
+    const PixelRect& s = f.layout.key[k].swatch;
+    const auto x = static_cast<double>(s.x);
+    const auto y = static_cast<double>(s.y);
+    const auto w = static_cast<double>(s.width);
+    const auto h = static_cast<double>(s.height);
+    const auto t = static_cast<double>(kMarkWidth);
+    // The swatch is a white cell framed as a mark is: the frame, then its white lining.
+    painter.box(x, y, w, h, kMarkLining);
+    frame(x, y, w, h, t, f.keys[k].color);
+    painter.box(x + t + 1, y + t + 1, w - 2 * t - 2, h - 2 * t - 2, kMutedInk);
+    const PixelRect& text = f.layout.key[k].text;
+    painter.text(f.keys[k].text, kLabelSize, false, kInk, static_cast<double>(text.x), centre_y(text), Anchor::start);
+  }
+}
+
 }  // namespace qkv::heatmap_detail

@@ -71,22 +71,25 @@ class SvgPainter final : public Painter {
   std::string& out_;
 };
 
-// The outlines of the marked cells, as the PNG draws them: inside the cell, on whole pixels.
+// The outlines of the marked rows, columns and cells, as the PNG draws them: inside their cells, on
+// whole pixels.
 void marks_svg(std::string& out, const Figure& f, const HeatmapPanelLayout& p) {
-  if (f.marked_cells.empty()) return;
+  if (f.marks.empty()) return;
   const auto cw = static_cast<double>(p.cell_width);
   const auto ch = static_cast<double>(p.cell_height);
   const auto width = static_cast<double>(kMarkWidth);
   out += "<g class=\"marks\" shape-rendering=\"crispEdges\">\n";
-  for (const auto& [i, j] : f.marked_cells) {
-    const double x = static_cast<double>(p.matrix.x) + static_cast<double>(j) * cw;
-    const double y = static_cast<double>(p.matrix.y) + static_cast<double>(i) * ch;
-    const std::string tooltip =
-        fmt::format("<title>marked: {} → {}</title>", escape_markup(f.row_labels[static_cast<size_t>(i)]),
-                    escape_markup(f.col_labels[static_cast<size_t>(j)]));
-    if (!mark_has_outline(p.cell_width, p.cell_height)) {
+  for (const Mark& mark : f.marks) {
+    const double x = static_cast<double>(p.matrix.x) + static_cast<double>(mark.col) * cw;
+    const double y = static_cast<double>(p.matrix.y) + static_cast<double>(mark.row) * ch;
+    const int64_t w_px = mark.cols * p.cell_width;
+    const int64_t h_px = mark.rows * p.cell_height;
+    const auto w = static_cast<double>(w_px);
+    const auto h = static_cast<double>(h_px);
+    const std::string tooltip = fmt::format("<title>{}</title>", escape_markup(mark.tooltip));
+    if (!mark_has_outline(w_px, h_px)) {
       fmt::format_to(std::back_inserter(out), R"svg(<rect x="{}" y="{}" width="{}" height="{}" fill="{}">{}</rect>)svg",
-                     x, y, cw, ch, hex(kMarkColor), tooltip);
+                     x, y, w, h, hex(mark.color), tooltip);
       out += '\n';
       continue;
     }
@@ -94,12 +97,12 @@ void marks_svg(std::string& out, const Figure& f, const HeatmapPanelLayout& p) {
     fmt::format_to(
         std::back_inserter(out),
         R"svg(<rect x="{}" y="{}" width="{}" height="{}" fill="none" stroke="{}" stroke-width="{}">{}</rect>)svg",
-        x + width / 2, y + width / 2, cw - width, ch - width, hex(kMarkColor), width, tooltip);
+        x + width / 2, y + width / 2, w - width, h - width, hex(mark.color), width, tooltip);
     out += '\n';
-    if (mark_has_lining(p.cell_width, p.cell_height)) {
+    if (mark_has_lining(w_px, h_px)) {
       fmt::format_to(std::back_inserter(out),
                      R"svg(<rect x="{}" y="{}" width="{}" height="{}" fill="none" stroke="{}" stroke-width="1"/>)svg",
-                     x + width + 0.5, y + width + 0.5, cw - 2 * width - 1, ch - 2 * width - 1, hex(kMarkLining));
+                     x + width + 0.5, y + width + 0.5, w - 2 * width - 1, h - 2 * width - 1, hex(kMarkLining));
       out += '\n';
     }
   }
@@ -229,6 +232,7 @@ std::string render_svg(const Figure& f) {
   paint_title(painter, f);
   for (size_t k = 0; k < f.panels.size(); ++k) panel_svg(out, painter, f, f.panels[k], layout.panels[k]);
   paint_axis_titles(painter, f);
+  paint_key(painter, f);
 
   const auto bx = static_cast<double>(layout.colorbar.x);
   const auto by = static_cast<double>(layout.colorbar.y);

@@ -10,8 +10,10 @@
 #include <cstdlib>
 #include <limits>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 #include "qkv/core/error.hpp"
@@ -156,6 +158,10 @@ void draw_series(const PlotPanel& panel, const PlotSeries& series, size_t index,
   pllsty(kSolid);
 }
 
+// pllegend's placement: offsets of kLegendInset of the plot area from the corner named, inwards
+// (outwards, from the right edge, for outside_right, which is centred vertically).
+constexpr PLFLT kLegendInset = 0.02;
+
 PLINT legend_position(LegendPosition position) {
   switch (position) {
     case LegendPosition::top_left:
@@ -164,43 +170,120 @@ PLINT legend_position(LegendPosition position) {
       return PL_POSITION_BOTTOM | PL_POSITION_RIGHT | PL_POSITION_INSIDE;
     case LegendPosition::bottom_left:
       return PL_POSITION_BOTTOM | PL_POSITION_LEFT | PL_POSITION_INSIDE;
+    case LegendPosition::outside_right:
+      return PL_POSITION_RIGHT | PL_POSITION_OUTSIDE;
     case LegendPosition::top_right:
+    case LegendPosition::automatic:
     case LegendPosition::none:
       break;
   }
   return PL_POSITION_TOP | PL_POSITION_RIGHT | PL_POSITION_INSIDE;
 }
 
-// pllegend sizes its text from PLplot's default height, not the current one: it gets the figure's
-// text scale itself.
-void draw_legend(const PlotPanel& panel, PLFLT text_scale) {
-  if (panel.legend == LegendPosition::none) return;
+// A rectangle in fractions of the plot area: x from its left edge, y from its bottom edge.
+struct Box {
+  double x0 = 0.0, x1 = 0.0, y0 = 0.0, y1 = 0.0;
+};
+
+// Where pllegend puts a legend of `width` x `height` (fractions of the plot area) at `position`.
+Box legend_box(LegendPosition position, double width, double height) {
+  const double left = kLegendInset, right = 1.0 - kLegendInset - width;
+  const double bottom = kLegendInset, top = 1.0 - kLegendInset - height;
+  switch (position) {
+    case LegendPosition::top_left:
+      return {left, left + width, top, top + height};
+    case LegendPosition::bottom_right:
+      return {right, right + width, bottom, bottom + height};
+    case LegendPosition::bottom_left:
+      return {left, left + width, bottom, bottom + height};
+    case LegendPosition::outside_right:
+      return {1.0 + kLegendInset, 1.0 + kLegendInset + width, 0.5 - height / 2, 0.5 + height / 2};
+    default:
+      return {right, right + width, top, top + height};
+  }
+}
+
+// Whether any drawn part of the panel's series falls in `box` (plot-area fractions, widened by a
+// marker's half width): its points, and its lines sampled finely between them.
+bool covers_data(const PlotPanel& panel, const Limits& x, const Limits& y, const Box& box) {
+  constexpr double kMargin = 0.015;
+  constexpr int kSamplesPerSegment = 32;
+  const auto inside = [&](double fx, double fy) {
+    return fx >= box.x0 - kMargin && fx <= box.x1 + kMargin && fy >= box.y0 - kMargin && fy <= box.y1 + kMargin;
+  };
+  for (const PlotSeries& series : panel.series) {
+    double last_fx = kNaN, last_fy = kNaN;
+    for (size_t i = 0; i < series.x.size(); ++i) {
+      const double fx = (to_axis(series.x[i], panel.x_scale) - x.min) / (x.max - x.min);
+      const double fy = (to_axis(series.y[i], panel.y_scale) - y.min) / (y.max - y.min);
+      if (!std::isfinite(fx) || !std::isfinite(fy)) {
+        last_fx = kNaN;
+        continue;
+      }
+      if (inside(fx, fy)) return true;
+      if (std::isfinite(last_fx)) {
+        for (int k = 1; k < kSamplesPerSegment; ++k) {
+          const double t = static_cast<double>(k) / kSamplesPerSegment;
+          if (inside(last_fx + t * (fx - last_fx), last_fy + t * (fy - last_fy))) return true;
+        }
+      }
+      last_fx = fx;
+      last_fy = fy;
+    }
+  }
+  return false;
+}
+
+// The legend's place: a named one as it is; for automatic, the first free corner, else beside the data.
+LegendPosition resolve_legend(const PlotPanel& panel, const Limits& x, const Limits& y, double width, double height) {
+  if (panel.legend != LegendPosition::automatic) return panel.legend;
+  for (const LegendPosition corner : {LegendPosition::top_right, LegendPosition::top_left, LegendPosition::bottom_left,
+                                      LegendPosition::bottom_right}) {
+    if (!covers_data(panel, x, y, legend_box(corner, width, height))) return corner;
+  }
+  return LegendPosition::outside_right;
+}
+
+// The legend's entries, in the arrays pllegend reads.
+struct LegendEntries {
   std::vector<PLINT> options, colours, styles, marker_counts;
   std::vector<PLFLT> widths, marker_scales;
   std::vector<const char*> texts, markers;
+};
+
+LegendEntries legend_entries(const PlotPanel& panel, PLFLT text_scale) {
+  LegendEntries e;
   for (size_t i = 0; i < panel.series.size(); ++i) {
     const PlotSeries& series = panel.series[i];
     if (series.label.empty()) continue;
     const bool with_marker = series.markers && !series.dashed;
-    options.push_back(PL_LEGEND_LINE | (with_marker ? PL_LEGEND_SYMBOL : 0));
-    colours.push_back(series_colour(i));
-    styles.push_back(series.dashed ? kDashed : kSolid);
-    widths.push_back(series.dashed ? 1.5 : 2.0);
-    marker_counts.push_back(with_marker ? 1 : 0);
-    marker_scales.push_back(kMarkerScale * text_scale);
-    texts.push_back(series.label.c_str());
-    markers.push_back(with_marker ? series_marker(i) : "");
+    e.options.push_back(PL_LEGEND_LINE | (with_marker ? PL_LEGEND_SYMBOL : 0));
+    e.colours.push_back(series_colour(i));
+    e.styles.push_back(series.dashed ? kDashed : kSolid);
+    e.widths.push_back(series.dashed ? 1.5 : 2.0);
+    e.marker_counts.push_back(with_marker ? 1 : 0);
+    e.marker_scales.push_back(kMarkerScale * text_scale);
+    e.texts.push_back(series.label.c_str());
+    e.markers.push_back(with_marker ? series_marker(i) : "");
   }
-  if (texts.empty()) return;
+  return e;
+}
+
+// Draws the legend at `position` and returns its size in fractions of the plot area. pllegend sizes
+// its text from PLplot's default height, not the current one: it gets the figure's text scale itself.
+std::pair<double, double> draw_legend(const PlotPanel& panel, LegendPosition position, PLFLT text_scale) {
+  const LegendEntries e = legend_entries(panel, text_scale);
+  if (e.texts.empty()) return {0.0, 0.0};
   PLFLT width = 0.0;
   PLFLT height = 0.0;
-  const std::vector<PLINT> text_colours(texts.size(), kForeground);
+  const std::vector<PLINT> text_colours(e.texts.size(), kForeground);
   plwidth(1.0);
-  pllegend(&width, &height, PL_LEGEND_BACKGROUND | PL_LEGEND_BOUNDING_BOX, legend_position(panel.legend), 0.02, 0.02,
-           0.08, kBackground, kForeground, kSolid, 0, 0, static_cast<PLINT>(texts.size()), options.data(), 0.8,
-           0.9 * text_scale, 1.8, 0.0, text_colours.data(), texts.data(), nullptr, nullptr, nullptr, nullptr,
-           colours.data(), styles.data(), widths.data(), colours.data(), marker_scales.data(), marker_counts.data(),
-           markers.data());
+  pllegend(&width, &height, PL_LEGEND_BACKGROUND | PL_LEGEND_BOUNDING_BOX, legend_position(position), kLegendInset,
+           kLegendInset, 0.08, kBackground, kForeground, kSolid, 0, 0, static_cast<PLINT>(e.texts.size()),
+           e.options.data(), 0.8, 0.9 * text_scale, 1.8, 0.0, text_colours.data(), e.texts.data(), nullptr, nullptr,
+           nullptr, nullptr, e.colours.data(), e.styles.data(), e.widths.data(), e.colours.data(),
+           e.marker_scales.data(), e.marker_counts.data(), e.markers.data());
+  return {width, height};
 }
 
 // Labelled ticks of one axis. PLplot labels a log axis ("l") at every decade, which stacks 60
@@ -231,13 +314,38 @@ void label_power_of_ten(PLINT /*axis*/, PLFLT value, PLCHAR_NC_VECTOR label, PLI
   std::snprintf(label, static_cast<size_t>(length), "10#u%d#d", static_cast<int>(std::lround(value)));
 }
 
-void draw_panel(const PlotPanel& panel, PLFLT text_scale) {
+// Where panel `index` of a figure of `columns` x `rows` panels sits on the page, as fractions of it
+// (PLplot fills subpages left to right, then top to bottom).
+Box subpage(int index, int columns, int rows) {
+  const double x0 = static_cast<double>(index % columns) / columns;
+  const double y1 = 1.0 - static_cast<double>(index / columns) / rows;
+  return {x0, x0 + 1.0 / columns, y1 - 1.0 / rows, y1};
+}
+
+// Narrows the plot area (set by plvsta) on the right by a legend `width` wide (a fraction of it)
+// and its inset, so that a legend outside_right fits in the panel.
+void make_room_on_the_right(double width, const Box& page) {
+  PLFLT x0 = 0.0, x1 = 0.0, y0 = 0.0, y1 = 0.0;
+  plgvpd(&x0, &x1, &y0, &y1);
+  const double right = x1 - (width + 2 * kLegendInset) * (x1 - x0);
+  const double page_w = page.x1 - page.x0, page_h = page.y1 - page.y0;
+  plvpor((x0 - page.x0) / page_w, (right - page.x0) / page_w, (y0 - page.y0) / page_h, (y1 - page.y0) / page_h);
+}
+
+// One panel. `legend_size` is the legend's size measured by an earlier pass (fractions of the plot
+// area), which is what `automatic` places by; absent in that pass, which draws the legend top right.
+PlotPanelLayout draw_panel(const PlotPanel& panel, const Box& page, PLFLT text_scale,
+                           std::optional<std::pair<double, double>> legend_size) {
   const Limits x = axis_limits(panel, true);
   const Limits y = axis_limits(panel, false);
   const Ticks x_ticks = axis_ticks(x, panel.x_scale, "bcnst");
   const Ticks y_ticks = axis_ticks(y, panel.y_scale, "bcnstv");
+  LegendPosition position = LegendPosition::top_right;
+  if (legend_size) position = resolve_legend(panel, x, y, legend_size->first, legend_size->second);
+  if (panel.legend == LegendPosition::none) position = LegendPosition::none;
   pladv(0);
   plvsta();
+  if (position == LegendPosition::outside_right && legend_size) make_room_on_the_right(legend_size->first, page);
   plwind(x.min, x.max, y.min, y.max);
   plwidth(1.0);
   plslabelfunc(label_power_of_ten, nullptr);
@@ -247,8 +355,20 @@ void draw_panel(const PlotPanel& panel, PLFLT text_scale) {
   plbox(x_ticks.options.c_str(), x_ticks.spacing, x_ticks.minor, y_ticks.options.c_str(), y_ticks.spacing,
         y_ticks.minor);
   pllab(panel.x_label.c_str(), panel.y_label.c_str(), panel.title.c_str());
-  for (size_t i = 0; i < panel.series.size(); ++i) draw_series(panel, panel.series[i], i, text_scale);
-  draw_legend(panel, text_scale);
+  if (legend_size) {
+    for (size_t i = 0; i < panel.series.size(); ++i) draw_series(panel, panel.series[i], i, text_scale);
+  }
+  PlotPanelLayout layout;
+  layout.x_axis = {x.min, x.max};
+  layout.y_axis = {y.min, y.max};
+  if (position == LegendPosition::none) return layout;
+  const auto [width, height] = draw_legend(panel, position, text_scale);
+  if (width <= 0.0) return layout;
+  const Box box = legend_box(position, width, height);
+  layout.legend = position;
+  layout.legend_x = {x.min + box.x0 * (x.max - x.min), x.min + box.x1 * (x.max - x.min)};
+  layout.legend_y = {y.min + box.y0 * (y.max - y.min), y.min + box.y1 * (y.max - y.min)};
+  return layout;
 }
 
 void check_figure(const Figure& figure) {
@@ -270,13 +390,12 @@ void check_figure(const Figure& figure) {
 
 }  // namespace
 
-std::string render_png(const Figure& figure) {
-  check_figure(figure);
-  const std::lock_guard lock(plplot_mutex);
-  if (!has_pngcairo()) {
-    throw IoError("figure: PLplot has no pngcairo device (Debian: install plplot-driver-cairo)");
-  }
+namespace {
 
+// One pass of PLplot over the figure, into a PNG. Without `legend_sizes` it only measures: every
+// legend goes top right, no series is drawn, and the layouts say how big each legend came out.
+std::string render_pass(const Figure& figure, const std::vector<std::pair<double, double>>* legend_sizes,
+                        std::vector<PlotPanelLayout>& layouts) {
   const int panels = static_cast<int>(figure.panels.size());
   const int columns = figure.columns == 0 ? panels : std::min(figure.columns, panels);
   const int rows = (panels + columns - 1) / columns;
@@ -307,7 +426,13 @@ std::string render_png(const Figure& figure) {
   plinit();
   const PLFLT text_scale = kTextScale / std::sqrt(static_cast<PLFLT>(std::max(columns, rows)));
   plschr(0.0, text_scale);
-  for (const PlotPanel& panel : figure.panels) draw_panel(panel, text_scale);
+  layouts.clear();
+  for (int i = 0; i < panels; ++i) {
+    std::optional<std::pair<double, double>> size_of_legend;
+    if (legend_sizes != nullptr) size_of_legend = (*legend_sizes)[static_cast<size_t>(i)];
+    layouts.push_back(
+        draw_panel(figure.panels[static_cast<size_t>(i)], subpage(i, columns, rows), text_scale, size_of_legend));
+  }
   plend1();
 
   // plend1 closed the stream (PLplot closes the file it writes to), which is when open_memstream
@@ -319,6 +444,40 @@ std::string render_png(const Figure& figure) {
   }
   if (png.empty()) throw IoError("figure: PLplot drew no image");
   return png;
+}
+
+// The figure's PNG and its layout: a first pass measures the legends, the second places and draws.
+std::string render(const Figure& figure, std::vector<PlotPanelLayout>& layouts) {
+  check_figure(figure);
+  const std::lock_guard lock(plplot_mutex);
+  if (!has_pngcairo()) {
+    throw IoError("figure: PLplot has no pngcairo device (Debian: install plplot-driver-cairo)");
+  }
+  render_pass(figure, nullptr, layouts);
+  std::vector<std::pair<double, double>> sizes;
+  for (const PlotPanelLayout& layout : layouts) {
+    if (layout.legend == LegendPosition::none) {
+      sizes.emplace_back(0.0, 0.0);
+      continue;
+    }
+    const double width = (layout.legend_x.max - layout.legend_x.min) / (layout.x_axis.max - layout.x_axis.min);
+    const double height = (layout.legend_y.max - layout.legend_y.min) / (layout.y_axis.max - layout.y_axis.min);
+    sizes.emplace_back(width, height);
+  }
+  return render_pass(figure, &sizes, layouts);
+}
+
+}  // namespace
+
+std::vector<PlotPanelLayout> plot_layout(const Figure& figure) {
+  std::vector<PlotPanelLayout> layouts;
+  render(figure, layouts);
+  return layouts;
+}
+
+std::string render_png(const Figure& figure) {
+  std::vector<PlotPanelLayout> layouts;
+  return render(figure, layouts);
 }
 
 }  // namespace qkv

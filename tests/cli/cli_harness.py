@@ -178,6 +178,47 @@ class ExperimentSuite(Suite):
         return []
 
     @staticmethod
+    def png_colours(path):
+        """The set of (r, g, b) colours of an 8-bit RGB or RGBA, non-interlaced PNG (what cairo writes)."""
+        data = Path(path).read_bytes()
+        pos, idat, width, height, kind = 8, b"", 0, 0, 0
+        while pos + 12 <= len(data):
+            (length,) = struct.unpack(">I", data[pos : pos + 4])
+            chunk, body = data[pos + 4 : pos + 8], data[pos + 8 : pos + 8 + length]
+            if chunk == b"IHDR":
+                width, height, depth, kind = struct.unpack(">IIBB", body[:10])
+                if depth != 8 or kind not in (2, 6) or body[12] != 0:
+                    raise ValueError(f"{Path(path).name}: not an 8-bit RGB(A) non-interlaced PNG")
+            elif chunk == b"IDAT":
+                idat += body
+            pos += 12 + length
+        raw = zlib.decompress(idat)
+        bpp = 3 if kind == 2 else 4
+        stride = width * bpp
+        previous, colours = bytearray(stride), set()
+        for y in range(height):
+            start = y * (stride + 1)
+            mode, line = raw[start], bytearray(raw[start + 1 : start + 1 + stride])
+            for i in range(stride):
+                a = line[i - bpp] if i >= bpp else 0
+                b = previous[i]
+                c = previous[i - bpp] if i >= bpp else 0
+                if mode == 1:
+                    line[i] = (line[i] + a) & 0xFF
+                elif mode == 2:
+                    line[i] = (line[i] + b) & 0xFF
+                elif mode == 3:
+                    line[i] = (line[i] + (a + b) // 2) & 0xFF
+                elif mode == 4:
+                    p = a + b - c
+                    pa, pb, pc = abs(p - a), abs(p - b), abs(p - c)
+                    line[i] = (line[i] + (a if pa <= pb and pa <= pc else b if pb <= pc else c)) & 0xFF
+            # cairo writes premultiplied-free RGB(A); the heatmap's background is opaque.
+            colours.update(zip(line[0::bpp], line[1::bpp], line[2::bpp]))
+            previous = line
+        return colours
+
+    @staticmethod
     def read_csv(path, columns, problems, rows=None):
         """The rows as dicts. The header must be `columns`, every row as wide, every numeric cell finite
         (text cells such as "start" or "n/a" pass), and there must be `rows` rows when given."""

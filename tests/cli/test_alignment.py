@@ -154,6 +154,10 @@ def check_experiment(t):
                            r'stroke-width="2"><title>marked: ', text)
         if not text.rstrip().endswith("</svg>") or 'class="marks"' not in text or len(marks) < 4:
             problems.append(f"{svg.name}: no gold-alignment outlines ({len(marks)} marks)")
+        # The red outlines are named by a key under the matrix: a red-framed swatch and its text.
+        if ">gold alignment (each target word&apos;s source word)<" not in text and \
+                ">gold alignment (each target word's source word)<" not in text:
+            problems.append(f"{svg.name}: no key says what the red outlines are")
         # Each outline's 2 px stroke is centred one pixel inside a cell that the renderer drew.
         cells = set(re.findall(r'<rect x="(\d+)" y="(\d+)" width="\d+" height="\d+" fill="#', text))
         for x, y in marks:

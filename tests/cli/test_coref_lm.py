@@ -46,6 +46,16 @@ def check_coref(t, out):
                 problems.append(f"ablation.csv: {column} = {r[column]} is not a change of a probability")
     t.read_csv(directory / "training.csv", ["step", "loss"], problems, rows=80)
     t.check(f"coref ({out}): accuracy, attention mass, ablation agreement", problems)
+
+    # The heatmaps frame the pronoun's row in magenta and the referent's column in cyan, and say so.
+    problems = []
+    colours = t.png_colours(directory / "heatmap_1.png")
+    for name, colour in (("pronoun row (magenta)", (255, 0, 255)), ("referent column (cyan)", (0, 255, 255))):
+        if colour not in colours:
+            problems.append(f"heatmap_1.png: no {name} frame")
+    if "magenta" not in (directory / "results.md").read_text():
+        problems.append("results.md does not say how the pronoun's row is marked")
+    t.check(f"coref ({out}): the heatmaps mark the pronoun's row and the referent's column", problems)
     return (directory / "results.csv").read_bytes()
 
 

@@ -18,6 +18,24 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from cli_harness import ExperimentSuite, run_suite  # noqa: E402  (the harness sits beside this script)
 
 
+TRAINING_COLUMNS = ["variant", "scale", "steps_to_target", "reached_target", "final_loss", "held_out_accuracy",
+                    "held_out_loss", "seconds"]
+
+
+def check_steps_to_target(training, steps, problems):
+    """steps_to_target holds a step number in [1, steps] or nothing, as reached_target (1 or 0) says."""
+    for r in training:
+        reached, cell = r.get("reached_target"), r.get("steps_to_target")
+        if reached == "1":
+            if not (cell or "").isdigit() or not 1 <= int(cell) <= steps:
+                problems.append(f"training.csv: steps_to_target {cell!r} is not a step in [1, {steps}]")
+        elif reached == "0":
+            if cell != "":
+                problems.append(f"training.csv: steps_to_target {cell!r} for a target not reached, expected empty")
+        else:
+            problems.append(f"training.csv: reached_target {reached!r}, expected 0 or 1")
+
+
 def check_scaling(t):
     directory = t.quick_run("scaling", pngs=["variance.png", "softmax.png", "training.png"],
                             csvs=["results.csv", "training.csv", "loss_curves.csv"])
@@ -43,10 +61,9 @@ def check_scaling(t):
             problems.append(f"unscaled entropy {r['entropy_unscaled']} outside (0, log Tk] at d = {d}")
     if rows and float(rows[-1]["max_weight_unscaled"]) < 0.8:
         problems.append(f"unscaled softmax not saturated at d = 1024 (max weight {rows[-1]['max_weight_unscaled']})")
-    training = t.read_csv(directory / "training.csv", ["variant", "scale", "steps_to_target", "final_loss",
-                                                       "held_out_accuracy", "held_out_loss", "seconds"], problems,
-                          rows=2)
+    training = t.read_csv(directory / "training.csv", TRAINING_COLUMNS, problems, rows=2)
     t.shares("training.csv", training, ["held_out_accuracy"], problems)
+    check_steps_to_target(training, 200, problems)
     t.read_csv(directory / "loss_curves.csv", ["step", "loss_scaled", "loss_unscaled"], problems, rows=200)
     t.check("scaling: the statistics and the training table", problems)
 
@@ -56,6 +73,11 @@ def check_scaling(t):
     again = t.run(["experiment", "scaling", "--quick", "--steps", "5", "--out", "again"], env={"OMP_NUM_THREADS": "2"})
     other = t.quick_run("scaling", out="other", seed=7, steps=5, pngs=["variance.png"])
     problems = []
+    # Five steps do not reach the target: the numeric column is left empty, not filled with words.
+    short = t.read_csv(t.path("again/scaling/training.csv"), TRAINING_COLUMNS, problems, rows=2)
+    check_steps_to_target(short, 5, problems)
+    if [r.get("reached_target") for r in short] != ["0", "0"]:
+        problems.append(f"reached_target {[r.get('reached_target') for r in short]} after 5 steps, expected 0, 0")
     if again.returncode != 0 or open(t.path("again/scaling/results.csv"), "rb").read() != first:
         problems.append("a second run with the same seed, on 2 threads, gives different statistics")
     if other is None or (other / "results.csv").read_bytes() == first:

@@ -742,6 +742,101 @@ TEST(HeatmapPng, MarkedCellsOfEveryPanelAndOfTinyCells) {
   EXPECT_EQ(image.at(p.matrix.x + 600, p.matrix.y + 500), (Rgb{255, 0, 0}));
 }
 
+TEST(HeatmapPng, MarkedRowsAndColumnsAreFramedAlongTheirLength) {
+  const Tensor<float> alpha = softmax_rows({5, 7}, 28);
+  HeatmapOptions options;
+  options.marked_rows = {3};
+  options.marked_cols = {1};
+  options.marked_cells = {{3, 1}};  // drawn over the row's and the column's frames
+  const Image image(render_heatmap(alpha.cview(), HeatmapFormat::png, options));
+  ASSERT_TRUE(image.ok());
+  const HeatmapLayout layout = heatmap_layout(alpha.cview(), options);
+  const HeatmapPanelLayout& p = layout.panels[0];
+  const Rgb magenta{255, 0, 255};
+  const Rgb cyan{0, 255, 255};
+  const Rgb white{255, 255, 255};
+  const int64_t row_top = p.matrix.y + 3 * p.cell_height;
+  const int64_t row_bottom = row_top + p.cell_height - 1;
+  const int64_t col_left = p.matrix.x + 1 * p.cell_width;
+  const int64_t col_right = col_left + p.cell_width - 1;
+  // The row's frame runs along its top and bottom edges through every column but the marked ones,
+  // and closes at the matrix's left and right edges; one pixel inside it is the white lining.
+  for (const int64_t j : {0, 2, 4, 6}) {
+    const int64_t x = p.matrix.x + j * p.cell_width + p.cell_width / 2;
+    EXPECT_EQ(image.at(x, row_top), magenta) << "column " << j << ": " << str(image.at(x, row_top));
+    EXPECT_EQ(image.at(x, row_bottom), magenta) << "column " << j;
+    EXPECT_EQ(image.at(x, row_top + 2), white) << "column " << j;
+  }
+  EXPECT_EQ(image.at(p.matrix.x, row_top + p.cell_height / 2), magenta);
+  EXPECT_EQ(image.at(p.matrix.x + p.matrix.width - 1, row_top + p.cell_height / 2), magenta);
+  for (const int64_t i : {0, 1, 2, 4}) {
+    const int64_t y = p.matrix.y + i * p.cell_height + p.cell_height / 2;
+    EXPECT_EQ(image.at(col_left, y), cyan) << "row " << i << ": " << str(image.at(col_left, y));
+    EXPECT_EQ(image.at(col_right, y), cyan) << "row " << i;
+  }
+  // The marked cell's red frame is on top where all three meet.
+  EXPECT_EQ(image.at(col_left + p.cell_width / 2, row_top), (Rgb{255, 0, 0}));
+  // Cells away from the frames keep their colour at their centres.
+  EXPECT_EQ(check_cell_centres(image, layout, p, alpha, Colormap::viridis), 5 * 7);
+}
+
+TEST(HeatmapLayout, TheKeyNamesEachKindOfMarkBelowTheMatrix) {
+  const Tensor<float> alpha = softmax_rows({4, 4}, 29);
+  HeatmapOptions options;
+  options.marked_cells = {{0, 0}};
+  options.marked_rows = {2};
+  options.marked_cols = {3};
+  const HeatmapLayout none = heatmap_layout(alpha.cview(), options);
+  EXPECT_TRUE(none.key.empty()) << "no labels, no key";
+  options.marked_cells_label = "gold alignment";
+  options.marked_rows_label = "the pronoun";
+  options.marked_cols_label = "its referent";
+  const HeatmapLayout layout = heatmap_layout(alpha.cview(), options);
+  ASSERT_EQ(layout.key.size(), 3U);
+  EXPECT_GT(layout.height, none.height) << "the key takes a line of its own";
+  const Image image(render_heatmap(alpha.cview(), HeatmapFormat::png, options));
+  ASSERT_TRUE(image.ok());
+  const std::vector<Rgb> colours = {{255, 0, 0}, {255, 0, 255}, {0, 255, 255}};
+  for (size_t k = 0; k < layout.key.size(); ++k) {
+    const HeatmapKeyEntry& entry = layout.key[k];
+    expect_inside(entry.swatch, layout, "key swatch");
+    expect_inside(entry.text, layout, "key text");
+    EXPECT_GE(entry.swatch.y, layout.col_axis_title.y + layout.col_axis_title.height) << "below the keys title";
+    EXPECT_FALSE(overlap(entry.swatch, entry.text));
+    if (k > 0) {
+      EXPECT_GT(entry.swatch.x, layout.key[k - 1].text.x + layout.key[k - 1].text.width);
+    }
+    // The swatch is framed in its marks' colour.
+    EXPECT_EQ(image.at(entry.swatch.x, entry.swatch.y + entry.swatch.height / 2), colours[k]) << "entry " << k;
+  }
+  // Only the kinds that have marks get an entry.
+  HeatmapOptions rows_only;
+  rows_only.marked_rows = {1};
+  rows_only.marked_rows_label = "the pronoun";
+  rows_only.marked_cols_label = "its referent";
+  EXPECT_EQ(heatmap_layout(alpha.cview(), rows_only).key.size(), 1U);
+  // The SVG draws the key's text and gives each framed row and column its tooltip.
+  options.row_labels = {"a", "b", "he", "d"};
+  options.col_labels = {"w", "x", "y", "dog"};
+  const std::string svg = render_heatmap(alpha.cview(), HeatmapFormat::svg, options);
+  for (const char* part : {">gold alignment<", ">the pronoun<", ">its referent<", "<title>marked query: he</title>",
+                           "<title>marked key: dog</title>", "stroke=\"#ff00ff\"", "stroke=\"#00ffff\""}) {
+    EXPECT_NE(svg.find(part), std::string::npos) << "the SVG lacks " << part;
+  }
+}
+
+TEST(HeatmapLayout, RefusesMarkedRowsAndColumnsOutOfRange) {
+  const Tensor<float> alpha = softmax_rows({2, 3}, 30);
+  HeatmapOptions rows;
+  rows.marked_rows = {2};
+  EXPECT_TRUE(
+      throws_naming<ValueError>([&] { heatmap_layout(alpha.cview(), rows); }, {"marked_rows:", "[0, 2)", "got 2"}));
+  HeatmapOptions cols;
+  cols.marked_cols = {-1};
+  EXPECT_TRUE(
+      throws_naming<ValueError>([&] { heatmap_layout(alpha.cview(), cols); }, {"marked_cols:", "[0, 3)", "got -1"}));
+}
+
 TEST(HeatmapLayout, RefusesMarkedCellsOutOfRange) {
   const Tensor<float> alpha = softmax_rows({2, 3}, 26);
   for (const auto& cell : {std::pair<int64_t, int64_t>{2, 0}, {0, 3}, {-1, 1}, {1, -1}}) {

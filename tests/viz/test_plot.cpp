@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "files.hpp"
+#include "plot_checks.hpp"
 #include "qkv/core/error.hpp"
 #include "qkv/io/staged_files.hpp"
 #include "qkv/viz/plot.hpp"
@@ -20,6 +21,7 @@
 namespace qkv {
 namespace {
 
+using qkv::testing::legend_over_data;
 using qkv::testing::names_in;
 using qkv::testing::read_file;
 using qkv::testing::TempDir;
@@ -110,6 +112,71 @@ TEST(Plot, RefusesMalformedFiguresAndUnwritablePaths) {
       [&] { write_file_atomically(dir.path() / "missing" / "a.png", render_png(two_panel_figure())); },
       {"missing/a.png", "cannot write"}));
   EXPECT_TRUE(names_in(dir.path()).empty());
+}
+
+// Two curves near the top, as accuracies that stay near 1, and one that falls from the top left to
+// the bottom right: only the bottom left corner is free.
+PlotPanel crowded_panel() {
+  PlotPanel panel;
+  panel.title = "crowded";
+  panel.y_range = AxisRange{0.0, 1.05};
+  std::vector<double> x, high, higher, falling;
+  for (int i = 0; i <= 10; ++i) {
+    x.push_back(i);
+    high.push_back(0.97);
+    higher.push_back(1.0);
+    falling.push_back(1.0 - 0.09 * i);
+  }
+  panel.series = {{.label = "additive attention", .x = x, .y = high},
+                  {.label = "scaled dot attention", .x = x, .y = higher},
+                  {.label = "no attention", .x = x, .y = falling}};
+  return panel;
+}
+
+TEST(PlotLegend, AutomaticTakesACornerThatCoversNoData) {
+  Figure figure;
+  figure.panels = {crowded_panel()};
+  const std::vector<PlotPanelLayout> layouts = plot_layout(figure);
+  ASSERT_EQ(layouts.size(), 1U);
+  EXPECT_EQ(layouts[0].legend, LegendPosition::bottom_left);
+  EXPECT_EQ(legend_over_data(figure.panels[0], layouts[0]), "");
+  EXPECT_GT(layouts[0].legend_x.max, layouts[0].legend_x.min);
+  EXPECT_GT(layouts[0].legend_y.max, layouts[0].legend_y.min);
+}
+
+TEST(PlotLegend, GoesBesideThePlotWhenEveryCornerHoldsData) {
+  PlotPanel panel = crowded_panel();
+  std::vector<double> x, low;
+  for (int i = 0; i <= 10; ++i) {
+    x.push_back(i);
+    low.push_back(0.02);
+  }
+  panel.series.push_back({.label = "floor", .x = x, .y = low});
+  Figure figure;
+  figure.panels = {panel, panel, panel};  // small panels, as accuracy_by_length's
+  figure.panel_width_px = 560;
+  figure.panel_height_px = 440;
+  const std::vector<PlotPanelLayout> layouts = plot_layout(figure);
+  ASSERT_EQ(layouts.size(), 3U);
+  for (const PlotPanelLayout& layout : layouts) {
+    EXPECT_EQ(layout.legend, LegendPosition::outside_right);
+    EXPECT_GT(layout.legend_x.min, layout.x_axis.max);
+    EXPECT_EQ(legend_over_data(panel, layout), "");
+  }
+  EXPECT_FALSE(render_png(figure).empty());
+}
+
+TEST(PlotLegend, ANamedCornerIsKeptAndNoneDrawsNoLegend) {
+  PlotPanel panel = crowded_panel();
+  panel.legend = LegendPosition::top_right;
+  PlotPanel without = crowded_panel();
+  without.legend = LegendPosition::none;
+  Figure figure;
+  figure.panels = {panel, without};
+  const std::vector<PlotPanelLayout> layouts = plot_layout(figure);
+  EXPECT_EQ(layouts[0].legend, LegendPosition::top_right);
+  EXPECT_NE(legend_over_data(panel, layouts[0]), "") << "the test's data must lie under a top right legend";
+  EXPECT_EQ(layouts[1].legend, LegendPosition::none);
 }
 
 }  // namespace

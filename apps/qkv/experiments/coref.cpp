@@ -24,6 +24,8 @@
 //   ablation.csv    per layer: mean probability drop when the referent's value is zeroed, when the
 //                   most-attended other token's is, and the share of examples where the two agree
 //   training.csv    the training loss per step
+//   heatmap_N.png   the last layer's α for three test sentences, every head; the pronoun's row framed
+//                   in magenta, its referent's column in cyan, and a key under the image naming both
 
 #include <fmt/format.h>
 
@@ -442,14 +444,19 @@ Report report_coref(const ExperimentOptions& options, const CorefMeasurement& me
   ExtraFiles& files = *options.extra_files;
   std::string text =
       "Heatmaps of three test sentences: every head of the last layer (rows: queries, columns: keys); "
-      "the pronoun's row is the one to read.\n\n";
+      "the pronoun's row, framed in magenta, is the one to read, and its referent's column is framed in cyan "
+      "(the key under each image says so).\n\n";
   for (size_t k = 0; k < measurement.heatmap_alpha.size(); ++k) {
     HeatmapOptions heatmap;
     for (int64_t id : test[k].ids) heatmap.row_labels.push_back(lex.word(id));
     heatmap.col_labels = heatmap.row_labels;
-    heatmap.title =
-        fmt::format("last layer; \"{}\" refers to \"{}\"", lex.word(test[k].ids[static_cast<size_t>(test[k].pronoun)]),
-                    lex.word(test[k].ids[static_cast<size_t>(test[k].referent)]));
+    const std::string pronoun = lex.word(test[k].ids[static_cast<size_t>(test[k].pronoun)]);
+    const std::string referent = lex.word(test[k].ids[static_cast<size_t>(test[k].referent)]);
+    heatmap.title = fmt::format("last layer; \"{}\" refers to \"{}\"", pronoun, referent);
+    heatmap.marked_rows = {test[k].pronoun};
+    heatmap.marked_rows_label = fmt::format("the pronoun \"{}\" (its row)", pronoun);
+    heatmap.marked_cols = {test[k].referent};
+    heatmap.marked_cols_label = fmt::format("its referent \"{}\" (its column)", referent);
     heatmap.vmin = 0.0;
     heatmap.vmax = 1.0;
     const std::string name = fmt::format("heatmap_{}.png", k + 1);

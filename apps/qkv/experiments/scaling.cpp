@@ -21,7 +21,9 @@
 //   jacobian_norm_*   mean over rows of ‖diag(α) − ααᵀ‖_F (0.124 when uniform, 0 when one-hot)
 // with * = unscaled (softmax of q·k) or scaled (softmax of q·k/√d).
 // training.csv: per variant, the steps until the running mean of the training loss first reaches
-// the target, the final loss and the accuracy on a held-out batch; loss_curves.csv: every step.
+// the target (an empty cell, and reached_target 0, when it did not within the run's steps: the
+// column holds numbers only), the final loss and the accuracy on a held-out batch; loss_curves.csv:
+// every step.
 
 #include <fmt/format.h>
 
@@ -349,21 +351,21 @@ Figure softmax_figure(const std::vector<DimStats>& stats) {
   const double log_tk = std::log(static_cast<double>(kKeys));
   const double uniform_norm = std::sqrt(1.0 / kKeys - 1.0 / (kKeys * kKeys));
 
-  PlotPanel max_panel =
-      make_panel(fmt::format("Largest weight of a row (Tk = {})", kKeys), "d", "mean max α", AxisScale::log10);
-  max_panel.y_range = AxisRange{0.0, 1.5};
-  max_panel.legend = LegendPosition::top_left;
+  // The largest weight lies in [1/Tk, 1]: on a log axis from just below 1/Tk to just above 1 the
+  // uniform line (1/Tk = 0.016) sits well clear of the axis, which a linear one puts it on. Each
+  // reference line is the last series, drawn over the curves.
+  PlotPanel max_panel = make_panel(fmt::format("Largest weight of a row (Tk = {})", kKeys), "d", "mean max α",
+                                   AxisScale::log10, AxisScale::log10);
+  max_panel.y_range = AxisRange{0.5 / kKeys, 1.1};
   max_panel.series = {measured("softmax(q·k)", d, max_u), measured("softmax(q·k/√d)", d, max_s),
                       reference("1/Tk (uniform)", d, flat(1.0 / kKeys))};
   PlotPanel entropy_panel = make_panel("Entropy of a row", "d", "mean entropy (nats)", AxisScale::log10);
-  entropy_panel.y_range = AxisRange{0.0, log_tk * 1.5};
-  entropy_panel.legend = LegendPosition::top_right;
+  entropy_panel.y_range = AxisRange{0.0, log_tk * 1.1};
   entropy_panel.series = {measured("softmax(q·k)", d, ent_u), measured("softmax(q·k/√d)", d, ent_s),
                           reference("log Tk (uniform)", d, flat(log_tk))};
   PlotPanel jacobian_panel = make_panel("Gradient that reaches the scores", "d", "mean ‖diag(α) − ααᵀ‖#dF#u",
                                         AxisScale::log10, AxisScale::log10);
   jacobian_panel.y_range = AxisRange{1e-3, 1.0};
-  jacobian_panel.legend = LegendPosition::bottom_left;
   jacobian_panel.series = {measured("softmax(q·k)", d, jac_u), measured("softmax(q·k/√d)", d, jac_s),
                            reference("uniform α", d, flat(uniform_norm))};
   Figure figure;
@@ -445,20 +447,23 @@ Report report_scaling(const ExperimentOptions& options, const ScalingMeasurement
   Table training({{"variant", "{}"},
                   {"scale", "{:.4g}"},
                   {"steps_to_target", "{}"},
+                  {"reached_target", "{}"},
                   {"final_loss", "{:.4f}"},
                   {"held_out_accuracy", "{:.3f}"},
                   {"held_out_loss", "{:.4f}"},
                   {"seconds", "{:.1f}"}});
   for (const TrainingRun& run : runs) {
-    const Cell reached =
-        run.steps_to_target ? Cell{*run.steps_to_target} : Cell{fmt::format("not reached in {}", s.steps)};
-    training.add_row(
-        {run.variant, run.scale, reached, run.final_loss, run.held_out_accuracy, run.held_out_loss, run.seconds});
+    // A number or nothing: "not reached" is said by reached_target, not by text in a numeric column.
+    const Cell steps = run.steps_to_target ? Cell{*run.steps_to_target} : Cell{std::string()};
+    const int64_t reached = run.steps_to_target ? 1 : 0;
+    training.add_row({run.variant, run.scale, steps, reached, run.final_loss, run.held_out_accuracy, run.held_out_loss,
+                      run.seconds});
   }
   report.add_paragraph(
       "Part 2 trains the same model from the same initialisation on the same batches, with the scores "
       "scaled by 1/√d and without. `steps_to_target` is the first step at which the running mean of "
-      "the training loss reaches the target; `final_loss` is that running mean at the last step.");
+      "the training loss reaches the target, and is empty (with `reached_target` 0) when the target was "
+      "not reached within the run's steps; `final_loss` is that running mean at the last step.");
   report.add_table("Training with and without 1/√d", std::move(training), "training.csv");
 
   Table curves({{"step", "{}"}, {"loss_scaled", "{:.4f}"}, {"loss_unscaled", "{:.4f}"}});

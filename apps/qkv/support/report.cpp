@@ -147,6 +147,15 @@ void Report::add_figure(std::string caption, Figure figure, std::string png_name
   blocks_.emplace_back(FigureBlock{std::move(caption), std::move(figure), std::move(png_name)});
 }
 
+const Figure* Report::figure(std::string_view png_name) const {
+  for (const Block& block : blocks_) {
+    if (const auto* figure = std::get_if<FigureBlock>(&block); figure != nullptr && figure->png_name == png_name) {
+      return &figure->figure;
+    }
+  }
+  return nullptr;
+}
+
 std::string Report::markdown() const {
   std::string out = fmt::format("# {}\n\n", title_);
   if (!settings_.empty()) {

@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <filesystem>
 #include <string>
+#include <string_view>
 #include <variant>
 #include <vector>
 
@@ -64,6 +65,9 @@ class Report {
   void add_data(std::string caption, Table table, std::string csv_name);
   // A figure under a "## caption" heading, written as `png_name` and shown in results.md.
   void add_figure(std::string caption, Figure figure, std::string png_name);
+
+  // The figure added as `png_name`, or nullptr: what tests check a figure's layout on.
+  const Figure* figure(std::string_view png_name) const;
 
   // The whole of results.md.
   std::string markdown() const;

@@ -137,6 +137,18 @@ struct HeatmapOptions {
   // frame with a 1 px white lining inside, visible on any colour map. Each must lie in [0, Tq) ×
   // [0, Tk); the page and the terminal ignore them.
   std::vector<std::pair<int64_t, int64_t>> marked_cells;
+  // Whole queries (rows) and keys (columns) marked in every drawn panel, e.g. a pronoun's row and
+  // its referent's column: a frame around the row (column) as a marked cell has, in magenta for rows
+  // and cyan for columns, drawn under the marked cells. Each must lie in [0, Tq) ([0, Tk)); the page
+  // and the terminal ignore them.
+  std::vector<int64_t> marked_rows;
+  std::vector<int64_t> marked_cols;
+  // What the marks mean ("gold alignment", "the pronoun", "its referent"): each non-empty one with
+  // marks of its kind is an entry of a key under the image, a swatch framed as the marks are and the
+  // text (sanitised as labels are). No key when all are empty.
+  std::string marked_cells_label;
+  std::string marked_rows_label;
+  std::string marked_cols_label;
   TerminalStyle terminal;
 };
 
@@ -159,6 +171,12 @@ struct HeatmapPanelLayout {
   PixelRect caption;                // "head 3" above the matrix of a grid; empty for a single panel
 };
 
+// One entry of the key of the marks: a square swatch framed as those marks are, then their text.
+struct HeatmapKeyEntry {
+  PixelRect swatch;
+  PixelRect text;
+};
+
 struct HeatmapLayout {
   int64_t width = 0;
   int64_t height = 0;
@@ -177,13 +195,16 @@ struct HeatmapLayout {
   bool clipped_high = false;
   PixelRect clip_low_marker;   // below the colour bar; empty unless clipped_low
   PixelRect clip_high_marker;  // above the colour bar; empty unless clipped_high
+  // The key of the marks, on one line under the "keys" title: the marked cells', rows' and columns'
+  // entries, in that order, those with a label.
+  std::vector<HeatmapKeyEntry> key;
 };
 
 // alpha [Tq, Tk], [H, Tq, Tk] or [B, H, Tq, Tk] → where everything of the image goes. Throws
 // ShapeError for another rank, Tq or Tk of 0, a label list that is neither empty nor one per row
 // (column), an `allowed` mask that does not broadcast to alpha, or a batch or head out of range; ValueError for a
-// non-finite value, a bad vmin/vmax, a marked cell out of range, or an image beyond 32767 pixels a side (cairo's limit;
-// a message says what made it so big).
+// non-finite value, a bad vmin/vmax, a marked cell, row or column out of range, or an image beyond 32767 pixels a side
+// (cairo's limit; a message says what made it so big).
 template <class T>
 HeatmapLayout heatmap_layout(TensorView<const T> alpha, const HeatmapOptions& options);
 

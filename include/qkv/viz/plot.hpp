@@ -19,7 +19,11 @@ namespace qkv {
 
 enum class AxisScale { linear, log10 };
 
-enum class LegendPosition { top_right, top_left, bottom_right, bottom_left, none };
+// Where a panel's legend goes. `automatic` takes the first of the inside corners top right, top left,
+// bottom left, bottom right whose legend box no curve, marker or point crosses, and right of the plot
+// area (which then shrinks to make room) when each of them would cover data. A named corner is
+// taken as it is, even over data; outside_right is always beside the data.
+enum class LegendPosition { automatic, top_right, top_left, bottom_right, bottom_left, outside_right, none };
 
 // One curve: the points (x[i], y[i]) joined in order. x and y have the same length.
 struct PlotSeries {
@@ -44,7 +48,7 @@ struct PlotPanel {
   AxisScale y_scale = AxisScale::linear;
   std::optional<AxisRange> x_range;  // from the data when absent
   std::optional<AxisRange> y_range;
-  LegendPosition legend = LegendPosition::top_right;
+  LegendPosition legend = LegendPosition::automatic;
   std::vector<PlotSeries> series;
 };
 
@@ -54,6 +58,21 @@ struct Figure {
   int panel_width_px = 720;
   int panel_height_px = 540;
 };
+
+// Where render_png puts a panel's axes and legend, in the panel's axis units (log10 of the value on
+// a log axis): what tests check a legend against the data with.
+struct PlotPanelLayout {
+  AxisRange x_axis;  // the ends of the drawn axes
+  AxisRange y_axis;
+  // Where the legend went: a corner or outside_right, never automatic; none when it has no entry.
+  LegendPosition legend = LegendPosition::none;
+  // The legend's box as PLplot drew it (its frame included); beyond x_axis.max when outside_right.
+  AxisRange legend_x;
+  AxisRange legend_y;
+};
+
+// The layout of each panel of `figure`, in order, as render_png draws it; the errors of render_png.
+std::vector<PlotPanelLayout> plot_layout(const Figure& figure);
 
 // The PNG image of `figure` (its bytes; writing them is the caller's: io/staged_files.hpp).
 // Throws ValueError for a figure without panels, a series whose x and y differ in length or a
