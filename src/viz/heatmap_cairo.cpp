@@ -188,23 +188,17 @@ void fill_frame(cairo_t* cr, double x, double y, double w, double h, double inse
 // Outlines sit inside their cell, on whole pixels, so that neighbouring marks stay apart and the
 // frame is crisp in a PNG.
 void draw_marks(cairo_t* cr, const Figure& f, const HeatmapPanelLayout& p) {
-  const auto cw = static_cast<double>(p.cell_width);
-  const auto ch = static_cast<double>(p.cell_height);
   const auto width = static_cast<double>(kMarkWidth);
   for (const Mark& mark : f.marks) {
-    const double x = static_cast<double>(p.matrix.x) + static_cast<double>(mark.col) * cw;
-    const double y = static_cast<double>(p.matrix.y) + static_cast<double>(mark.row) * ch;
-    const int64_t w_px = mark.cols * p.cell_width;
-    const int64_t h_px = mark.rows * p.cell_height;
-    const auto w = static_cast<double>(w_px);
-    const auto h = static_cast<double>(h_px);
-    if (!mark_has_outline(w_px, h_px)) {
-      fill_rect(cr, x, y, w, h, mark.color);
+    const MarkBox b = mark_box(mark, p);
+    if (!b.outline) {
+      fill_rect(cr, b.x, b.y, b.width, b.height, mark.color);
       continue;
     }
-    fill_frame(cr, x, y, w, h, width, mark.color);
-    if (mark_has_lining(w_px, h_px))
-      fill_frame(cr, x + width, y + width, w - 2 * width, h - 2 * width, 1.0, kMarkLining);
+    fill_frame(cr, b.x, b.y, b.width, b.height, width, mark.color);
+    if (b.lining) {
+      fill_frame(cr, b.x + width, b.y + width, b.width - 2 * width, b.height - 2 * width, 1.0, kMarkLining);
+    }
   }
 }
 

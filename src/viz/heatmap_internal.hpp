@@ -143,6 +143,23 @@ inline bool mark_has_lining(int64_t cell_width, int64_t cell_height) {
   return cell_width > 2 * kMarkWidth + 2 && cell_height > 2 * kMarkWidth + 2;
 }
 
+// Where a mark lies in a panel, in pixels, and which of the above it has room for: the PNG, PDF
+// and SVG writers draw the same rectangles.
+struct MarkBox {
+  double x = 0, y = 0, width = 0, height = 0;
+  bool outline = false, lining = false;
+};
+inline MarkBox mark_box(const Mark& mark, const HeatmapPanelLayout& p) {
+  const int64_t w_px = mark.cols * p.cell_width;
+  const int64_t h_px = mark.rows * p.cell_height;
+  return {.x = static_cast<double>(p.matrix.x) + static_cast<double>(mark.col * p.cell_width),
+          .y = static_cast<double>(p.matrix.y) + static_cast<double>(mark.row * p.cell_height),
+          .width = static_cast<double>(w_px),
+          .height = static_cast<double>(h_px),
+          .outline = mark_has_outline(w_px, h_px),
+          .lining = mark_has_lining(w_px, h_px)};
+}
+
 // ---- what the images draw alike ------------------------------------------------------------------
 
 // Whether a cell is light: its value is written on it in black then, in white otherwise, in every

@@ -75,21 +75,14 @@ class SvgPainter final : public Painter {
 // whole pixels.
 void marks_svg(std::string& out, const Figure& f, const HeatmapPanelLayout& p) {
   if (f.marks.empty()) return;
-  const auto cw = static_cast<double>(p.cell_width);
-  const auto ch = static_cast<double>(p.cell_height);
   const auto width = static_cast<double>(kMarkWidth);
   out += "<g class=\"marks\" shape-rendering=\"crispEdges\">\n";
   for (const Mark& mark : f.marks) {
-    const double x = static_cast<double>(p.matrix.x) + static_cast<double>(mark.col) * cw;
-    const double y = static_cast<double>(p.matrix.y) + static_cast<double>(mark.row) * ch;
-    const int64_t w_px = mark.cols * p.cell_width;
-    const int64_t h_px = mark.rows * p.cell_height;
-    const auto w = static_cast<double>(w_px);
-    const auto h = static_cast<double>(h_px);
+    const MarkBox b = mark_box(mark, p);
     const std::string tooltip = fmt::format("<title>{}</title>", escape_markup(mark.tooltip));
-    if (!mark_has_outline(w_px, h_px)) {
+    if (!b.outline) {
       fmt::format_to(std::back_inserter(out), R"svg(<rect x="{}" y="{}" width="{}" height="{}" fill="{}">{}</rect>)svg",
-                     x, y, w, h, hex(mark.color), tooltip);
+                     b.x, b.y, b.width, b.height, hex(mark.color), tooltip);
       out += '\n';
       continue;
     }
@@ -97,12 +90,13 @@ void marks_svg(std::string& out, const Figure& f, const HeatmapPanelLayout& p) {
     fmt::format_to(
         std::back_inserter(out),
         R"svg(<rect x="{}" y="{}" width="{}" height="{}" fill="none" stroke="{}" stroke-width="{}">{}</rect>)svg",
-        x + width / 2, y + width / 2, w - width, h - width, hex(mark.color), width, tooltip);
+        b.x + width / 2, b.y + width / 2, b.width - width, b.height - width, hex(mark.color), width, tooltip);
     out += '\n';
-    if (mark_has_lining(w_px, h_px)) {
+    if (b.lining) {
       fmt::format_to(std::back_inserter(out),
                      R"svg(<rect x="{}" y="{}" width="{}" height="{}" fill="none" stroke="{}" stroke-width="1"/>)svg",
-                     x + width + 0.5, y + width + 0.5, w - 2 * width - 1, h - 2 * width - 1, hex(kMarkLining));
+                     b.x + width + 0.5, b.y + width + 0.5, b.width - 2 * width - 1, b.height - 2 * width - 1,
+                     hex(kMarkLining));
       out += '\n';
     }
   }
