@@ -115,6 +115,7 @@
 #include <cstdint>
 
 #include "qkv/core/rng.hpp"
+#include "qkv/core/storage.hpp"
 
 namespace qkv::fused {
 
@@ -137,6 +138,26 @@ struct StridedView4 {
 template <class T>
 using RowsView = StridedView4<T>;
 
+// Rows of Q, K or V stored narrower than float32 (float16, bfloat16, int8 with scales): the
+// kernels convert them where they read them, a block of rows at a time, into float32 scratch
+// (StageRows), so that everything after the load is the float32 kernel's arithmetic. float32 here
+// means that the operand's RowsView<T> in Inputs is read instead.
+struct StoredRows {
+  StorageType type = StorageType::float32;
+  const uint8_t* data = nullptr;
+  int64_t batch_stride = 0;  // in elements of the storage type
+  int64_t head_stride = 0;
+  int64_t row_stride = 0;
+  // int8: element (b, h, t, c) stands for scales(b, h, t, c)·x, the scales broadcast (stride 0).
+  StridedView4<const float> scales;
+
+  explicit operator bool() const { return type != StorageType::float32; }
+  size_t element_bytes() const { return static_cast<size_t>(storage_bytes(type)); }
+  const uint8_t* row(int64_t b, int64_t h, int64_t t) const {
+    return data + static_cast<size_t>(b * batch_stride + h * head_stride + t * row_stride) * element_bytes();
+  }
+};
+
 // A [B, H, Tq, Tk] operand (mask, bias, dbias), strides 0 along broadcast dims.
 template <class T>
 using ScoresView = StridedView4<T>;
@@ -156,15 +177,17 @@ struct RowStatView {
 // What every fused kernel reads, validated at the API (src/ops/attention_fused.cpp).
 template <class T>
 struct Inputs {
-  int64_t batch = 0;                  // B
-  int64_t heads = 0;                  // H
-  int64_t tq = 0;                     // Tq
-  int64_t tk = 0;                     // Tk
-  int64_t dk = 0;                     // Dk ≥ 1
-  int64_t dv = 0;                     // Dv
-  RowsView<const T> q;                // [B, H, Tq, Dk], col_stride 1
-  RowsView<const T> k;                // [B, H, Tk, Dk], col_stride 1
-  RowsView<const T> v;                // [B, H, Tk, Dv], col_stride 1
+  int64_t batch = 0;    // B
+  int64_t heads = 0;    // H
+  int64_t tq = 0;       // Tq
+  int64_t tk = 0;       // Tk
+  int64_t dk = 0;       // Dk ≥ 1
+  int64_t dv = 0;       // Dv
+  RowsView<const T> q;  // [B, H, Tq, Dk], col_stride 1
+  RowsView<const T> k;  // [B, H, Tk, Dk], col_stride 1
+  RowsView<const T> v;  // [B, H, Tk, Dv], col_stride 1
+  // The same operands when stored narrower (T = float only; the forward only): read instead.
+  StoredRows q_stored, k_stored, v_stored;
   ScoresView<const uint8_t> allowed;  // nonzero = may attend; absent: every key may be attended
   ScoresView<const T> bias;           // added to the scaled scores; absent: 0
   // Query i sees keys i + band_lo ≤ j ≤ i + band_hi (causality and the window; bounds of ±2⁶²
@@ -401,27 +424,106 @@ HWY_INLINE void MatMulCols(D d, const Gemm<T>& g, size_t cols, T* HWY_RESTRICT p
   MatMul<kAccumulate>(d, last, 1);
 }
 
-// Packs rows [t0, t0 + n) of a [T, D] operand transposed: out[c·ld + t] = row(t)[c], columns
-// n..ld zero (ld is n rounded up to whole vectors, and the padding must not be NaN).
+// A strided sequence of `count` elements as a vector (lanes past count are `fill`).
+template <class D, class T = hn::TFromD<D>, class E>
+HWY_INLINE hn::Vec<D> LoadStrided(D d, const E* x, int64_t stride, size_t count, T fill) {
+  if constexpr (std::is_same_v<E, T>) {
+    if (stride == 1 && count == hn::Lanes(d)) return hn::LoadU(d, x);
+  }
+  HWY_ALIGN T lanes[hn::MaxLanes(d)];
+  for (size_t l = 0; l < hn::Lanes(d); ++l)
+    lanes[l] = l < count ? static_cast<T>(x[static_cast<int64_t>(l) * stride]) : fill;
+  return hn::Load(d, lanes);
+}
+
+// A block of rows of T, row j at rows + j·stride.
 template <class T>
-void PackTransposed(const fused::RowsView<const T>& x, int64_t b, int64_t h, int64_t t0, size_t n, size_t cols,
-                    size_t ld, T* HWY_RESTRICT out) {
+struct RowBlock {
+  const T* rows = nullptr;
+  size_t stride = 0;
+
+  const T* row(size_t j) const { return rows + j * stride; }
+};
+
+template <class T>
+RowBlock<T> RowsOf(const fused::RowsView<const T>& x, int64_t b, int64_t h, int64_t t0) {
+  return {x.row(b, h, t0), ToSize(x.row_stride)};
+}
+
+// Packs n rows of `cols` columns transposed: out[c·ld + t] = rows.row(t)[c], columns n..ld zero
+// (ld is n rounded up to whole vectors, and the padding must not be NaN).
+template <class T>
+void PackTransposed(const RowBlock<T>& rows, size_t n, size_t cols, size_t ld, T* HWY_RESTRICT out) {
   for (size_t t = 0; t < n; ++t) {
-    const T* HWY_RESTRICT src = x.row(b, h, t0 + static_cast<int64_t>(t));
+    const T* HWY_RESTRICT src = rows.row(t);
     for (size_t c = 0; c < cols; ++c) out[c * ld + t] = src[c];
   }
   for (size_t c = 0; c < cols; ++c) std::fill(out + c * ld + n, out + (c + 1) * ld, T{0});
 }
 
-// Asks for rows [t0, t0 + n) of a [T, D] operand to be brought into the caches, so that reading
-// them later overlaps the work in between: one prefetch per cache line.
+// Asks for rows [t0, t0 + n) of an operand (as stored) to be brought into the caches, so that
+// reading them later overlaps the work in between: one prefetch per cache line.
 template <class T>
-void PrefetchRows(const fused::RowsView<const T>& x, int64_t b, int64_t h, int64_t t0, int64_t n, size_t cols) {
-  constexpr size_t kLine = 64 / sizeof(T);
+void PrefetchRows(const fused::RowsView<const T>& x, const fused::StoredRows& stored, int64_t b, int64_t h, int64_t t0,
+                  int64_t n, size_t cols) {
+  constexpr size_t kLine = 64;
+  const size_t bytes = cols * (stored ? stored.element_bytes() : sizeof(T));
   for (int64_t t = t0; t < t0 + n; ++t) {
-    const T* row = x.row(b, h, t);
-    for (size_t c = 0; c < cols; c += kLine) hwy::Prefetch(row + c);
+    const auto* row = stored ? stored.row(b, h, t) : reinterpret_cast<const uint8_t*>(x.row(b, h, t));
+    for (size_t c = 0; c < bytes; c += kLine) hwy::Prefetch(row + c);
   }
+}
+
+// Row t of a stored operand as `cols` float32 values: F16C's conversion (or its emulation) for
+// float16, a shift for bfloat16, and for int8 widening to int32, conversion and one multiply by
+// the scale, so every value is exactly what to_float32 (core/storage.hpp) gives.
+template <class D, class T = hn::TFromD<D>>
+HWY_INLINE void ConvertRow(D d, const fused::StoredRows& x, int64_t b, int64_t h, int64_t t, size_t cols,
+                           T* HWY_RESTRICT out) {
+  if constexpr (std::is_same_v<T, float>) {
+    const size_t N = hn::Lanes(d);
+    const uint8_t* row = x.row(b, h, t);
+    size_t c = 0;
+    if (x.type == StorageType::float16) {
+      const hn::Rebind<hwy::float16_t, D> dh;
+      const auto* src = reinterpret_cast<const hwy::float16_t*>(row);
+      for (; c + N <= cols; c += N) hn::StoreU(hn::PromoteTo(d, hn::LoadU(dh, src + c)), d, out + c);
+      for (; c < cols; ++c) out[c] = float_from_float16(src[c].bits);
+    } else if (x.type == StorageType::bfloat16) {
+      const hn::Rebind<hwy::bfloat16_t, D> dh;
+      const auto* src = reinterpret_cast<const hwy::bfloat16_t*>(row);
+      for (; c + N <= cols; c += N) hn::StoreU(hn::PromoteTo(d, hn::LoadU(dh, src + c)), d, out + c);
+      for (; c < cols; ++c) out[c] = float_from_bfloat16(src[c].bits);
+    } else {
+      const hn::Rebind<int8_t, D> d8;
+      const hn::Rebind<int32_t, D> d32;
+      const auto* src = reinterpret_cast<const int8_t*>(row);
+      const float* scale = x.scales.row(b, h, t);
+      const int64_t step = x.scales.col_stride;
+      for (; c + N <= cols; c += N) {
+        const hn::Vec<D> value = hn::ConvertTo(d, hn::PromoteTo(d32, hn::LoadU(d8, src + c)));
+        const hn::Vec<D> factor = step == 0   ? hn::Set(d, scale[0])
+                                  : step == 1 ? hn::LoadU(d, scale + c)
+                                              : LoadStrided(d, scale + static_cast<int64_t>(c) * step, step, N, 0.0f);
+        hn::StoreU(hn::Mul(value, factor), d, out + c);
+      }
+      for (; c < cols; ++c) out[c] = static_cast<float>(src[c]) * scale[static_cast<int64_t>(c) * step];
+    }
+  } else {
+    (void)d, (void)x, (void)b, (void)h, (void)t, (void)cols, (void)out;
+    HWY_ASSERT(false);  // the API converts stored operands only to float32
+  }
+}
+
+// Rows [t0, t0 + n) of an operand as rows of T: in place when it is stored as T, else converted
+// into `stage` [n][cols]. The conversion costs a load and a store per element, which the n rows'
+// use in a tile (by every query of a block, or every key) repays.
+template <class D, class T = hn::TFromD<D>>
+HWY_INLINE RowBlock<T> StageRows(D d, const fused::RowsView<const T>& x, const fused::StoredRows& stored, int64_t b,
+                                 int64_t h, int64_t t0, size_t n, size_t cols, T* HWY_RESTRICT stage) {
+  if (!stored) return RowsOf(x, b, h, t0);
+  for (size_t j = 0; j < n; ++j) ConvertRow(d, stored, b, h, t0 + static_cast<int64_t>(j), cols, stage + j * cols);
+  return {stage, cols};
 }
 
 // ---- Scores: scale, bias, masks ----------------------------------------------------------------
@@ -435,18 +537,6 @@ struct LaneRun {
   int64_t dj = 0;
   size_t count = 0;
 };
-
-// A strided sequence of `count` elements as a vector (lanes past count are `fill`).
-template <class D, class T = hn::TFromD<D>, class E>
-HWY_INLINE hn::Vec<D> LoadStrided(D d, const E* x, int64_t stride, size_t count, T fill) {
-  if constexpr (std::is_same_v<E, T>) {
-    if (stride == 1 && count == hn::Lanes(d)) return hn::LoadU(d, x);
-  }
-  HWY_ALIGN T lanes[hn::MaxLanes(d)];
-  for (size_t l = 0; l < hn::Lanes(d); ++l)
-    lanes[l] = l < count ? static_cast<T>(x[static_cast<int64_t>(l) * stride]) : fill;
-  return hn::Load(d, lanes);
-}
 
 // s = scale·(q·k), softcapped, + bias + ALiBi, −inf where the boolean mask or the band (causality,
 // the window) forbids the key. The same function serves both tile layouts so that both compute
@@ -590,8 +680,12 @@ struct ForwardScratch {
   Buffer<T> max;   // [Br]           m, running max
   Buffer<T> sum;   // [Br]           l, running sum
   Buffer<T> corr;  // [Br]           exp(m_old − m_new) of the last key block
+  // Rows of stored operands converted to T (StageRows); one element each when not stored.
+  Buffer<T> q_stage;  // [Br][Dk]
+  Buffer<T> k_stage;  // [Bc][Dk]
+  Buffer<T> v_stage;  // [Bc][Dv]
 
-  ForwardScratch(size_t dk, size_t dv, size_t dv_pad)
+  ForwardScratch(size_t dk, size_t dv, size_t dv_pad, const Inputs<T>& in)
       : few_row(dv_pad),
         qt(Allocate<T>(dk * kQueryBlock)),
         st(Allocate<T>(kKeyBlock * kQueryBlock)),
@@ -600,7 +694,10 @@ struct ForwardScratch {
         few(Allocate<T>(kFewQueries * dv_pad)),
         max(Allocate<T>(kQueryBlock)),
         sum(Allocate<T>(kQueryBlock)),
-        corr(Allocate<T>(kQueryBlock)) {}
+        corr(Allocate<T>(kQueryBlock)),
+        q_stage(Allocate<T>(in.q_stored ? kQueryBlock * dk : 0)),
+        k_stage(Allocate<T>(in.k_stored ? kKeyBlock * dk : 0)),
+        v_stage(Allocate<T>(in.v_stored ? kKeyBlock * dv : 0)) {}
 
   // o(i, c): the unnormalised output of query i of the block, column c.
   T output(size_t i, size_t c) const { return acc[c * kQueryBlock + i]; }
@@ -710,14 +807,14 @@ HWY_INLINE void RowDot4(D d, const T* HWY_RESTRICT q, const T* HWY_RESTRICT k0, 
 // sum starts from zero in registers (blocked summation, as TileUpdate's) and the rescaling of the
 // older sum rides on the same multiply-add.
 template <size_t C, class D, class T = hn::TFromD<D>>
-HWY_INLINE void AccumulateWeightedColumns(D d, const fused::RowsView<const T>& v, int64_t b, int64_t h, int64_t j0,
-                                          size_t nk, const T* HWY_RESTRICT p, T corr, size_t c, T* HWY_RESTRICT o_row) {
+HWY_INLINE void AccumulateWeightedColumns(D d, const RowBlock<T>& v, size_t nk, const T* HWY_RESTRICT p, T corr,
+                                          size_t c, T* HWY_RESTRICT o_row) {
   const size_t N = hn::Lanes(d);
   hn::Vec<D> sum[C];
   HWY_UNROLL(8)
   for (size_t g = 0; g < C; ++g) sum[g] = hn::Zero(d);
   for (size_t j = 0; j < nk; ++j) {
-    const T* HWY_RESTRICT vj = v.row(b, h, j0 + static_cast<int64_t>(j)) + c;
+    const T* HWY_RESTRICT vj = v.row(j) + c;
     const hn::Vec<D> pj = hn::Set(d, p[j]);
     HWY_UNROLL(8)
     for (size_t g = 0; g < C; ++g) sum[g] = hn::MulAdd(pj, hn::LoadU(d, vj + g * N), sum[g]);
@@ -732,20 +829,20 @@ HWY_INLINE void AccumulateWeightedColumns(D d, const fused::RowsView<const T>& v
 // o_row ← corr·o_row + Σ_j p[j]·v_j over all `cols` columns: kGroup column vectors at a
 // time, then single vectors, then the last partial vector one column at a time.
 template <class D, class T = hn::TFromD<D>>
-HWY_INLINE void AccumulateWeightedRows(D d, const fused::RowsView<const T>& v, int64_t b, int64_t h, int64_t j0,
-                                       size_t nk, const T* HWY_RESTRICT p, T corr, size_t cols, T* HWY_RESTRICT o_row) {
+HWY_INLINE void AccumulateWeightedRows(D d, const RowBlock<T>& v, size_t nk, const T* HWY_RESTRICT p, T corr,
+                                       size_t cols, T* HWY_RESTRICT o_row) {
   // Eight accumulators: enough independent chains for two 4-cycle FMA pipes on every x86 target
   // (measured ≈ 1.05–1.1× decode on Zen 3 against 2·kTileVectors = 4 there).
   constexpr size_t kGroup = 8;
   const size_t N = hn::Lanes(d);
   size_t c = 0;
   for (; c + kGroup * N <= cols; c += kGroup * N) {
-    AccumulateWeightedColumns<kGroup>(d, v, b, h, j0, nk, p, corr, c, o_row);
+    AccumulateWeightedColumns<kGroup>(d, v, nk, p, corr, c, o_row);
   }
-  for (; c + N <= cols; c += N) AccumulateWeightedColumns<1>(d, v, b, h, j0, nk, p, corr, c, o_row);
+  for (; c + N <= cols; c += N) AccumulateWeightedColumns<1>(d, v, nk, p, corr, c, o_row);
   for (; c < cols; ++c) {
     T sum = 0;
-    for (size_t j = 0; j < nk; ++j) sum += p[j] * v.row(b, h, j0 + static_cast<int64_t>(j))[c];
+    for (size_t j = 0; j < nk; ++j) sum += p[j] * v.row(j)[c];
     o_row[c] = o_row[c] * corr + sum;
   }
 }
@@ -766,25 +863,26 @@ void AttendFewQueries(D d, const Inputs<T>& in, int64_t b, int64_t h, int64_t q0
   const hn::Vec<D> neg_inf = hn::Set(d, -std::numeric_limits<T>::infinity());
   const size_t dv = ToSize(in.dv);
   T* HWY_RESTRICT p = s.st.get();
-  const auto prefetch_keys = static_cast<int64_t>(RoundUp(kFewQueriesPrefetchBytes / (dk * sizeof(T)) + 1, N));
+  const size_t key_bytes = in.k_stored ? in.k_stored.element_bytes() : sizeof(T);
+  const auto prefetch_keys = static_cast<int64_t>(RoundUp(kFewQueriesPrefetchBytes / (dk * key_bytes) + 1, N));
+  const RowBlock<T> queries = StageRows(d, in.q, in.q_stored, b, h, q0, nq, dk, s.q_stage.get());
   for (int64_t j0 = key_begin; j0 < key_end; j0 += static_cast<int64_t>(N)) {
     const size_t nk = ToSize(std::min<int64_t>(static_cast<int64_t>(N), key_end - j0));
     const int64_t ahead = j0 + prefetch_keys;
     if (ahead < prefetch_end) {
       const int64_t n_ahead = std::min<int64_t>(static_cast<int64_t>(N), prefetch_end - ahead);
-      PrefetchRows(in.k, b, hk, ahead, n_ahead, dk);
-      PrefetchRows(in.v, b, hk, ahead, n_ahead, dv);
+      PrefetchRows(in.k, in.k_stored, b, hk, ahead, n_ahead, dk);
+      PrefetchRows(in.v, in.v_stored, b, hk, ahead, n_ahead, dv);
     }
+    const RowBlock<T> keys = StageRows(d, in.k, in.k_stored, b, hk, j0, nk, dk, s.k_stage.get());
+    const RowBlock<T> values = StageRows(d, in.v, in.v_stored, b, hk, j0, nk, dv, s.v_stage.get());
     for (size_t i = 0; i < nq; ++i) {
       const int64_t qi = q0 + static_cast<int64_t>(i);
-      const T* HWY_RESTRICT q = in.q.row(b, h, qi);
+      const T* HWY_RESTRICT q = queries.row(i);
       size_t j = 0;
-      for (; j + 4 <= nk; j += 4) {
-        const T* k0 = in.k.row(b, hk, j0 + static_cast<int64_t>(j));
-        const int64_t rs = in.k.row_stride;
-        RowDot4(d, q, k0, k0 + rs, k0 + 2 * rs, k0 + 3 * rs, dk, p + j);
-      }
-      for (; j < nk; ++j) p[j] = RowDot(d, q, in.k.row(b, hk, j0 + static_cast<int64_t>(j)), dk);
+      for (; j + 4 <= nk; j += 4)
+        RowDot4(d, q, keys.row(j), keys.row(j + 1), keys.row(j + 2), keys.row(j + 3), dk, p + j);
+      for (; j < nk; ++j) p[j] = RowDot(d, q, keys.row(j), dk);
       const LaneRun run{.i = qi, .j = j0, .di = 0, .dj = 1, .count = nk};
       const hn::Vec<D> scores = hn::IfThenElse(hn::FirstN(d, nk), Scores(d, in, b, h, run, hn::LoadU(d, p)), neg_inf);
       const T old_max = s.max[i];
@@ -796,7 +894,7 @@ void AttendFewQueries(D d, const Inputs<T>& in, int64_t b, int64_t h, int64_t q0
       hn::StoreU(weights, d, p);
       s.sum[i] = s.sum[i] * corr + hn::GetLane(hn::SumOfLanes(d, weights));
       s.max[i] = new_max;
-      AccumulateWeightedRows(d, in.v, b, hk, j0, nk, p, corr, dv, s.few.get() + i * s.few_row);
+      AccumulateWeightedRows(d, values, nk, p, corr, dv, s.few.get() + i * s.few_row);
     }
   }
 }
@@ -822,7 +920,8 @@ void BeginQueryBlock(D d, const Inputs<T>& in, int64_t b, int64_t h, int64_t q0,
     return;
   }
   std::fill(s.acc.get(), s.acc.get() + ToSize(in.dv) * kQueryBlock, T{0});
-  PackTransposed(in.q, b, h, q0, nq, ToSize(in.dk), ld, s.qt.get());
+  const size_t dk = ToSize(in.dk);
+  PackTransposed(StageRows(d, in.q, in.q_stored, b, h, q0, nq, dk, s.q_stage.get()), nq, dk, ld, s.qt.get());
 }
 
 template <class T>
@@ -856,13 +955,14 @@ void ContinueQueryBlock(D d, const Inputs<T>& in, int64_t b, int64_t h, int64_t 
       // the next block's K and V stream in while this block is computed.
       const int64_t next = j0 + static_cast<int64_t>(kKeyBlock);
       const int64_t next_n = std::min<int64_t>(static_cast<int64_t>(kKeyBlock), prefetch_end - next);
-      PrefetchRows(in.k, b, hk, next, next_n, ToSize(in.dk));
-      PrefetchRows(in.v, b, hk, next, next_n, dv);
+      PrefetchRows(in.k, in.k_stored, b, hk, next, next_n, ToSize(in.dk));
+      PrefetchRows(in.v, in.v_stored, b, hk, next, next_n, dv);
     }
     // Sᵀ [nk][ld] = K · Qᵀ
+    const RowBlock<T> keys = StageRows(d, in.k, in.k_stored, b, hk, j0, nk, ToSize(in.dk), s.k_stage.get());
     MatMul<false>(d,
-                  Gemm<T>{.a = in.k.row(b, hk, j0),
-                          .a_row = ToSize(in.k.row_stride),
+                  Gemm<T>{.a = keys.rows,
+                          .a_row = keys.stride,
                           .a_depth = 1,
                           .b = s.qt.get(),
                           .b_row = ld,
@@ -890,10 +990,11 @@ void ContinueQueryBlock(D d, const Inputs<T>& in, int64_t b, int64_t h, int64_t 
     // oᵀ [Dv][nq] += Vᵀ · Pᵀ: V's elements are broadcast, each once per key block, and the vectors
     // come from Pᵀ, which the softmax step has just left in L1; the other way round (o += P·V,
     // vectors of V rows) reads every V row once per 4 queries.
+    const RowBlock<T> values = StageRows(d, in.v, in.v_stored, b, hk, j0, nk, dv, s.v_stage.get());
     MatMul<true>(d,
-                 Gemm<T>{.a = in.v.row(b, hk, j0),
+                 Gemm<T>{.a = values.rows,
                          .a_row = 1,
-                         .a_depth = ToSize(in.v.row_stride),
+                         .a_depth = values.stride,
                          .b = s.st.get(),
                          .b_row = ld,
                          .c = s.acc.get(),
@@ -978,7 +1079,10 @@ int64_t DecodeChunks(const Inputs<T>& in) {
 template <class T>
 int64_t DecodeGroupKeys(const Inputs<T>& in) {
   const int64_t l2 = cpu_info().l2_bytes > 0 ? cpu_info().l2_bytes : int64_t{1} << 20;
-  const int64_t row_bytes = (in.dk + in.dv) * static_cast<int64_t>(sizeof(T));
+  const auto bytes = [](const fused::StoredRows& stored) {
+    return stored ? static_cast<int64_t>(stored.element_bytes()) : static_cast<int64_t>(sizeof(T));
+  };
+  const int64_t row_bytes = in.dk * bytes(in.k_stored) + in.dv * bytes(in.v_stored);
   return static_cast<int64_t>(RoundUp(ToSize(std::max<int64_t>(1, l2 / 4 / row_bytes)), kKeyBlock));
 }
 
@@ -1076,7 +1180,7 @@ void ForwardImpl(const ForwardParams<T>& p) {
   std::vector<ForwardScratch<T>> scratch;
   scratch.reserve(ToSize(max_workers()) * per_worker);
   for (size_t w = 0; w < ToSize(max_workers()) * per_worker; ++w) {
-    scratch.emplace_back(ToSize(in.dk), ToSize(in.dv), dv_pad);
+    scratch.emplace_back(ToSize(in.dk), ToSize(in.dv), dv_pad, in);
   }
 
   if (chunks > 1) {
@@ -1345,8 +1449,8 @@ class BackwardKernel {
     const int64_t j0 = kb * static_cast<int64_t>(kKeyBlock);
     const size_t nk = ToSize(std::min(static_cast<int64_t>(kKeyBlock), in_.tk - j0));
     const size_t ld = RoundUp(nk, N_);
-    PackTransposed(in_.k, b, hk, j0, nk, dk_, ld, s.kt.get());
-    PackTransposed(in_.v, b, hk, j0, nk, dv_, ld, s.vt.get());
+    PackTransposed(RowsOf(in_.k, b, hk, j0), nk, dk_, ld, s.kt.get());
+    PackTransposed(RowsOf(in_.v, b, hk, j0), nk, dv_, ld, s.vt.get());
     std::fill(s.dk_acc.get(), s.dk_acc.get() + nk * dk_pad_, T{0});
     std::fill(s.dv_acc.get(), s.dv_acc.get() + nk * dv_pad_, T{0});
     for (int64_t qb = 0; qb < query_blocks; ++qb) {
@@ -1405,8 +1509,8 @@ class BackwardKernel {
     const int64_t q0 = qb * static_cast<int64_t>(kQueryBlock);
     const size_t nq = ToSize(std::min(static_cast<int64_t>(kQueryBlock), in_.tq - q0));
     const size_t ld = RoundUp(nq, N_);
-    PackTransposed(in_.q, b, h, q0, nq, dk_, ld, s.qt.get());
-    PackTransposed(p_.dout, b, h, q0, nq, dv_, ld, s.dot.get());
+    PackTransposed(RowsOf(in_.q, b, h, q0), nq, dk_, ld, s.qt.get());
+    PackTransposed(RowsOf(p_.dout, b, h, q0), nq, dv_, ld, s.dot.get());
     for (size_t i = 0; i < ld; ++i) {
       const int64_t qi = q0 + static_cast<int64_t>(i);
       s.lse_hi[i] = i < nq ? p_.lse_hi[RowIndex(b, h, qi)] : std::numeric_limits<T>::infinity();

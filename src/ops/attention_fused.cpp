@@ -68,6 +68,9 @@ fused::Inputs<T> kernel_inputs(const detail::AttentionProblem<T>& p, const std::
                       .q = strided_of(p.q),
                       .k = strided_of(p.k),
                       .v = strided_of(p.v),
+                      .q_stored = {},
+                      .k_stored = {},
+                      .v_stored = {},
                       .allowed = {},
                       .bias = {},
                       .band_lo = p.band_lo,
@@ -83,6 +86,17 @@ fused::Inputs<T> kernel_inputs(const detail::AttentionProblem<T>& p, const std::
   if (p.allowed) in.allowed = strided_of(*p.allowed);
   if (p.bias) in.bias = strided_of(*p.bias);
   return in;
+}
+
+fused::StoredRows stored_rows(const detail::StoredOperand& operand) {
+  fused::StoredRows rows{.type = operand.type,
+                         .data = static_cast<const uint8_t*>(operand.data),
+                         .batch_stride = operand.strides[0],
+                         .head_stride = operand.strides[1],
+                         .row_stride = operand.strides[2],
+                         .scales = {}};
+  if (operand.scales) rows.scales = strided_of(*operand.scales);
+  return rows;
 }
 
 template <class T>
@@ -194,6 +208,20 @@ void forward_fused(const AttentionProblem<T>& problem, const AttentionOutputs<T>
   }
   const std::vector<T> alibi = per_head(problem.alibi), sinks = per_head(problem.sinks);
   dispatch_forward(forward_params(kernel_inputs(problem, alibi), sinks, outputs.out, outputs.lse));
+}
+
+void forward_fused_stored(const AttentionProblem<float>& problem, const StoredOperands& stored,
+                          const AttentionOutputs<float>& outputs) {
+  if (outputs.weights) {
+    throw ValueError("weights: the fused kernel never materialises the Tq×Tk weights α; use AttentionImpl::reference");
+  }
+  check_forward_outputs(problem, outputs);
+  const std::vector<float> alibi = per_head(problem.alibi), sinks = per_head(problem.sinks);
+  fused::Inputs<float> in = kernel_inputs(problem, alibi);
+  in.q_stored = stored_rows(stored.q);
+  in.k_stored = stored_rows(stored.k);
+  in.v_stored = stored_rows(stored.v);
+  dispatch_forward(forward_params(in, sinks, outputs.out, outputs.lse));
 }
 
 template <class T>

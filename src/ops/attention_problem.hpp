@@ -16,6 +16,7 @@
 
 #include "qkv/core/error.hpp"
 #include "qkv/core/rng.hpp"
+#include "qkv/core/storage.hpp"
 #include "qkv/ops/attention.hpp"
 
 namespace qkv::detail {
@@ -364,6 +365,20 @@ Gradients sequence_gradients(const AttentionOperands<T>& p, const Gradients& g, 
   return s;
 }
 
+// An operand stored narrower than float32 (qkv/core/storage.hpp) seen as [B, H, T, D] like the
+// problem's views: its first element, its rank-4 strides and, for int8, its scales broadcast to
+// [B, H, T, D]. A float32 operand is read from the problem's own view instead.
+struct StoredOperand {
+  StorageType type = StorageType::float32;
+  const void* data = nullptr;
+  Strides strides{};
+  std::optional<TensorView<const float>> scales = std::nullopt;
+};
+
+struct StoredOperands {
+  StoredOperand q, k, v;
+};
+
 // The implementations behind attention_forward and attention_backward, on a problem built once
 // (attention.cpp: the reference; attention_fused.cpp: the fused kernel).
 template <class T>
@@ -372,6 +387,10 @@ template <class T>
 void backward_reference(const AttentionProblem<T>& p, TensorView<const T> dout, const AttentionGradients<T>& grads);
 template <class T>
 void forward_fused(const AttentionProblem<T>& p, const AttentionOutputs<T>& outputs);
+// The fused forward reading the operands that `stored` holds narrower than float32 (attention_stored.cpp
+// builds the problem, whose own views of them carry only their shapes).
+void forward_fused_stored(const AttentionProblem<float>& p, const StoredOperands& stored,
+                          const AttentionOutputs<float>& outputs);
 template <class T>
 void backward_fused(const AttentionProblem<T>& p, TensorView<const T> dout, const AttentionGradients<T>& grads,
                     const std::optional<AttentionSaved<T>>& saved);

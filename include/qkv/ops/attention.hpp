@@ -24,6 +24,7 @@
 #include <optional>
 #include <vector>
 
+#include "qkv/core/storage.hpp"
 #include "qkv/core/tensor.hpp"
 
 namespace qkv {
@@ -154,6 +155,37 @@ void attention_forward(const AttentionParams<T>& params, const AttentionOutputs<
 template <class T>
 void attention_backward(const AttentionParams<T>& params, TensorView<const T> dout, const AttentionGradients<T>& grads,
                         const std::optional<AttentionSaved<T>>& saved = std::nullopt,
+                        AttentionImpl impl = AttentionImpl::automatic);
+
+// ---- Q, K and V stored narrower than float32 ------------------------------------------------------
+// float16 or bfloat16 Q, K, V, and int8 K and V with scales (qkv/core/storage.hpp), each operand
+// in its own type, with the shapes, masks and options of AttentionParams<float> (packed sequences
+// and dropout aside). Scores, softmax and the output accumulate in float32: the result is the
+// float32 computation on the values the operands stand for (to_float32), and the fused forward is
+// bit-identical to attention_forward on those values converted first. It converts them where it
+// reads them, a tile of rows at a time, so no float32 copy of K or V is ever made.
+struct StoredAttentionParams {
+  StoredView q;  // float32, float16 or bfloat16
+  StoredView k;  // any StorageType; int8 with scales (one per channel, [..., Hkv, 1, Dk], keeps
+                 // the outlier channels of keys from setting every channel's step)
+  StoredView v;  // any StorageType; int8 with scales (one per token, [..., Hkv, Tk, 1])
+  std::optional<double> scale;
+  AttentionMask<float> mask;
+  std::optional<double> softcap = std::nullopt;
+  std::optional<TensorView<const float>> sinks = std::nullopt;
+};
+
+// automatic and fused: the fused kernel (weights: the reference); reference: the float64
+// reference on to_float32 of the operands.
+void attention_forward(const StoredAttentionParams& params, const AttentionOutputs<float>& outputs,
+                       AttentionImpl impl = AttentionImpl::automatic);
+
+// Gradients in float32 of the values the operands stand for (dq of q as to_float32 gives it,
+// and so on). The operands are first converted to float32 whole: the backward's work is
+// O(T²·d), the conversion O(T·d).
+void attention_backward(const StoredAttentionParams& params, TensorView<const float> dout,
+                        const AttentionGradients<float>& grads,
+                        const std::optional<AttentionSaved<float>>& saved = std::nullopt,
                         AttentionImpl impl = AttentionImpl::automatic);
 
 // The scale used when params.scale is not given: 1/sqrt(Dk).

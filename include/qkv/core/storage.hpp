@@ -1,0 +1,55 @@
+#pragma once
+// Storage types narrower than float32, for the operands that are read far more often than they are
+// written (the keys and values of a KV cache): float16 (IEEE binary16), bfloat16 (float32's top
+// half) and int8 with float32 scales. Values are stored as their bits (uint16_t) or as int8_t;
+// arithmetic is always done in float32. A StoredView is an operand in any of them.
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <string_view>
+
+#include "qkv/core/tensor.hpp"
+
+namespace qkv {
+
+enum class StorageType { float32, float16, bfloat16, int8 };
+
+// "float32", "float16", "bfloat16", "int8"
+std::string_view storage_name(StorageType type);
+// The type of a name storage_name gives, or of its short form ("f32", "f16", "bf16", "i8");
+// ValueError naming `argument` and the accepted names otherwise.
+StorageType parse_storage(std::string_view name, std::string_view argument);
+// Bytes of one element.
+int64_t storage_bytes(StorageType type);
+
+// Conversions, rounding to nearest even; NaN stays NaN and values past the largest finite one
+// become infinities, as the hardware conversions (F16C, AVX512_BF16) do.
+uint16_t float16_from_float(float value);
+float float_from_float16(uint16_t bits);
+uint16_t bfloat16_from_float(float value);
+float float_from_bfloat16(uint16_t bits);
+
+// An array of any storage type. Strides count elements of that type. For int8, element x stands
+// for scale·x, the scales broadcast to the array's shape: one per channel ([..., 1, D]: along
+// tokens) or per token ([..., T, 1]), or any broadcastable shape.
+struct StoredView {
+  StorageType type = StorageType::float32;
+  const void* data = nullptr;
+  Shape shape;
+  Strides strides{};
+  std::optional<TensorView<const float>> scales = std::nullopt;  // int8 only
+
+  static StoredView float32(TensorView<const float> view);
+  static StoredView float16(TensorView<const uint16_t> bits);
+  static StoredView bfloat16(TensorView<const uint16_t> bits);
+  static StoredView int8(TensorView<const int8_t> values, TensorView<const float> scales);
+
+  int rank() const { return shape.rank(); }
+};
+
+// The values a StoredView stands for, in float32 (exact for float16 and bfloat16; scale·x rounded
+// once for int8, as the kernels compute it), contiguous.
+Tensor<float> to_float32(const StoredView& view);
+
+}  // namespace qkv

@@ -1,0 +1,155 @@
+#include "qkv/core/storage.hpp"
+
+#include <fmt/format.h>
+
+#include <bit>
+#include <cmath>
+#include <cstring>
+
+#include "qkv/core/error.hpp"
+
+namespace qkv {
+
+std::string_view storage_name(StorageType type) {
+  switch (type) {
+    case StorageType::float32:
+      return "float32";
+    case StorageType::float16:
+      return "float16";
+    case StorageType::bfloat16:
+      return "bfloat16";
+    case StorageType::int8:
+      return "int8";
+  }
+  return "?";
+}
+
+StorageType parse_storage(std::string_view name, std::string_view argument) {
+  for (const StorageType type :
+       {StorageType::float32, StorageType::float16, StorageType::bfloat16, StorageType::int8}) {
+    if (name == storage_name(type)) return type;
+  }
+  if (name == "f32") return StorageType::float32;
+  if (name == "f16") return StorageType::float16;
+  if (name == "bf16") return StorageType::bfloat16;
+  if (name == "i8") return StorageType::int8;
+  throw ValueError(
+      fmt::format("{}: expected float32, float16, bfloat16 or int8 (or f32, f16, bf16, i8), got '{}'", argument, name));
+}
+
+int64_t storage_bytes(StorageType type) {
+  switch (type) {
+    case StorageType::float32:
+      return 4;
+    case StorageType::float16:
+    case StorageType::bfloat16:
+      return 2;
+    case StorageType::int8:
+      return 1;
+  }
+  return 0;
+}
+
+uint16_t float16_from_float(float value) {
+  const uint32_t bits = std::bit_cast<uint32_t>(value);
+  const auto sign = static_cast<uint16_t>((bits >> 16) & 0x8000u);
+  const uint32_t magnitude = bits & 0x7fffffffu;
+  if (magnitude > 0x7f800000u) return static_cast<uint16_t>(sign | 0x7e00u | ((magnitude >> 13) & 0x1ffu));
+  if (magnitude >= 0x477ff000u) return static_cast<uint16_t>(sign | 0x7c00u);  // rounds past 65504: inf
+  if (magnitude < 0x38800000u) {
+    // Below float16's smallest normal 2⁻¹⁴: a multiple of 2⁻²⁴, which adding 0.5 (whose ulp is
+    // 2⁻²⁴) rounds to nearest even in float32's own rounding.
+    const float shifted = std::bit_cast<float>(magnitude) + 0.5f;
+    return static_cast<uint16_t>(sign | (std::bit_cast<uint32_t>(shifted) - 0x3f000000u));
+  }
+  // Normal: drop 13 mantissa bits, rounding half to even; a carry into the exponent is correct.
+  const uint32_t odd = (magnitude >> 13) & 1u;
+  const uint32_t rounded = magnitude + 0xfffu + odd;
+  return static_cast<uint16_t>(sign | ((rounded - 0x38000000u) >> 13));
+}
+
+float float_from_float16(uint16_t bits) {
+  const uint32_t sign = static_cast<uint32_t>(bits & 0x8000u) << 16;
+  const uint32_t exponent = (bits >> 10) & 0x1fu;
+  const uint32_t mantissa = bits & 0x3ffu;
+  if (exponent == 0x1f) return std::bit_cast<float>(sign | 0x7f800000u | (mantissa << 13));
+  if (exponent == 0) {
+    const float subnormal = std::ldexp(static_cast<float>(mantissa), -24);
+    return sign != 0 ? -subnormal : subnormal;
+  }
+  return std::bit_cast<float>(sign | ((exponent + 112u) << 23) | (mantissa << 13));
+}
+
+uint16_t bfloat16_from_float(float value) {
+  const uint32_t bits = std::bit_cast<uint32_t>(value);
+  if ((bits & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((bits >> 16) | 0x40u);  // quiet NaN
+  const uint32_t odd = (bits >> 16) & 1u;
+  return static_cast<uint16_t>((bits + 0x7fffu + odd) >> 16);
+}
+
+float float_from_bfloat16(uint16_t bits) { return std::bit_cast<float>(static_cast<uint32_t>(bits) << 16); }
+
+StoredView StoredView::float32(TensorView<const float> view) {
+  return {.type = StorageType::float32, .data = view.data, .shape = view.shape, .strides = view.strides};
+}
+
+StoredView StoredView::float16(TensorView<const uint16_t> bits) {
+  return {.type = StorageType::float16, .data = bits.data, .shape = bits.shape, .strides = bits.strides};
+}
+
+StoredView StoredView::bfloat16(TensorView<const uint16_t> bits) {
+  return {.type = StorageType::bfloat16, .data = bits.data, .shape = bits.shape, .strides = bits.strides};
+}
+
+StoredView StoredView::int8(TensorView<const int8_t> values, TensorView<const float> scales) {
+  return {.type = StorageType::int8,
+          .data = values.data,
+          .shape = values.shape,
+          .strides = values.strides,
+          .scales = scales};
+}
+
+namespace {
+
+// Element `flat` (C order) of a strided view of `shape`, as an offset in elements.
+int64_t strided_offset(const Shape& shape, const Strides& strides, int64_t flat) {
+  int64_t offset = 0;
+  for (int axis = shape.rank() - 1; axis >= 0; --axis) {
+    offset += flat % shape[axis] * strides[static_cast<size_t>(axis)];
+    flat /= shape[axis];
+  }
+  return offset;
+}
+
+}  // namespace
+
+Tensor<float> to_float32(const StoredView& view) {
+  Tensor<float> out(view.shape);
+  if (view.type == StorageType::int8 && !view.scales) {
+    throw ValueError("scales: an int8 array needs its scales (value = scale · stored), got none");
+  }
+  std::optional<TensorView<const float>> scales;
+  if (view.scales) scales = broadcast_to(*view.scales, view.shape, "scales");
+  for (int64_t flat = 0; flat < out.numel(); ++flat) {
+    const int64_t at = strided_offset(view.shape, view.strides, flat);
+    switch (view.type) {
+      case StorageType::float32:
+        out[flat] = static_cast<const float*>(view.data)[at];
+        break;
+      case StorageType::float16:
+        out[flat] = float_from_float16(static_cast<const uint16_t*>(view.data)[at]);
+        break;
+      case StorageType::bfloat16:
+        out[flat] = float_from_bfloat16(static_cast<const uint16_t*>(view.data)[at]);
+        break;
+      case StorageType::int8: {
+        const float scale = scales->data[strided_offset(view.shape, scales->strides, flat)];
+        out[flat] = static_cast<float>(static_cast<const int8_t*>(view.data)[at]) * scale;
+        break;
+      }
+    }
+  }
+  return out;
+}
+
+}  // namespace qkv

@@ -1,0 +1,333 @@
+// Attention on Q, K, V stored as float16, bfloat16 and int8 (src/ops/attention_stored.cpp and the
+// fused kernel's StageRows), on every SIMD target this CPU runs: the fused forward is bit-identical
+// to the float32 kernel on the values the operands stand for, which holds the float64 reference's
+// tolerance rule on those values; the conversions round to nearest even; int8 quantisation keeps
+// every element within half a step; bad operands are refused with the argument named.
+
+#include <gtest/gtest.h>
+
+#include <bit>
+#include <cmath>
+#include <limits>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "attention_checks.hpp"
+#include "qkv/core/error.hpp"
+#include "qkv/core/storage.hpp"
+#include "qkv/ops/attention.hpp"
+#include "qkv/ops/quantize.hpp"
+#include "support/attention_problems.hpp"
+#include "testing.hpp"
+
+namespace qkv {
+namespace {
+
+using testing::bit_identical;
+using testing::cast;
+using testing::expect_float32_matches_reference;
+using testing::Forward;
+using testing::on_every_target;
+using testing::random_problem;
+using testing::run_forward;
+using Case = testing::AttentionCase;
+using Problem = testing::AttentionProblem;
+
+constexpr float kInf = std::numeric_limits<float>::infinity();
+
+// --- conversions -----------------------------------------------------------------------------------
+
+TEST(Storage, Float16RoundsToNearestEven) {
+  EXPECT_EQ(float16_from_float(1.0f), 0x3c00);
+  EXPECT_EQ(float16_from_float(-2.0f), 0xc000);
+  EXPECT_EQ(float16_from_float(65504.0f), 0x7bff);
+  EXPECT_EQ(float16_from_float(65519.0f), 0x7bff);  // below the midpoint to 2¹⁶
+  EXPECT_EQ(float16_from_float(65520.0f), 0x7c00);  // the midpoint, to even: infinity
+  EXPECT_EQ(float16_from_float(kInf), 0x7c00);
+  EXPECT_EQ(float16_from_float(1.0f + 0x1p-11f), 0x3c00);      // tie, to even
+  EXPECT_EQ(float16_from_float(1.0f + 3 * 0x1p-11f), 0x3c02);  // tie, to even
+  EXPECT_EQ(float16_from_float(0x1p-24f), 0x0001);             // smallest subnormal
+  EXPECT_EQ(float16_from_float(0x1p-25f), 0x0000);             // tie, to even: 0
+  EXPECT_EQ(float16_from_float(3 * 0x1p-25f), 0x0002);         // tie, to even
+  EXPECT_EQ(float16_from_float(0x1p-14f - 0x1p-26f), 0x0400);  // rounds up into the normals
+  EXPECT_TRUE(std::isnan(float_from_float16(float16_from_float(std::nanf("")))));
+  for (uint32_t bits = 0; bits < 0x10000; ++bits) {
+    const auto half = static_cast<uint16_t>(bits);
+    const float value = float_from_float16(half);
+    if (std::isnan(value)) continue;
+    ASSERT_EQ(float16_from_float(value), half) << "bits " << bits;
+  }
+}
+
+TEST(Storage, Bfloat16RoundsToNearestEven) {
+  EXPECT_EQ(bfloat16_from_float(1.0f), 0x3f80);
+  EXPECT_EQ(bfloat16_from_float(1.0f + 0x1p-8f), 0x3f80);      // tie, to even
+  EXPECT_EQ(bfloat16_from_float(1.0f + 3 * 0x1p-8f), 0x3f82);  // tie, to even
+  EXPECT_EQ(bfloat16_from_float(std::numeric_limits<float>::max()), 0x7f80);
+  EXPECT_TRUE(std::isnan(float_from_bfloat16(bfloat16_from_float(std::nanf("")))));
+  EXPECT_EQ(float_from_bfloat16(0xc040), -3.0f);
+}
+
+TEST(Storage, NamesParseAndUnknownOnesAreRefused) {
+  EXPECT_EQ(parse_storage("bf16", "--kv-dtype"), StorageType::bfloat16);
+  EXPECT_EQ(parse_storage("float16", "--kv-dtype"), StorageType::float16);
+  EXPECT_EQ(parse_storage("i8", "--kv-dtype"), StorageType::int8);
+  try {
+    parse_storage("fp8", "--kv-dtype");
+    FAIL() << "fp8 was accepted";
+  } catch (const ValueError& e) {
+    EXPECT_NE(std::string(e.what()).find("--kv-dtype: expected float32, float16, bfloat16 or int8"), std::string::npos)
+        << e.what();
+  }
+}
+
+TEST(Quantize, Int8KeepsEveryElementWithinHalfAStep) {
+  Rng rng(11);
+  Tensor<float> x = cast<float>(testing::random_tensor<double>({2, 3, 37, 19}, rng, 3.0));
+  x.view()(0, 1, 5, 7) = 0.0f;
+  for (const QuantizeGroup group : {QuantizeGroup::per_channel, QuantizeGroup::per_token, QuantizeGroup::per_tensor}) {
+    const Int8Array q = quantize_int8(x.cview(), group);
+    const Shape want = group == QuantizeGroup::per_channel ? Shape{2, 3, 1, 19}
+                       : group == QuantizeGroup::per_token ? Shape{2, 3, 37, 1}
+                                                           : Shape{1, 1, 1, 1};
+    ASSERT_EQ(q.scales.shape(), want);
+    const Tensor<float> back = to_float32(q.stored());
+    const TensorView<const float> scale = broadcast_to(q.scales.cview(), x.shape(), "scales");
+    for (int64_t b = 0; b < 2; ++b)
+      for (int64_t h = 0; h < 3; ++h)
+        for (int64_t t = 0; t < 37; ++t)
+          for (int64_t c = 0; c < 19; ++c) {
+            const double err = std::abs(static_cast<double>(back.view()(b, h, t, c)) - x.view()(b, h, t, c));
+            ASSERT_LE(err, 0.5 * scale(b, h, t, c) * (1 + 1e-6)) << b << h << t << c;
+          }
+  }
+  // A group of zeros stores zeros, with a scale that is not 0.
+  const Int8Array zeros = quantize_int8(Tensor<float>({4, 3}).cview(), QuantizeGroup::per_token);
+  for (int64_t t = 0; t < 4; ++t) EXPECT_EQ(zeros.scales.view()(t, 0), 1.0f);
+}
+
+TEST(Quantize, PerChannelScalesKeepOutlierChannelsFromCostingTheRest) {
+  Rng rng(12);
+  Tensor<float> k = cast<float>(testing::random_tensor<double>({1, 1, 256, 64}, rng));
+  for (int64_t t = 0; t < 256; ++t) k.view()(0, 0, t, 5) *= 50.0f;  // one outlier channel, as keys have
+  const auto error = [&](QuantizeGroup group) {
+    const Tensor<float> back = to_float32(quantize_int8(k.cview(), group).stored());
+    double sum = 0;
+    for (int64_t i = 0; i < k.numel(); ++i) sum += std::abs(static_cast<double>(back[i]) - k[i]);
+    return sum / static_cast<double>(k.numel());
+  };
+  EXPECT_LT(5 * error(QuantizeGroup::per_channel), error(QuantizeGroup::per_tensor));
+  EXPECT_LT(5 * error(QuantizeGroup::per_channel), error(QuantizeGroup::per_token));
+}
+
+// --- the stored forward ------------------------------------------------------------------------------
+
+// A problem's q, k and v stored in the given types. The problem's own q, k, v become the values the
+// stored ones stand for, so that the float32 kernel and the float64 reference can be run on them.
+struct Stored {
+  Tensor<uint16_t> q16, k16, v16;
+  std::optional<Int8Array> k8, v8;
+  Tensor<float> q32, k32, v32;
+  StoredView q, k, v;
+};
+
+StoredView store(const Tensor<double>& x, StorageType type, QuantizeGroup group, Tensor<uint16_t>& bits,
+                 std::optional<Int8Array>& int8, Tensor<float>& f32) {
+  f32 = cast<float>(x);
+  switch (type) {
+    case StorageType::float32:
+      return StoredView::float32(f32.cview());
+    case StorageType::float16:
+      bits = to_float16(f32.cview());
+      return StoredView::float16(bits.cview());
+    case StorageType::bfloat16:
+      bits = to_bfloat16(f32.cview());
+      return StoredView::bfloat16(bits.cview());
+    case StorageType::int8:
+      int8 = quantize_int8(f32.cview(), group);
+      return int8->stored();
+  }
+  return {};
+}
+
+Stored store_problem(Problem& p, StorageType q_type, StorageType kv_type) {
+  Stored s;
+  std::optional<Int8Array> unused;
+  s.q = store(p.q, q_type, QuantizeGroup::per_token, s.q16, unused, s.q32);
+  s.k = store(p.k, kv_type, QuantizeGroup::per_channel, s.k16, s.k8, s.k32);
+  s.v = store(p.v, kv_type, QuantizeGroup::per_token, s.v16, s.v8, s.v32);
+  p.q = cast<double>(to_float32(s.q));
+  p.k = cast<double>(to_float32(s.k));
+  p.v = cast<double>(to_float32(s.v));
+  return s;
+}
+
+StoredAttentionParams stored_params(const Stored& s, const AttentionParams<float>& like) {
+  return {.q = s.q,
+          .k = s.k,
+          .v = s.v,
+          .scale = like.scale,
+          .mask = like.mask,
+          .softcap = like.softcap,
+          .sinks = like.sinks};
+}
+
+Forward run_stored(const Problem& p, const Stored& s, bool with_lse) {
+  const testing::AttentionOperands<float> ops(p);
+  const Shape& shape = p.q.shape();
+  Tensor<float> out({shape[0], shape[1], shape[2], p.v.shape()[3]}), lse({shape[0], shape[1], shape[2]});
+  AttentionOutputs<float> outputs{.out = out.view(), .weights = {}, .lse = {}};
+  if (with_lse) outputs.lse = lse.view();
+  attention_forward(stored_params(s, ops.params()), outputs);
+  return {cast<double>(out), with_lse ? cast<double>(lse) : Tensor<double>()};
+}
+
+constexpr StorageType kTypes[] = {StorageType::float16, StorageType::bfloat16, StorageType::int8};
+
+// For every K/V type (with Q in float32 and in K's type where Q may take it): bit-identical to the
+// float32 kernel on the stored values, with and without lse, on every target; then those values
+// against the float64 reference by the suite's rule.
+void expect_stored_matches_float(Problem p, uint64_t seed, const std::string& label, bool reference = true) {
+  for (const StorageType kv : kTypes) {
+    for (const StorageType q : {StorageType::float32, kv}) {
+      if (q == StorageType::int8) continue;
+      SCOPED_TRACE(fmt::format("{}: q {}, k and v {}", label, storage_name(q), storage_name(kv)));
+      Problem stored_p = p;
+      const Stored s = store_problem(stored_p, q, kv);
+      on_every_target([&] {
+        for (const bool with_lse : {true, false}) {
+          const Forward want = run_forward<float>(stored_p, AttentionImpl::fused, with_lse);
+          const Forward got = run_stored(stored_p, s, with_lse);
+          EXPECT_TRUE(bit_identical(got.out, want.out)) << (with_lse ? "with lse" : "out only");
+          EXPECT_TRUE(bit_identical(got.lse, want.lse));
+        }
+      });
+      if (reference && q == StorageType::float32) expect_float32_matches_reference(stored_p, seed, label);
+    }
+  }
+}
+
+TEST(AttentionStored, AwkwardSizesMatchTheFloatKernelBitForBit) {
+  const Case cases[] = {{1, 1, 1, 1, 1, 1},
+                        {2, 3, 7, 7, 17, 17},
+                        {1, 2, 113, 70, 64, 64},
+                        {1, 1, 65, 130, 72, 33},
+                        {1, 1, 20, 300, 128, 128}};
+  uint64_t seed = 10;
+  for (const Case& c : cases) {
+    expect_stored_matches_float(random_problem(c, seed), seed + 1,
+                                fmt::format("B={} H={} Tq={} Tk={} Dk={} Dv={}", c.b, c.h, c.tq, c.tk, c.dk, c.dv));
+    seed += 2;
+  }
+}
+
+TEST(AttentionStored, MasksCausalityAndGroupedHeads) {
+  Problem causal = random_problem({1, 2, 70, 200, 64, 64, true}, 30);
+  expect_stored_matches_float(causal, 31, "causal Tq < Tk");
+  Problem masked = random_problem({1, 1, 40, 90, 32, 16}, 32);
+  masked.allowed = testing::random_mask({40, 90}, 0.7, 33);
+  for (int64_t j = 0; j < 90; ++j) masked.allowed->view()(3, j) = 0;  // a fully masked row
+  expect_stored_matches_float(masked, 34, "mask with a fully masked row");
+  Problem gqa = random_problem({1, 4, 33, 80, 64, 64}, 35);
+  Rng rng(36);
+  gqa.k = testing::random_tensor<double>({1, 2, 80, 64}, rng);
+  gqa.v = testing::random_tensor<double>({1, 2, 80, 64}, rng);
+  expect_stored_matches_float(gqa, 37, "grouped-query heads, 4 over 2");
+}
+
+TEST(AttentionStored, DecodeSplitsTheKeysAndTakesTheFewQueryLayout) {
+  // Tk ≥ 1024 splits the keys into chunks; 1 and 3 queries take the few-query layout without lse.
+  for (const int64_t tq : {1, 3, 12}) {
+    Problem p = random_problem({1, 2, tq, 2100, 128, 128}, 40 + static_cast<uint64_t>(tq));
+    expect_stored_matches_float(p, 50, fmt::format("decode Tq={}", tq), tq == 3);
+  }
+  Problem gqa = random_problem({1, 8, 1, 1500, 64, 64}, 60);
+  Rng rng(61);
+  gqa.k = testing::random_tensor<double>({1, 2, 1500, 64}, rng);
+  gqa.v = testing::random_tensor<double>({1, 2, 1500, 64}, rng);
+  expect_stored_matches_float(gqa, 62, "decode, grouped heads", false);
+}
+
+TEST(AttentionStored, ReferenceAndBackwardRunOnTheStoredValues) {
+  Problem p = random_problem({1, 2, 19, 23, 16, 8, true}, 70);
+  const Stored s = store_problem(p, StorageType::bfloat16, StorageType::float16);
+  const testing::AttentionOperands<float> ops(p);
+  const StoredAttentionParams sp = stored_params(s, ops.params());
+  Tensor<float> weights({1, 2, 19, 23}), out({1, 2, 19, 8});
+  attention_forward(sp, {.out = out.view(), .weights = weights.view(), .lse = {}});
+  Tensor<float> want_weights({1, 2, 19, 23}), want_out({1, 2, 19, 8});
+  attention_forward(ops.params(), {.out = want_out.view(), .weights = want_weights.view(), .lse = {}},
+                    AttentionImpl::reference);
+  EXPECT_TRUE(bit_identical(cast<double>(weights), cast<double>(want_weights)));
+  EXPECT_TRUE(bit_identical(cast<double>(out), cast<double>(want_out)));
+
+  Rng rng(71);
+  const Tensor<float> dout = cast<float>(testing::random_tensor<double>({1, 2, 19, 8}, rng));
+  Tensor<float> dq({1, 2, 19, 16}), dk({1, 2, 23, 16}), dv({1, 2, 23, 8});
+  Tensor<float> wq({1, 2, 19, 16}), wk({1, 2, 23, 16}), wv({1, 2, 23, 8});
+  attention_backward(sp, dout.cview(), {.dq = dq.view(), .dk = dk.view(), .dv = dv.view(), .dbias = {}});
+  attention_backward(ops.params(), dout.cview(), {.dq = wq.view(), .dk = wk.view(), .dv = wv.view(), .dbias = {}});
+  EXPECT_TRUE(bit_identical(cast<double>(dq), cast<double>(wq)));
+  EXPECT_TRUE(bit_identical(cast<double>(dk), cast<double>(wk)));
+  EXPECT_TRUE(bit_identical(cast<double>(dv), cast<double>(wv)));
+}
+
+// --- bad operands ------------------------------------------------------------------------------------
+
+template <class Error>
+void expect_refused(const StoredAttentionParams& params, const std::string& message) {
+  Tensor<float> out({1, 1, 4, 8});
+  try {
+    attention_forward(params, {.out = out.view(), .weights = {}, .lse = {}});
+    FAIL() << "accepted; expected: " << message;
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find(message), std::string::npos) << e.what();
+  }
+}
+
+TEST(AttentionStored, BadOperandsAreRefusedNamingTheArgument) {
+  Problem p = random_problem({1, 1, 4, 6, 8, 8}, 80);
+  const Stored s = store_problem(p, StorageType::float32, StorageType::int8);
+  const testing::AttentionOperands<float> ops(p);
+  const StoredAttentionParams good = stored_params(s, ops.params());
+
+  StoredAttentionParams no_scales = good;
+  no_scales.k.scales.reset();
+  expect_refused<ValueError>(no_scales, "k.scales: an int8 k needs its scales");
+
+  Tensor<float> wrong({1, 1, 1, 5}, 1.0f);
+  StoredAttentionParams wrong_shape = good;
+  wrong_shape.v.scales = wrong.cview();
+  expect_refused<ShapeError>(wrong_shape, "v.scales");
+
+  Tensor<float> nan_scales({1, 1, 1, 8}, 1.0f);
+  nan_scales.view()(0, 0, 0, 3) = std::nanf("");
+  StoredAttentionParams with_nan = good;
+  with_nan.k.scales = nan_scales.cview();
+  expect_refused<ValueError>(with_nan, "k.scales: expected finite values");
+
+  StoredAttentionParams int8_q = good;
+  int8_q.q = s.k;
+  expect_refused<ValueError>(int8_q, "q: int8 storage is for k and v");
+
+  const Tensor<uint16_t> half = to_float16(s.v32.cview());
+  StoredAttentionParams half_with_scales = good;
+  half_with_scales.v = StoredView::float16(half.cview());
+  half_with_scales.v.scales = nan_scales.cview();
+  expect_refused<ValueError>(half_with_scales, "v.scales: given, but v is float16; only int8 has scales");
+
+  const Tensor<int64_t> cu({2}, std::vector<int64_t>{0, 4});
+  const Tensor<int64_t> cu_k({2}, std::vector<int64_t>{0, 6});
+  StoredAttentionParams packed = good;
+  packed.mask.cu_seqlens_q = cu.cview();
+  packed.mask.cu_seqlens_k = cu_k.cview();
+  expect_refused<ValueError>(packed, "packed sequences are not taken with stored");
+
+  StoredAttentionParams short_k = good;
+  short_k.k.shape = Shape{1, 1, 6, 7};
+  expect_refused<ShapeError>(short_k, "k");
+}
+
+}  // namespace
+}  // namespace qkv
