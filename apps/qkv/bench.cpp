@@ -6,6 +6,7 @@
 //   qkv bench --T 4096 --backward --json        # forward + backward, machine-readable
 //   qkv bench --decode                          # Tq = 1, Tk = 32768, H = 32, d = 128 against a triad
 //   qkv bench --compare gqa --kv-heads 2        # a variant against the call without it, one ratio
+//   qkv bench --decode --kv-dtype f16           # K and V stored as float16 against float32 ones
 //
 // Per shape it prints the median time of one call, GFLOP/s and the peak extra memory, and ratios
 // against the baselines: the reference (T <= 1024, where it takes seconds, not minutes), one thread
@@ -19,6 +20,10 @@
 // call that every row times, baselines included. --compare times one variant against the same call
 // without it in the same rounds, with FLOPs counted over the (q, k) pairs each call's mask leaves
 // visible, so that a window's or a packed batch's skipped work is not counted as speed.
+//
+// --kv-dtype float16|bfloat16|int8 stores K and V so (int8: K's scales per channel, V's per token)
+// and adds the same call on float32 K and V as a baseline of the same rounds: decode then reports
+// the GB/s of the stored K and V against the triad and its tokens per second over float32's.
 //
 // Memory: Linux lets a process reset its own peak resident set (writing 5 to /proc/self/clear_refs),
 // so each measurement reads VmHWM after the run minus VmRSS before it, the inputs, outputs and
@@ -52,8 +57,10 @@
 #include "qkv/core/parallel.hpp"
 #include "qkv/core/rng.hpp"
 #include "qkv/core/simd_target.hpp"
+#include "qkv/core/storage.hpp"
 #include "qkv/core/tensor.hpp"
 #include "qkv/ops/attention.hpp"
+#include "qkv/ops/quantize.hpp"
 #include "support/machine_checks.hpp"
 #include "support/progress.hpp"
 
@@ -81,8 +88,8 @@ constexpr const char* kFooter =
 (JSON: visible_flops) counts only the (q, k) pairs that causality, --window and --varlen leave.
 Memory: peak resident set during the measurement (VmHWM, reset through /proc/self/clear_refs) minus
 the resident set before it, with inputs, outputs and gradients already allocated ("peak extra").
-Baselines: the reference (T <= 1024), 1 thread (when --threads > 1) and the non-causal run (with
---causal); --baselines picks them, "none" skips them. The kernel and its baselines (decode: a triad
+Baselines: the reference (T <= 1024), 1 thread (when --threads > 1), the non-causal run (with
+--causal) and float32 K and V (with --kv-dtype); --baselines picks them, "none" skips them. The kernel and its baselines (decode: a triad
 and a read stream) are timed in --repeats alternating rounds, and each ratio is the median of the
 per-round ratios, printed with its min–max: the machine's speed may drift during a run.
 The CPU, its caches and the SIMD target are printed first (--simd-target or QKV_SIMD_TARGET choose it).
@@ -126,6 +133,7 @@ struct BenchOptions {
   std::string compare;  // gqa, window or varlen
   bool backward = false;
   bool decode = false;
+  std::string kv_dtype = "float32";
   int threads = 0;
   std::string impl = "fused";
   int repeats = 5;
@@ -328,6 +336,10 @@ struct Problem {
   std::optional<Tensor<float>> alibi, sinks, dsinks;  // [H]
   std::optional<Tensor<int64_t>> cu_seqlens;          // [N+1], of queries and keys alike
   std::optional<Tensor<uint8_t>> allowed;             // [B, 1, 1, Tk]
+  // K and V in the storage type of --kv-dtype (float32: k and v above).
+  StorageType kv_type = StorageType::float32;
+  Tensor<uint16_t> k_bits, v_bits;
+  std::optional<Int8Array> k_int8, v_int8;
 
   Problem(int64_t batch, int64_t heads, int64_t tq, int64_t tk, int64_t d, bool backward, const Variant& variant)
       : q({batch, heads, tq, d}),
@@ -378,10 +390,40 @@ struct Problem {
     return backward ? forward + tensors : forward;
   }
 
+  // K and V stored as `type`, read by every run but those on float32 K and V.
+  void store_kv(StorageType type) {
+    kv_type = type;
+    if (type == StorageType::float16) {
+      k_bits = to_float16(k.cview());
+      v_bits = to_float16(v.cview());
+    } else if (type == StorageType::bfloat16) {
+      k_bits = to_bfloat16(k.cview());
+      v_bits = to_bfloat16(v.cview());
+    } else if (type == StorageType::int8) {
+      k_int8 = quantize_int8(k.cview(), QuantizeGroup::per_channel);
+      v_int8 = quantize_int8(v.cview(), QuantizeGroup::per_token);
+    }
+  }
+
+  StoredView stored(const Tensor<float>& x, const Tensor<uint16_t>& bits, const std::optional<Int8Array>& int8) const {
+    switch (kv_type) {
+      case StorageType::float16:
+        return StoredView::float16(bits.cview());
+      case StorageType::bfloat16:
+        return StoredView::bfloat16(bits.cview());
+      case StorageType::int8:
+        return int8->stored();
+      case StorageType::float32:
+        break;
+    }
+    return StoredView::float32(x.cview());
+  }
+
   // One forward asking for out alone, as inference does, or a forward with lse (what training saves)
   // and a backward (the gradients accumulate; only time matters). `variant` is the problem's, or
-  // one with less of it (no window, not causal): the arrays it needs are the problem's.
-  void run(const Variant& variant, bool backward, AttentionImpl impl) {
+  // one with less of it (no window, not causal): the arrays it needs are the problem's. K and V
+  // are the stored ones unless `float32_kv`.
+  void run(const Variant& variant, bool backward, AttentionImpl impl, bool float32_kv = false) {
     const auto view = [](const auto& tensor) { return tensor ? std::optional(tensor->cview()) : std::nullopt; };
     const bool packed = !variant.packed.empty();
     AttentionParams<float> params{.q = q.cview(),
@@ -400,6 +442,22 @@ struct Problem {
                                   .dropout = variant.dropout};
     AttentionOutputs<float> outputs{.out = out.view(), .weights = {}, .lse = {}};
     if (backward) outputs.lse = lse.view();
+    if (kv_type != StorageType::float32 && !float32_kv) {
+      const StoredAttentionParams stored_params{.q = StoredView::float32(q.cview()),
+                                                .k = stored(k, k_bits, k_int8),
+                                                .v = stored(v, v_bits, v_int8),
+                                                .scale = params.scale,
+                                                .mask = params.mask,
+                                                .softcap = params.softcap,
+                                                .sinks = params.sinks};
+      attention_forward(stored_params, outputs, impl);
+      if (backward) {
+        attention_backward(stored_params, dout.cview(),
+                           {.dq = dq.view(), .dk = dk.view(), .dv = dv.view(), .dbias = {}, .dsinks = {}},
+                           AttentionSaved<float>{.out = out.cview(), .lse = lse.cview()}, impl);
+      }
+      return;
+    }
     attention_forward(params, outputs, impl);
     if (backward) {
       const AttentionGradients<float> grads{.dq = dq.view(),
@@ -466,6 +524,15 @@ bool wants(const BenchOptions& o, const std::string& baseline) {
          (o.baselines.empty() || std::find(o.baselines.begin(), o.baselines.end(), baseline) != o.baselines.end());
 }
 
+// The storage of K and V, by its full name, and as the report's header says it.
+std::string kv_name(const BenchOptions& o) {
+  return std::string(storage_name(parse_storage(o.kv_dtype, "--kv-dtype")));
+}
+std::string kv_text(const BenchOptions& o) {
+  const std::string name = kv_name(o);
+  return name == "float32" ? "fp32" : fmt::format("fp32 Q, {} K and V", name);
+}
+
 // Decode's heads and head dimension: the options', else decode's own defaults.
 int64_t decode_heads(const BenchOptions& o) { return o.heads_option->count() > 0 ? o.heads : kDecodeHeads; }
 int64_t decode_dim(const BenchOptions& o) { return o.d_option->count() > 0 ? o.d : kDecodeDim; }
@@ -510,6 +577,19 @@ void check_options(const BenchOptions& o) {
   if (o.threads < 1) throw ValueError(fmt::format("--threads: expected >= 1, got {}", o.threads));
   if (o.repeats < 1) throw ValueError(fmt::format("--repeats: expected >= 1, got {}", o.repeats));
   if (o.decode && o.backward) throw ValueError("--backward: decode (--decode) times the forward only, got both");
+  if (parse_storage(o.kv_dtype, "--kv-dtype") != StorageType::float32) {
+    if (!o.varlen.empty()) {
+      throw ValueError(fmt::format("--varlen: stored K and V (--kv-dtype {}) take no packed sequences", o.kv_dtype));
+    }
+    if (o.dropout_option->count() > 0) {
+      throw ValueError(
+          fmt::format("--dropout: stored K and V (--kv-dtype {}) are for inference; no dropout", o.kv_dtype));
+    }
+    if (!o.compare.empty()) {
+      throw ValueError(fmt::format("--compare: --kv-dtype {} has its own baseline (float32 K and V), got --compare {}",
+                                   o.kv_dtype, o.compare));
+    }
+  }
   if (o.decode && o.causal) {
     throw ValueError("--causal: decode (--decode) has Tq = 1, whose one query sees every key anyway, got both");
   }
@@ -647,10 +727,15 @@ std::vector<Result> measure_attention(const BenchOptions& o, const Variant& vari
     const double bytes = Problem::bytes(o.batch, o.heads, variant.kv_heads, t, t, o.d, o.backward);
     check_allocation_fits(bytes, fmt::format("qkv bench at T = {}", t));
     Problem p(o.batch, o.heads, t, t, o.d, o.backward, variant);
+    p.store_kv(parse_storage(o.kv_dtype, "--kv-dtype"));
     set_max_workers(o.threads);
     // The kernel and its baselines, timed in alternating rounds.
     std::vector<std::string> names;
     std::vector<std::function<void()>> calls = {[&] { p.run(variant, o.backward, impl); }};
+    if (p.kv_type != StorageType::float32 && wants(o, "float32")) {
+      names.emplace_back("float32");
+      calls.emplace_back([&] { p.run(variant, o.backward, impl, true); });
+    }
     if (impl != AttentionImpl::reference && t <= kReferenceMaxT && wants(o, "reference")) {
       names.emplace_back("reference");
       calls.emplace_back([&] { p.run(variant, o.backward, AttentionImpl::reference); });
@@ -707,16 +792,18 @@ void report_attention(const BenchOptions& o, const Variant& variant, const std::
           gflops(r.visible_flops, r.timing), fmt::join(baselines, ", ")));
     }
     fmt::print(
-        "{{\n  \"mode\": \"{}\", \"impl\": \"{}\", \"simd\": \"{}\", {}, \"dtype\": \"float32\", \"batch\": {}, "
+        "{{\n  \"mode\": \"{}\", \"impl\": \"{}\", \"simd\": \"{}\", {}, \"dtype\": \"float32\", \"kv_dtype\": \"{}\", "
+        "\"batch\": {}, "
         "\"heads\": {}, \"d\": {}, \"causal\": {}, \"threads\": {}, \"repeats\": {},\n  {},\n  \"memory_method\": "
         "\"{}\",\n  \"results\": [\n{}\n  ]\n}}\n",
-        mode, o.impl, simd_target(), machine_json(warnings), o.batch, o.heads, o.d, o.causal, o.threads, o.repeats,
-        variant_json(variant), memory_method(reset), fmt::join(rows, ",\n"));
+        mode, o.impl, simd_target(), machine_json(warnings), kv_name(o), o.batch, o.heads, o.d, o.causal, o.threads,
+        o.repeats, variant_json(variant), memory_method(reset), fmt::join(rows, ",\n"));
     std::fflush(stdout);
     return;
   }
-  fmt::print("qkv bench: {}{}, fp32, B={} H={} d={}, {} thread{}, impl {}, median of {} rounds\n", mode,
-             o.causal ? " causal" : "", o.batch, o.heads, o.d, o.threads, o.threads == 1 ? "" : "s", o.impl, o.repeats);
+  fmt::print("qkv bench: {}{}, {}, B={} H={} d={}, {} thread{}, impl {}, median of {} rounds\n", mode,
+             o.causal ? " causal" : "", kv_text(o), o.batch, o.heads, o.d, o.threads, o.threads == 1 ? "" : "s", o.impl,
+             o.repeats);
   fmt::print("{}\n", variant_text(variant, o.heads));
   fmt::print("{}\n", cpu_line());
   fmt::print("memory: {}\n\n", memory_method(reset));
@@ -961,6 +1048,7 @@ struct DecodeResult {
   Result result;
   double kv_gbs = 0.0, triad_gbs = 0.0, read_gbs = 0.0;
   Spread of_triad, of_read;
+  std::optional<Spread> over_float32;  // with --kv-dtype: tokens per second over float32 K and V's
 };
 
 // Every --T (Tk) of the decode benchmark, each in rounds with the two streams.
@@ -980,25 +1068,36 @@ std::vector<DecodeResult> measure_decode(const BenchOptions& o, const Variant& v
     check_allocation_fits(bytes, fmt::format("qkv bench --decode at Tk = {}", tk));
     progress.update(std::ssize(results), fmt::format("Tk={} {}, triad and read stream", tk, o.impl));
     Problem p(o.batch, heads, 1, tk, d, false, variant);
-    const std::vector<Timing> timings =
-        time_in_rounds({[&] { p.run(variant, false, impl); }, [&] { triad.run(); }, [&] { read.run(); }}, o.repeats);
-    // The bytes decode must stream: K and V once, shared by the query heads of each group.
-    const double kv_bytes = 2.0 * static_cast<double>(o.batch * variant.kv_heads * tk * d) * sizeof(float);
+    p.store_kv(parse_storage(o.kv_dtype, "--kv-dtype"));
+    std::vector<std::function<void()>> calls = {[&] { p.run(variant, false, impl); }, [&] { triad.run(); },
+                                                [&] { read.run(); }};
+    const bool against_float32 = p.kv_type != StorageType::float32 && wants(o, "float32");
+    if (against_float32) calls.emplace_back([&] { p.run(variant, false, impl, true); });
+    const std::vector<Timing> timings = time_in_rounds(calls, o.repeats);
+    // The bytes decode must stream: K and V once, shared by the query heads of each group, in their
+    // storage type, and int8's scales (K's per channel, V's per token).
+    const double elements = static_cast<double>(o.batch * variant.kv_heads * tk * d);
+    double kv_bytes = 2.0 * elements * static_cast<double>(storage_bytes(p.kv_type));
+    if (p.kv_type == StorageType::int8) {
+      kv_bytes += static_cast<double>(p.k_int8->scales.numel() + p.v_int8->scales.numel()) * sizeof(float);
+    }
     warn(warnings,
          cache_resident_warning(fmt::format("decode at Tk = {} (K and V)", tk), kv_bytes, cpu_info().l3_bytes));
     const auto gbs = [](double bytes_moved, const Timing& t) { return bytes_moved * 1e-9 / (t.median_ms * 1e-3); };
-    results.push_back({.result = {.tq = 1,
-                                  .tk = tk,
-                                  .flops = kForwardFlopsPerMac * static_cast<double>(o.batch * heads) *
-                                           static_cast<double>(tk) * static_cast<double>(d),
-                                  .tensor_bytes = bytes,
-                                  .timing = timings[0],
-                                  .baselines = {}},
-                       .kv_gbs = gbs(kv_bytes, timings[0]),
-                       .triad_gbs = gbs(Triad::bytes(), timings[1]),
-                       .read_gbs = gbs(ReadStream::bytes(), timings[2]),
-                       .of_triad = scaled(ratio_by_round(timings[1], timings[0]), kv_bytes / Triad::bytes()),
-                       .of_read = scaled(ratio_by_round(timings[2], timings[0]), kv_bytes / ReadStream::bytes())});
+    results.push_back(
+        {.result = {.tq = 1,
+                    .tk = tk,
+                    .flops = kForwardFlopsPerMac * static_cast<double>(o.batch * heads) * static_cast<double>(tk) *
+                             static_cast<double>(d),
+                    .tensor_bytes = bytes,
+                    .timing = timings[0],
+                    .baselines = {}},
+         .kv_gbs = gbs(kv_bytes, timings[0]),
+         .triad_gbs = gbs(Triad::bytes(), timings[1]),
+         .read_gbs = gbs(ReadStream::bytes(), timings[2]),
+         .of_triad = scaled(ratio_by_round(timings[1], timings[0]), kv_bytes / Triad::bytes()),
+         .of_read = scaled(ratio_by_round(timings[2], timings[0]), kv_bytes / ReadStream::bytes()),
+         .over_float32 = against_float32 ? std::optional(ratio_by_round(timings[3], timings[0])) : std::nullopt});
   }
   progress.done();
   return results;
@@ -1014,24 +1113,26 @@ void report_decode(const BenchOptions& o, const Variant& variant, const std::vec
     for (const DecodeResult& r : results) {
       rows.push_back(fmt::format(
           R"(    {{"Tq": 1, "Tk": {}, "flops": {:.6g}, "tensor_bytes": {:.0f}, {}, "gbs": {:.6g}, "triad_gbs": {:.6g}, )"
-          R"("read_gbs": {:.6g}, {}, {}}})",
+          R"("read_gbs": {:.6g}, {}, {}{}}})",
           r.result.tk, r.result.flops, r.result.tensor_bytes, json_timing(r.result.timing, r.result.flops), r.kv_gbs,
-          r.triad_gbs, r.read_gbs, json_spread("triad_fraction", r.of_triad), json_spread("read_fraction", r.of_read)));
+          r.triad_gbs, r.read_gbs, json_spread("triad_fraction", r.of_triad), json_spread("read_fraction", r.of_read),
+          r.over_float32 ? ", " + json_spread("over_float32", *r.over_float32) : ""));
     }
     // The first shape's streams at the top level too, for readers of one shape.
     const double triad_gbs = results.empty() ? 0.0 : results.front().triad_gbs;
     const double read_gbs = results.empty() ? 0.0 : results.front().read_gbs;
     fmt::print(
-        "{{\n  \"mode\": \"decode\", \"impl\": \"{}\", \"simd\": \"{}\", {}, \"dtype\": \"float32\", \"batch\": {}, "
+        "{{\n  \"mode\": \"decode\", \"impl\": \"{}\", \"simd\": \"{}\", {}, \"dtype\": \"float32\", \"kv_dtype\": "
+        "\"{}\", \"batch\": {}, "
         "\"heads\": {}, \"d\": {}, \"threads\": {}, \"repeats\": {}, \"triad_gbs\": {:.6g}, \"read_gbs\": {:.6g},\n  "
         "{},\n  \"memory_method\": \"{}\",\n  \"results\": [\n{}\n  ]\n}}\n",
-        o.impl, simd_target(), machine_json(warnings), o.batch, heads, d, o.threads, o.repeats, triad_gbs, read_gbs,
-        variant_json(variant), memory_method(reset), fmt::join(rows, ",\n"));
+        o.impl, simd_target(), machine_json(warnings), kv_name(o), o.batch, heads, d, o.threads, o.repeats, triad_gbs,
+        read_gbs, variant_json(variant), memory_method(reset), fmt::join(rows, ",\n"));
     std::fflush(stdout);
     return;
   }
-  fmt::print("qkv bench: decode (Tq = 1), fp32, B={} H={} d={}, {} thread{}, impl {}, median of {} rounds\n", o.batch,
-             heads, d, o.threads, o.threads == 1 ? "" : "s", o.impl, o.repeats);
+  fmt::print("qkv bench: decode (Tq = 1), {}, B={} H={} d={}, {} thread{}, impl {}, median of {} rounds\n", kv_text(o),
+             o.batch, heads, d, o.threads, o.threads == 1 ? "" : "s", o.impl, o.repeats);
   fmt::print("{}\n", variant_text(variant, heads));
   fmt::print("{}\n", cpu_line());
   fmt::print("roofs, timed in the same rounds: a streaming triad a = b + s·c over 3 × {} arrays, and a read\n",
@@ -1039,15 +1140,21 @@ void report_decode(const BenchOptions& o, const Variant& variant, const std::vec
   fmt::print("stream alone over {}; fractions are medians of per-round ratios (min–max)\n",
              format_bytes(kTriadFloats * 12.0));
   fmt::print("memory: {}\n\n", memory_method(reset));
-  fmt::print("{:>7}  {:>11}  {:>9}  {:>9}  {:>18}  {:>9}  {:>18}  {:>9}  {:>11}\n", "Tk", "median ms", "GB/s K+V",
-             "triad", "of triad", "read", "of read", "GFLOP/s", "peak extra");
+  const bool stored = !results.empty() && results.front().over_float32;
+  if (stored) fmt::print("over fp32: tokens per second over those of float32 K and V, timed in the same rounds\n\n");
+  fmt::print("{:>7}  {:>11}  {:>9}  {:>9}  {:>18}  {:>9}  {:>18}  {:>9}  {:>11}{}\n", "Tk", "median ms", "GB/s K+V",
+             "triad", "of triad", "read", "of read", "GFLOP/s", "peak extra", stored ? "  over fp32" : "");
   const auto percent = [](const Spread& s) {
     return fmt::format("{:.0f}% ({:.0f}–{:.0f}%)", 100.0 * s.median, 100.0 * s.min, 100.0 * s.max);
   };
   for (const DecodeResult& r : results) {
-    fmt::print("{:>7}  {:>11.3f}  {:>9.1f}  {:>9.1f}  {:>18}  {:>9.1f}  {:>18}  {:>9.1f}  {:>11}\n", r.result.tk,
+    const std::string over = r.over_float32 ? fmt::format("  {:.2f}× ({:.2f}–{:.2f})", r.over_float32->median,
+                                                          r.over_float32->min, r.over_float32->max)
+                                            : "";
+    fmt::print("{:>7}  {:>11.3f}  {:>9.1f}  {:>9.1f}  {:>18}  {:>9.1f}  {:>18}  {:>9.1f}  {:>11}{}\n", r.result.tk,
                r.result.timing.median_ms, r.kv_gbs, r.triad_gbs, percent(r.of_triad), r.read_gbs, percent(r.of_read),
-               r.result.flops * 1e-9 / (r.result.timing.median_ms * 1e-3), format_bytes(r.result.timing.extra_bytes));
+               r.result.flops * 1e-9 / (r.result.timing.median_ms * 1e-3), format_bytes(r.result.timing.extra_bytes),
+               over);
   }
   print_warnings(warnings);
   std::fflush(stdout);
@@ -1116,6 +1223,10 @@ void register_bench(CLI::App& app) {
       ->type_name("WHAT");
   cmd->add_flag("--backward", o->backward, "time forward + backward (the gradients of all of Q, K and V)");
   cmd->add_flag("--decode", o->decode, "decode: one query against many keys, in GB/s against a streaming triad");
+  cmd->add_option("--kv-dtype", o->kv_dtype,
+                  "K and V stored as float32, float16, bfloat16 or int8 (f32, f16, bf16, i8), timed against "
+                  "float32 ones")
+      ->capture_default_str();
   o->threads_option = cmd->add_option("--threads", o->threads, "threads (default: OpenMP's, here the cores)");
   cmd->add_option("--impl", o->impl, "fused, reference or auto")
       ->check(CLI::IsMember({"fused", "reference", "auto"}))
@@ -1125,9 +1236,10 @@ void register_bench(CLI::App& app) {
       ->capture_default_str();
   cmd->add_option(
          "--baselines", o->baselines,
-         "baselines to measure, comma-separated: reference, threads, causal, or none (default: all that apply)")
+         "baselines to measure, comma-separated: reference, threads, causal, float32, or none (default: all that "
+         "apply)")
       ->delimiter(',')
-      ->check(CLI::IsMember({"reference", "threads", "causal", "none"}))
+      ->check(CLI::IsMember({"reference", "threads", "causal", "float32", "none"}))
       ->type_name("LIST");
   cmd->add_flag("--json", o->json, "print the results as JSON");
   cmd->callback([o] { run_bench(*o); });

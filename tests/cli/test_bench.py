@@ -4,6 +4,7 @@
 Benchmarks are not tests: nothing here asserts a time. It checks that --json is valid JSON with the
 fields compare_torch.py reads, that each baseline appears when it applies, that the text table has
 a row per size, that bad input exits 2 with one line naming the option and nothing on stdout, and
+that --kv-dtype times float32 K and V beside the stored ones, and
 that compare_torch.py --quick runs qkv and PyTorch end to end, says which OpenBLAS core PyTorch ran and
 grades every target with its median and spread.
 
@@ -101,6 +102,25 @@ def check_decode():
         check("fits in the last-level cache" in done.stderr, f"the warning is on stderr too: {done.stderr!r}")
 
 
+def check_kv_dtype():
+    """Every --kv-dtype times float32 K and V as its baseline, in decode and in the forward."""
+    for dtype, name in (("f16", "float16"), ("bf16", "bfloat16"), ("int8", "int8")):
+        done = bench("--decode", "--T", "300", "--kv-dtype", dtype, *TINY, "--json")
+        check(done.returncode == 0, f"bench --decode --kv-dtype {dtype} exits 0, got {done.returncode}: {done.stderr}")
+        report = json.loads(done.stdout)
+        r = report["results"][0]
+        check(report["kv_dtype"] == name, f"kv_dtype {name}: {report['kv_dtype']}")
+        check(r["over_float32"] > 0 and r["gbs"] > 0, f"decode --kv-dtype {dtype}: {r}")
+        check_spread(r, "over_float32")
+    done = bench("--T", "40", "--kv-dtype", "bf16", "--causal", "--backward", *TINY, "--json")
+    check(done.returncode == 0, f"bench --kv-dtype bf16 --backward exits 0: {done.stderr}")
+    baselines = json.loads(done.stdout)["results"][0]["baselines"]
+    check("float32" in baselines and baselines["float32"]["speedup"] > 0, f"float32 baseline: {baselines}")
+    done = bench("--decode", "--T", "300", "--kv-dtype", "f16", *TINY)
+    check(done.returncode == 0 and "fp32 Q, float16 K and V" in done.stdout and "over fp32" in done.stdout,
+          f"the text report names the storage and the ratio: {done.stdout}")
+
+
 def check_refusals():
     cases = [
         (["--T", "0"], "--T"),
@@ -115,6 +135,9 @@ def check_refusals():
         (["--baselines", "bogus"], "--baselines"),
         (["--decode", "--backward"], "--backward"),
         (["--decode", "--causal"], "--causal"),
+        (["--kv-dtype", "fp8"], "--kv-dtype"),
+        (["--kv-dtype", "f16", "--varlen", "8,8"], "--varlen"),
+        (["--kv-dtype", "int8", "--dropout", "0.1"], "--dropout"),
     ]
     for args, option in cases:
         done = bench(*args)
@@ -143,6 +166,7 @@ def main():
     check_json_run()
     check_text_and_baselines()
     check_decode()
+    check_kv_dtype()
     check_refusals()
     check_compare_torch()
     if failures:
