@@ -38,6 +38,17 @@
 // dV and dP; the running sum l is the softmax's, before dropout. Packed sequences never reach the
 // kernels: the API runs one call per sequence on views.
 //
+// ---- Stored operands ------------------------------------------------------------------------------
+// Q, K and V may be stored as float16, bfloat16 or int8 with scales (StoredRows; the forward only).
+// Wherever a kernel reads a block of their rows, StageRows first converts those rows to float32 in
+// the worker's scratch (F16C's conversion or its emulation, a shift, or int8 widened and multiplied
+// by its scale), and the block is then used exactly as a float32 input's would be: every value is
+// the one to_float32 gives, and every later operation is the float32 kernel's, so the result is
+// bit-identical to the float32 kernel on the converted arrays, on every target. The conversion
+// costs a load and a store per element per use: nothing beside a tile's 2·Br multiply-adds per K
+// and V element, and in decode, where each element is used once, a pass over rows already in L1
+// while the memory is read at a half or a quarter of the bytes.
+//
 // ---- Accuracy -----------------------------------------------------------------------------------
 // Everything is computed in T (float32 or float64): the products, exp, the running sums. Sums over
 // d and over key or query blocks are blocked (TileUpdate: chunks of 16 summed in registers from
