@@ -149,10 +149,10 @@ struct StridedView4 {
 template <class T>
 using RowsView = StridedView4<T>;
 
-// Rows of Q, K or V stored narrower than float32 (float16, bfloat16, int8 with scales): the
-// kernels convert them where they read them, a block of rows at a time, into float32 scratch
-// (StageRows), so that everything after the load is the float32 kernel's arithmetic. float32 here
-// means that the operand's RowsView<T> in Inputs is read instead.
+// Rows of Q, K or V stored narrower than float32 (float16, bfloat16, int8 with scales), or in the
+// pages of a KV cache: the kernels convert (or copy) them where they read them, a block of rows at
+// a time, into float32 scratch (StageRows), so that everything after the load is the float32
+// kernel's arithmetic. Neither narrower nor paged, the operand's RowsView<T> in Inputs is read.
 struct StoredRows {
   StorageType type = StorageType::float32;
   const uint8_t* data = nullptr;
@@ -161,11 +161,32 @@ struct StoredRows {
   int64_t row_stride = 0;
   // int8: element (b, h, t, c) stands for scales(b, h, t, c)·x, the scales broadcast (stride 0).
   StridedView4<const float> scales;
+  // Paged: token t of batch entry b is row t % page_tokens of page pages[b·page_table_stride +
+  // t / page_tokens]; pages lie page_stride elements apart (their scales scale_page_stride apart),
+  // and batch_stride is not used.
+  const int64_t* pages = nullptr;
+  int64_t page_table_stride = 0;
+  int64_t page_tokens = 0;
+  int64_t page_stride = 0;
+  int64_t scale_page_stride = 0;
 
-  explicit operator bool() const { return type != StorageType::float32; }
+  // Whether the kernels read this instead of the operand's RowsView.
+  explicit operator bool() const { return type != StorageType::float32 || pages != nullptr; }
   size_t element_bytes() const { return static_cast<size_t>(storage_bytes(type)); }
   const uint8_t* row(int64_t b, int64_t h, int64_t t) const {
+    if (pages != nullptr) {
+      const int64_t page = pages[b * page_table_stride + t / page_tokens];
+      return data +
+             static_cast<size_t>(page * page_stride + h * head_stride + t % page_tokens * row_stride) * element_bytes();
+    }
     return data + static_cast<size_t>(b * batch_stride + h * head_stride + t * row_stride) * element_bytes();
+  }
+  const float* scale_row(int64_t b, int64_t h, int64_t t) const {
+    if (pages != nullptr) {
+      const int64_t page = pages[b * page_table_stride + t / page_tokens];
+      return scales.data + page * scale_page_stride + h * scales.head_stride + t % page_tokens * scales.row_stride;
+    }
+    return scales.row(b, h, t);
   }
 };
 
@@ -485,9 +506,10 @@ void PrefetchRows(const fused::RowsView<const T>& x, const fused::StoredRows& st
   }
 }
 
-// Row t of a stored operand as `cols` float32 values: F16C's conversion (or its emulation) for
-// float16, a shift for bfloat16, and for int8 widening to int32, conversion and one multiply by
-// the scale, so every value is exactly what to_float32 (core/storage.hpp) gives.
+// Row t of a stored operand as `cols` float32 values: a copy for float32 (in a cache's pages),
+// F16C's conversion (or its emulation) for float16, a shift for bfloat16, and for int8 widening to
+// int32, conversion and one multiply by the scale, so every value is exactly what to_float32
+// (core/storage.hpp) gives.
 template <class D, class T = hn::TFromD<D>>
 HWY_INLINE void ConvertRow(D d, const fused::StoredRows& x, int64_t b, int64_t h, int64_t t, size_t cols,
                            T* HWY_RESTRICT out) {
@@ -495,7 +517,9 @@ HWY_INLINE void ConvertRow(D d, const fused::StoredRows& x, int64_t b, int64_t h
     const size_t N = hn::Lanes(d);
     const uint8_t* row = x.row(b, h, t);
     size_t c = 0;
-    if (x.type == StorageType::float16) {
+    if (x.type == StorageType::float32) {
+      std::copy_n(reinterpret_cast<const float*>(row), cols, out);
+    } else if (x.type == StorageType::float16) {
       const hn::Rebind<hwy::float16_t, D> dh;
       const auto* src = reinterpret_cast<const hwy::float16_t*>(row);
       for (; c + N <= cols; c += N) hn::StoreU(hn::PromoteTo(d, hn::LoadU(dh, src + c)), d, out + c);
@@ -509,7 +533,7 @@ HWY_INLINE void ConvertRow(D d, const fused::StoredRows& x, int64_t b, int64_t h
       const hn::Rebind<int8_t, D> d8;
       const hn::Rebind<int32_t, D> d32;
       const auto* src = reinterpret_cast<const int8_t*>(row);
-      const float* scale = x.scales.row(b, h, t);
+      const float* scale = x.scale_row(b, h, t);
       const int64_t step = x.scales.col_stride;
       for (; c + N <= cols; c += N) {
         const hn::Vec<D> value = hn::ConvertTo(d, hn::PromoteTo(d32, hn::LoadU(d8, src + c)));

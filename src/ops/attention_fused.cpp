@@ -94,7 +94,12 @@ fused::StoredRows stored_rows(const detail::StoredOperand& operand) {
                          .batch_stride = operand.strides[0],
                          .head_stride = operand.strides[1],
                          .row_stride = operand.strides[2],
-                         .scales = {}};
+                         .scales = {},
+                         .pages = operand.pages,
+                         .page_table_stride = 0,
+                         .page_tokens = operand.page_tokens,
+                         .page_stride = operand.page_stride,
+                         .scale_page_stride = operand.scale_page_stride};
   if (operand.scales) rows.scales = strided_of(*operand.scales);
   return rows;
 }

@@ -373,6 +373,12 @@ struct StoredOperand {
   const void* data = nullptr;
   Strides strides{};
   std::optional<TensorView<const float>> scales = std::nullopt;
+  // In a KV cache's pages (null: not paged): token t is row t % page_tokens of page
+  // pages[t / page_tokens], pages page_stride elements apart and their scales scale_page_stride.
+  const int64_t* pages = nullptr;
+  int64_t page_tokens = 0;
+  int64_t page_stride = 0;
+  int64_t scale_page_stride = 0;
 };
 
 struct StoredOperands {

@@ -1,0 +1,91 @@
+#pragma once
+// A KV cache for autoregressive decoding: the keys and values of any number of sequences, each
+// growing token by token (or a block at a time), in fixed-size pages of a pool shared by all of
+// them, with a table of pages per sequence (vLLM's paged layout: a sequence grows without moving
+// what it holds, and a finished one gives its pages back). K and V are stored in any StorageType;
+// attend() runs the fused kernel over a sequence's pages in place, converting a block of rows at a
+// time as it reads them, with the split of the keys that decoding takes.
+//
+// int8 keys have one scale per channel and page (the step of each channel over the page's
+// tokens, as KIVI argues for keys); a token whose channel exceeds its page's scale raises that
+// scale at least twofold and requantises the page's earlier tokens of the channel, which costs
+// O(page) and happens rarely once a page holds a few tokens. A key is then within one step of its
+// page's last scale (less than 2·max|k|/127 over the page's channel), where a whole array
+// quantised at once (quantize_int8) is within half a step. int8 values have one scale per token.
+
+#include <cstdint>
+#include <optional>
+#include <vector>
+
+#include "qkv/core/storage.hpp"
+#include "qkv/core/tensor.hpp"
+#include "qkv/ops/attention.hpp"
+
+namespace qkv {
+
+struct KvCacheShape {
+  int64_t kv_heads = 1;  // Hkv
+  int64_t dk = 0;        // key dim, ≥ 1
+  int64_t dv = 0;        // value dim, ≥ 1
+  StorageType type = StorageType::float16;
+  int64_t page_tokens = 256;  // tokens per page, ≥ 1
+  int64_t pages = 0;          // the pool: at most pages · page_tokens tokens over all sequences
+};
+
+// What attend() adds to the queries' scores; the queries are the last Tq tokens of the sequence
+// (bottom-right aligned, as decoding appends them).
+struct KvAttendOptions {
+  std::optional<double> scale = std::nullopt;  // 1/sqrt(Dk) when not given
+  bool causal = true;                          // query i sees keys up to length − Tq + i
+  std::optional<AttentionWindow> window = std::nullopt;
+  std::optional<double> softcap = std::nullopt;
+  std::optional<TensorView<const float>> sinks = std::nullopt;  // [H]
+};
+
+class KvCache {
+ public:
+  explicit KvCache(const KvCacheShape& shape);
+
+  const KvCacheShape& shape() const { return shape_; }
+  // A new, empty sequence: its id.
+  int64_t add_sequence();
+  // Gives the sequence's pages back to the pool; its id is not used again.
+  void remove_sequence(int64_t id);
+  int64_t length(int64_t id) const;
+  int64_t free_pages() const { return static_cast<int64_t>(free_.size()); }
+
+  // Appends n tokens to the sequence: k [Hkv, n, Dk] and v [Hkv, n, Dv], finite float32, stored in
+  // the cache's type. Refused whole (nothing appended) when the pool has too few free pages.
+  void append(int64_t id, TensorView<const float> k, TensorView<const float> v);
+
+  // The sequence's keys (values) as the kernels read them, float32 [Hkv, length, Dk (Dv)].
+  Tensor<float> keys(int64_t id) const;
+  Tensor<float> values(int64_t id) const;
+
+  // Attention of q [H, Tq, Dk] (H a multiple of Hkv) over the sequence: outputs.out [H, Tq, Dv]
+  // and outputs.lse [H, Tq] when given; no weights.
+  void attend(int64_t id, TensorView<const float> q, const AttentionOutputs<float>& outputs,
+              const KvAttendOptions& options = {}) const;
+
+ private:
+  struct Sequence {
+    std::vector<int64_t> pages;
+    int64_t length = 0;
+    bool live = true;
+  };
+  const Sequence& sequence(int64_t id) const;
+  int64_t head_elements(int64_t d) const { return shape_.page_tokens * d; }  // one head's rows in a page
+  void store_key(int64_t page, int64_t head, int64_t row, const float* k);
+  void store_value(int64_t page, int64_t head, int64_t row, const float* v);
+  Tensor<float> read(int64_t id, bool keys) const;
+
+  KvCacheShape shape_;
+  // Pools [pages][Hkv][page_tokens][D] of the storage type's elements (bytes), and for int8 the
+  // scales: keys [pages][Hkv][Dk] (per channel and page), values [pages][Hkv][page_tokens].
+  std::vector<uint8_t> k_pool_, v_pool_;
+  std::vector<float> k_scales_, v_scales_;
+  std::vector<int64_t> free_;  // free pages, the next one last
+  std::vector<Sequence> sequences_;
+};
+
+}  // namespace qkv

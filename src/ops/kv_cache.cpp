@@ -1,0 +1,259 @@
+#include "qkv/ops/kv_cache.hpp"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+
+#include "attention_problem.hpp"
+#include "qkv/core/error.hpp"
+
+namespace qkv {
+namespace {
+
+int8_t quantize(float x, float scale) {
+  if (scale == 0.0f) return 0;
+  return static_cast<int8_t>(std::clamp(std::nearbyint(x / scale), -127.0f, 127.0f));
+}
+
+}  // namespace
+
+KvCache::KvCache(const KvCacheShape& shape) : shape_(shape) {
+  const auto at_least_one = [](int64_t value, const char* name) {
+    if (value < 1) throw ValueError(fmt::format("KvCacheShape.{}: expected at least 1, got {}", name, value));
+  };
+  at_least_one(shape.kv_heads, "kv_heads");
+  at_least_one(shape.dk, "dk");
+  at_least_one(shape.dv, "dv");
+  at_least_one(shape.page_tokens, "page_tokens");
+  at_least_one(shape.pages, "pages");
+  const int64_t bytes = storage_bytes(shape.type);
+  const auto elements = [&](int64_t d) { return static_cast<size_t>(shape.pages * shape.kv_heads * head_elements(d)); };
+  k_pool_.resize(elements(shape.dk) * static_cast<size_t>(bytes));
+  v_pool_.resize(elements(shape.dv) * static_cast<size_t>(bytes));
+  if (shape.type == StorageType::int8) {
+    k_scales_.resize(static_cast<size_t>(shape.pages * shape.kv_heads * shape.dk));
+    v_scales_.resize(static_cast<size_t>(shape.pages * shape.kv_heads * shape.page_tokens));
+  }
+  for (int64_t page = shape.pages - 1; page >= 0; --page) free_.push_back(page);
+}
+
+int64_t KvCache::add_sequence() {
+  sequences_.push_back({});
+  return static_cast<int64_t>(sequences_.size()) - 1;
+}
+
+const KvCache::Sequence& KvCache::sequence(int64_t id) const {
+  if (id < 0 || id >= static_cast<int64_t>(sequences_.size()) || !sequences_[static_cast<size_t>(id)].live) {
+    throw ValueError(fmt::format("sequence: no sequence {} in the cache (ids 0 to {}, removed ones excepted)", id,
+                                 static_cast<int64_t>(sequences_.size()) - 1));
+  }
+  return sequences_[static_cast<size_t>(id)];
+}
+
+void KvCache::remove_sequence(int64_t id) {
+  sequence(id);
+  Sequence& s = sequences_[static_cast<size_t>(id)];
+  for (auto page = s.pages.rbegin(); page != s.pages.rend(); ++page) free_.push_back(*page);
+  s = {.pages = {}, .length = 0, .live = false};
+}
+
+int64_t KvCache::length(int64_t id) const { return sequence(id).length; }
+
+void KvCache::store_key(int64_t page, int64_t head, int64_t row, const float* k) {
+  const int64_t dk = shape_.dk;
+  const int64_t first = (page * shape_.kv_heads + head) * head_elements(dk);  // the head's row 0 in the page
+  const int64_t at = first + row * dk;
+  switch (shape_.type) {
+    case StorageType::float32:
+      std::memcpy(k_pool_.data() + at * 4, k, static_cast<size_t>(dk) * 4);
+      return;
+    case StorageType::float16:
+    case StorageType::bfloat16: {
+      auto* bits = reinterpret_cast<uint16_t*>(k_pool_.data()) + at;
+      for (int64_t c = 0; c < dk; ++c) {
+        bits[c] = shape_.type == StorageType::float16 ? float16_from_float(k[c]) : bfloat16_from_float(k[c]);
+      }
+      return;
+    }
+    case StorageType::int8: {
+      auto* q = reinterpret_cast<int8_t*>(k_pool_.data());
+      float* scale = k_scales_.data() + (page * shape_.kv_heads + head) * dk;
+      for (int64_t c = 0; c < dk; ++c) {
+        const float magnitude = std::abs(k[c]);
+        if (magnitude > scale[c] * 127.0f) {
+          // The channel's step grows, at least twofold, and its earlier tokens in this page are
+          // stored again on the new one: each time with an error of up to half the new step, so
+          // that, the steps at least doubling, all of them add up to less than the last step.
+          const float wider = std::max(magnitude / 127.0f, 2.0f * scale[c]);
+          for (int64_t r = 0; r < row; ++r) {
+            int8_t& earlier = q[first + r * dk + c];
+            earlier = quantize(static_cast<float>(earlier) * scale[c], wider);
+          }
+          scale[c] = wider;
+        }
+        q[at + c] = quantize(k[c], scale[c]);
+      }
+      return;
+    }
+  }
+}
+
+void KvCache::store_value(int64_t page, int64_t head, int64_t row, const float* v) {
+  const int64_t dv = shape_.dv;
+  const int64_t at = (page * shape_.kv_heads + head) * head_elements(dv) + row * dv;
+  switch (shape_.type) {
+    case StorageType::float32:
+      std::memcpy(v_pool_.data() + at * 4, v, static_cast<size_t>(dv) * 4);
+      return;
+    case StorageType::float16:
+    case StorageType::bfloat16: {
+      auto* bits = reinterpret_cast<uint16_t*>(v_pool_.data()) + at;
+      for (int64_t c = 0; c < dv; ++c) {
+        bits[c] = shape_.type == StorageType::float16 ? float16_from_float(v[c]) : bfloat16_from_float(v[c]);
+      }
+      return;
+    }
+    case StorageType::int8: {
+      float magnitude = 0.0f;
+      for (int64_t c = 0; c < dv; ++c) magnitude = std::max(magnitude, std::abs(v[c]));
+      const float scale = magnitude > 0.0f ? magnitude / 127.0f : 1.0f;
+      v_scales_[static_cast<size_t>((page * shape_.kv_heads + head) * shape_.page_tokens + row)] = scale;
+      auto* q = reinterpret_cast<int8_t*>(v_pool_.data()) + at;
+      for (int64_t c = 0; c < dv; ++c) q[c] = quantize(v[c], scale);
+      return;
+    }
+  }
+}
+
+void KvCache::append(int64_t id, TensorView<const float> k, TensorView<const float> v) {
+  sequence(id);
+  Sequence& s = sequences_[static_cast<size_t>(id)];
+  if (k.rank() != 3) {
+    throw ShapeError(
+        fmt::format("k: expected [Hkv, n, Dk] = [{}, n, {}], got shape {}", shape_.kv_heads, shape_.dk, k.shape.str()));
+  }
+  const int64_t n = k.shape[1];
+  check_shape("k", k.shape, Shape{shape_.kv_heads, n, shape_.dk});
+  check_shape("v", v.shape, Shape{shape_.kv_heads, n, shape_.dv});
+  check_finite(k, "k");
+  check_finite(v, "v");
+  const int64_t pages_needed = (s.length + n + shape_.page_tokens - 1) / shape_.page_tokens;
+  const int64_t more = pages_needed - static_cast<int64_t>(s.pages.size());
+  if (more > free_pages()) {
+    throw ResourceError(
+        fmt::format("k: appending {} tokens to sequence {} (of {}) needs {} more pages of {} tokens, but the cache has "
+                    "{} of its {} "
+                    "free",
+                    n, id, s.length, more, shape_.page_tokens, free_pages(), shape_.pages));
+  }
+  for (int64_t p = 0; p < more; ++p) {
+    const int64_t page = free_.back();
+    free_.pop_back();
+    s.pages.push_back(page);
+    if (shape_.type == StorageType::int8) {
+      const auto first = k_scales_.begin() + page * shape_.kv_heads * shape_.dk;
+      std::fill(first, first + shape_.kv_heads * shape_.dk, 0.0f);
+    }
+  }
+  std::vector<float> row(static_cast<size_t>(std::max(shape_.dk, shape_.dv)));
+  for (int64_t t = 0; t < n; ++t) {
+    const int64_t token = s.length + t;
+    const int64_t page = s.pages[static_cast<size_t>(token / shape_.page_tokens)];
+    const int64_t slot = token % shape_.page_tokens;
+    for (int64_t h = 0; h < shape_.kv_heads; ++h) {
+      for (int64_t c = 0; c < shape_.dk; ++c) row[static_cast<size_t>(c)] = k(h, t, c);
+      store_key(page, h, slot, row.data());
+      for (int64_t c = 0; c < shape_.dv; ++c) row[static_cast<size_t>(c)] = v(h, t, c);
+      store_value(page, h, slot, row.data());
+    }
+  }
+  s.length += n;
+}
+
+Tensor<float> KvCache::read(int64_t id, bool keys) const {
+  const Sequence& s = sequence(id);
+  const int64_t d = keys ? shape_.dk : shape_.dv;
+  const std::vector<uint8_t>& pool = keys ? k_pool_ : v_pool_;
+  Tensor<float> out({shape_.kv_heads, s.length, d});
+  for (int64_t h = 0; h < shape_.kv_heads; ++h) {
+    for (int64_t t = 0; t < s.length; ++t) {
+      const int64_t page = s.pages[static_cast<size_t>(t / shape_.page_tokens)];
+      const int64_t slot = t % shape_.page_tokens;
+      const int64_t at = (page * shape_.kv_heads + h) * head_elements(d) + slot * d;
+      for (int64_t c = 0; c < d; ++c) {
+        float value = 0.0f;
+        switch (shape_.type) {
+          case StorageType::float32:
+            std::memcpy(&value, pool.data() + (at + c) * 4, 4);
+            break;
+          case StorageType::float16:
+            value = float_from_float16(reinterpret_cast<const uint16_t*>(pool.data())[at + c]);
+            break;
+          case StorageType::bfloat16:
+            value = float_from_bfloat16(reinterpret_cast<const uint16_t*>(pool.data())[at + c]);
+            break;
+          case StorageType::int8: {
+            const float scale =
+                keys ? k_scales_[static_cast<size_t>((page * shape_.kv_heads + h) * d + c)]
+                     : v_scales_[static_cast<size_t>((page * shape_.kv_heads + h) * shape_.page_tokens + slot)];
+            value = static_cast<float>(reinterpret_cast<const int8_t*>(pool.data())[at + c]) * scale;
+            break;
+          }
+        }
+        out.view()(h, t, c) = value;
+      }
+    }
+  }
+  return out;
+}
+
+Tensor<float> KvCache::keys(int64_t id) const { return read(id, true); }
+Tensor<float> KvCache::values(int64_t id) const { return read(id, false); }
+
+void KvCache::attend(int64_t id, TensorView<const float> q, const AttentionOutputs<float>& outputs,
+                     const KvAttendOptions& options) const {
+  const Sequence& s = sequence(id);
+  if (q.rank() != 3) {
+    throw ShapeError(fmt::format("q: expected [H, Tq, Dk] with Dk = {}, got shape {}", shape_.dk, q.shape.str()));
+  }
+  const int64_t hkv = shape_.kv_heads, page = shape_.page_tokens;
+  // K and V's shapes, for the problem's checks; the kernel reads the pages.
+  const Shape k_shape{hkv, s.length, shape_.dk}, v_shape{hkv, s.length, shape_.dv};
+  AttentionParams<float> params{.q = q,
+                                .k = {nullptr, k_shape, contiguous_strides(k_shape)},
+                                .v = {nullptr, v_shape, contiguous_strides(v_shape)},
+                                .scale = options.scale,
+                                .mask = {.causal = options.causal, .window = options.window},
+                                .softcap = options.softcap,
+                                .sinks = options.sinks};
+  const detail::AttentionProblem<float> problem = detail::make_attention_problem(params);
+  if (outputs.weights)
+    throw ValueError("weights: a KV cache's attention runs the fused kernel, which gives no weights");
+  const auto operand = [&](const std::vector<uint8_t>& pool, int64_t d, const std::vector<float>& scales,
+                           bool per_channel) {
+    detail::StoredOperand o{.type = shape_.type,
+                            .data = pool.data(),
+                            .strides = {0, page * d, d, 1},
+                            .scales = std::nullopt,
+                            .pages = s.pages.data(),
+                            .page_tokens = page,
+                            .page_stride = hkv * page * d,
+                            .scale_page_stride = 0};
+    if (shape_.type == StorageType::int8) {
+      // Keys: one scale per channel of a page's head; values: one per token.
+      o.scales = TensorView<const float>{scales.data(), Shape{1, hkv, page, d},
+                                         per_channel ? Strides{0, d, 0, 1} : Strides{0, page, 1, 0}};
+      o.scale_page_stride = hkv * (per_channel ? d : page);
+    }
+    return o;
+  };
+  const detail::StoredOperands stored{.q = {.type = StorageType::float32},
+                                      .k = operand(k_pool_, shape_.dk, k_scales_, true),
+                                      .v = operand(v_pool_, shape_.dv, v_scales_, false)};
+  detail::forward_fused_stored(problem, stored, outputs);
+}
+
+}  // namespace qkv

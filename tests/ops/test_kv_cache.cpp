@@ -1,0 +1,205 @@
+// The paged KV cache (src/ops/kv_cache.cpp): sequences grown in blocks of every size over pages
+// of awkward lengths, in every storage type, attended to on every SIMD target bit-identically to
+// the fused kernel on the contiguous float32 values the cache holds; what it stores against what
+// was appended; its refusals.
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <limits>
+#include <string>
+#include <vector>
+
+#include "attention_checks.hpp"
+#include "qkv/core/error.hpp"
+#include "qkv/core/parallel.hpp"
+#include "qkv/core/storage.hpp"
+#include "qkv/ops/attention.hpp"
+#include "qkv/ops/kv_cache.hpp"
+#include "testing.hpp"
+
+namespace qkv {
+namespace {
+
+using testing::bit_identical;
+using testing::cast;
+using testing::on_every_target;
+
+Tensor<float> random_rows(const Shape& shape, Rng& rng, double sigma = 1.0) {
+  return cast<float>(testing::random_tensor<double>(shape, rng, sigma));
+}
+
+struct Attended {
+  Tensor<double> out, lse;
+};
+
+Attended from_cache(const KvCache& cache, int64_t id, const Tensor<float>& q, const KvAttendOptions& options) {
+  const Shape& s = q.shape();
+  Tensor<float> out({s[0], s[1], cache.shape().dv}), lse({s[0], s[1]});
+  cache.attend(id, q.cview(), {.out = out.view(), .weights = {}, .lse = lse.view()}, options);
+  return {cast<double>(out), cast<double>(lse)};
+}
+
+// The fused kernel on the cache's contents copied out contiguous, float32.
+Attended from_copy(const KvCache& cache, int64_t id, const Tensor<float>& q, const KvAttendOptions& options) {
+  const Tensor<float> k = cache.keys(id), v = cache.values(id);
+  const Shape& s = q.shape();
+  Tensor<float> out({s[0], s[1], cache.shape().dv}), lse({s[0], s[1]});
+  attention_forward<float>({.q = q.cview(),
+                            .k = k.cview(),
+                            .v = v.cview(),
+                            .scale = options.scale,
+                            .mask = {.causal = options.causal, .window = options.window},
+                            .softcap = options.softcap,
+                            .sinks = options.sinks},
+                           {.out = out.view(), .weights = {}, .lse = lse.view()}, AttentionImpl::fused);
+  return {cast<double>(out), cast<double>(lse)};
+}
+
+constexpr StorageType kAllTypes[] = {StorageType::float32, StorageType::float16, StorageType::bfloat16,
+                                     StorageType::int8};
+
+TEST(KvCache, AttendMatchesTheFusedKernelOnItsContentsBitForBit) {
+  for (const StorageType type : kAllTypes) {
+    for (const int64_t page_tokens : {int64_t{48}, int64_t{256}}) {
+      SCOPED_TRACE(fmt::format("{}, pages of {} tokens", storage_name(type), page_tokens));
+      KvCache cache({.kv_heads = 2, .dk = 72, .dv = 40, .type = type, .page_tokens = page_tokens, .pages = 64});
+      const int64_t a = cache.add_sequence(), b = cache.add_sequence();
+      Rng rng(static_cast<uint64_t>(page_tokens) + static_cast<uint64_t>(type));
+      // Blocks of every size, the two sequences interleaved, so their pages interleave in the pool.
+      for (const int64_t n : {1, 7, 300, 1, 64, 1, 1, 700, 5}) {
+        for (const int64_t id : {a, b}) {
+          cache.append(id, random_rows({2, n, 72}, rng, 2.0).cview(), random_rows({2, n, 40}, rng).cview());
+        }
+      }
+      ASSERT_EQ(cache.length(a), 1080);
+      for (const int64_t tq : {1, 3, 12, 40}) {
+        const Tensor<float> q = random_rows({4, tq, 72}, rng);
+        for (const bool causal : {true, false}) {
+          const KvAttendOptions options{.causal = causal};
+          on_every_target([&] {
+            const Attended got = from_cache(cache, b, q, options), want = from_copy(cache, b, q, options);
+            EXPECT_TRUE(bit_identical(got.out, want.out)) << "Tq=" << tq << (causal ? " causal" : "");
+            EXPECT_TRUE(bit_identical(got.lse, want.lse)) << "Tq=" << tq;
+          });
+        }
+      }
+      const Tensor<float> q = random_rows({4, 1, 72}, rng);
+      const KvAttendOptions windowed{.scale = 0.3, .window = AttentionWindow{.left = 100, .right = 0}, .softcap = 20.0};
+      EXPECT_TRUE(bit_identical(from_cache(cache, a, q, windowed).out, from_copy(cache, a, q, windowed).out));
+    }
+  }
+}
+
+TEST(KvCache, StoresWhatWasAppendedInItsType) {
+  Rng rng(5);
+  const Tensor<float> k = random_rows({3, 200, 16}, rng, 4.0), v = random_rows({3, 200, 8}, rng);
+  for (const StorageType type : kAllTypes) {
+    SCOPED_TRACE(storage_name(type));
+    KvCache cache({.kv_heads = 3, .dk = 16, .dv = 8, .type = type, .page_tokens = 32, .pages = 7});
+    const int64_t id = cache.add_sequence();
+    // Token by token, so that int8 keys raise their page's scales as larger values arrive.
+    for (int64_t t = 0; t < 200; ++t) {
+      Tensor<float> kt({3, 1, 16}), vt({3, 1, 8});
+      for (int64_t h = 0; h < 3; ++h) {
+        for (int64_t c = 0; c < 16; ++c) kt.view()(h, 0, c) = k.view()(h, t, c);
+        for (int64_t c = 0; c < 8; ++c) vt.view()(h, 0, c) = v.view()(h, t, c);
+      }
+      cache.append(id, kt.cview(), vt.cview());
+    }
+    const Tensor<float> keys = cache.keys(id), values = cache.values(id);
+    for (int64_t h = 0; h < 3; ++h) {
+      for (int64_t t = 0; t < 200; ++t) {
+        for (int64_t c = 0; c < 16; ++c) {
+          const float x = k.view()(h, t, c), got = keys.view()(h, t, c);
+          if (type == StorageType::float32) {
+            ASSERT_EQ(got, x);
+          } else if (type == StorageType::float16) {
+            ASSERT_EQ(got, float_from_float16(float16_from_float(x)));
+          } else if (type == StorageType::bfloat16) {
+            ASSERT_EQ(got, float_from_bfloat16(bfloat16_from_float(x)));
+          } else {
+            // Within the bound the header states: one step of the page's last scale, < 2·max|k|/127.
+            float page_max = 0;
+            for (int64_t r = t / 32 * 32; r < std::min<int64_t>(200, t / 32 * 32 + 32); ++r)
+              page_max = std::max(page_max, std::abs(k.view()(h, r, c)));
+            ASSERT_LE(std::abs(got - x), 2.0f * page_max / 127.0f * 1.0001f) << h << " " << t << " " << c;
+          }
+        }
+        for (int64_t c = 0; c < 8; ++c) {
+          if (type != StorageType::int8) continue;
+          float row_max = 0;
+          for (int64_t cc = 0; cc < 8; ++cc) row_max = std::max(row_max, std::abs(v.view()(h, t, cc)));
+          ASSERT_LE(std::abs(values.view()(h, t, c) - v.view()(h, t, c)), 0.5f * row_max / 127.0f * 1.0001f);
+        }
+      }
+    }
+  }
+}
+
+TEST(KvCache, AnEmptySequenceGivesZerosAndMinusInfinity) {
+  KvCache cache({.kv_heads = 1, .dk = 8, .dv = 8, .type = StorageType::float16, .page_tokens = 16, .pages = 2});
+  const int64_t id = cache.add_sequence();
+  Rng rng(6);
+  const Attended got = from_cache(cache, id, random_rows({2, 1, 8}, rng), {});
+  for (int64_t i = 0; i < got.out.numel(); ++i) EXPECT_EQ(got.out[i], 0.0);
+  EXPECT_EQ(got.lse[0], -std::numeric_limits<double>::infinity());
+}
+
+template <class Error>
+void expect_refused(const std::function<void()>& call, const std::string& message) {
+  try {
+    call();
+    FAIL() << "accepted; expected: " << message;
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find(message), std::string::npos) << e.what();
+  }
+}
+
+TEST(KvCache, BadCallsAreRefusedAndChangeNothing) {
+  KvCache cache({.kv_heads = 2, .dk = 16, .dv = 8, .type = StorageType::int8, .page_tokens = 64, .pages = 3});
+  const int64_t id = cache.add_sequence();
+  Rng rng(7);
+  cache.append(id, random_rows({2, 100, 16}, rng).cview(), random_rows({2, 100, 8}, rng).cview());
+  expect_refused<ShapeError>(
+      [&] {
+        cache.append(id, random_rows({3, 5, 16}, rng).cview(), random_rows({3, 5, 8}, rng).cview());
+      },
+      "k: expected shape [2, 5, 16], got [3, 5, 16]");
+  expect_refused<ShapeError>(
+      [&] {
+        cache.append(id, random_rows({2, 5, 16}, rng).cview(), random_rows({2, 4, 8}, rng).cview());
+      },
+      "v: expected shape [2, 5, 8], got [2, 4, 8]");
+  expect_refused<ResourceError>(
+      [&] {
+        cache.append(id, random_rows({2, 100, 16}, rng).cview(), random_rows({2, 100, 8}, rng).cview());
+      },
+      "needs 2 more pages of 64 tokens, but the cache has 1 of its 3 free");
+  Tensor<float> nan_k({2, 1, 16});
+  nan_k.view()(1, 0, 3) = std::nanf("");
+  expect_refused<ValueError>(
+      [&] {
+        cache.append(id, nan_k.cview(), random_rows({2, 1, 8}, rng).cview());
+      },
+      "k: expected finite values");
+  EXPECT_EQ(cache.length(id), 100);
+  expect_refused<ShapeError>(
+      [&] {
+        Tensor<float> out({3, 1, 8});
+        cache.attend(id, random_rows({3, 1, 16}, rng).cview(), {.out = out.view(), .weights = {}, .lse = {}});
+      },
+      "not a multiple of k's 2");
+  const int64_t other = cache.add_sequence();
+  EXPECT_EQ(cache.free_pages(), 1);
+  cache.remove_sequence(id);
+  EXPECT_EQ(cache.free_pages(), 3);
+  expect_refused<ValueError>([&] { cache.length(id); }, "sequence: no sequence 0 in the cache");
+  cache.append(other, random_rows({2, 192, 16}, rng).cview(), random_rows({2, 192, 8}, rng).cview());
+  EXPECT_EQ(cache.free_pages(), 0);
+  expect_refused<ValueError>([] { KvCache({.kv_heads = 0, .dk = 1, .dv = 1, .pages = 1}); },
+                             "KvCacheShape.kv_heads: expected at least 1, got 0");
+}
+
+}  // namespace
+}  // namespace qkv
