@@ -7,6 +7,7 @@
 //   qkv bench --decode                          # Tq = 1, Tk = 32768, H = 32, d = 128 against a triad
 //   qkv bench --compare gqa --kv-heads 2        # a variant against the call without it, one ratio
 //   qkv bench --decode --kv-dtype f16           # K and V stored as float16 against float32 ones
+//   qkv bench --decode --kv-cache               # decode from a paged KvCache against contiguous K and V
 //
 // Per shape it prints the median time of one call, GFLOP/s and the peak extra memory, and ratios
 // against the baselines: the reference (T <= 1024, where it takes seconds, not minutes), one thread
@@ -24,6 +25,9 @@
 // --kv-dtype float16|bfloat16|int8 stores K and V so (int8: K's scales per channel, V's per token)
 // and adds the same call on float32 K and V as a baseline of the same rounds: decode then reports
 // the GB/s of the stored K and V against the triad and its tokens per second over float32's.
+// --decode --kv-cache decodes from a paged KvCache (pages of kBenchPageTokens) holding the same K
+// and V, against the contiguous ones in the same rounds, and times the append of one token to
+// another sequence of the cache, as a fraction of the decode step.
 //
 // Memory: Linux lets a process reset its own peak resident set (writing 5 to /proc/self/clear_refs),
 // so each measurement reads VmHWM after the run minus VmRSS before it, the inputs, outputs and
@@ -60,6 +64,7 @@
 #include "qkv/core/storage.hpp"
 #include "qkv/core/tensor.hpp"
 #include "qkv/ops/attention.hpp"
+#include "qkv/ops/kv_cache.hpp"
 #include "qkv/ops/quantize.hpp"
 #include "support/machine_checks.hpp"
 #include "support/progress.hpp"
@@ -134,6 +139,7 @@ struct BenchOptions {
   bool backward = false;
   bool decode = false;
   std::string kv_dtype = "float32";
+  bool kv_cache = false;
   int threads = 0;
   std::string impl = "fused";
   int repeats = 5;
@@ -577,6 +583,13 @@ void check_options(const BenchOptions& o) {
   if (o.threads < 1) throw ValueError(fmt::format("--threads: expected >= 1, got {}", o.threads));
   if (o.repeats < 1) throw ValueError(fmt::format("--repeats: expected >= 1, got {}", o.repeats));
   if (o.decode && o.backward) throw ValueError("--backward: decode (--decode) times the forward only, got both");
+  if (o.kv_cache) {
+    if (!o.decode) throw ValueError("--kv-cache: a KV cache is decode's; add --decode");
+    if (o.batch != 1) throw ValueError(fmt::format("--kv-cache: times one sequence, got --batch {}", o.batch));
+    if (o.softcap_option->count() > 0 || o.alibi || o.sinks) {
+      throw ValueError("--kv-cache: times the plain call; --softcap, --alibi and --sinks are not taken with it");
+    }
+  }
   if (parse_storage(o.kv_dtype, "--kv-dtype") != StorageType::float32) {
     if (!o.varlen.empty()) {
       throw ValueError(fmt::format("--varlen: stored K and V (--kv-dtype {}) take no packed sequences", o.kv_dtype));
@@ -1049,6 +1062,31 @@ struct DecodeResult {
   double kv_gbs = 0.0, triad_gbs = 0.0, read_gbs = 0.0;
   Spread of_triad, of_read;
   std::optional<Spread> over_float32;  // with --kv-dtype: tokens per second over float32 K and V's
+  // With --kv-cache: tokens per second over contiguous K and V's, and one append's time over a step's.
+  std::optional<Spread> over_contiguous, append_fraction;
+};
+
+constexpr int64_t kBenchPageTokens = 256;
+
+// K and V of a decode problem in a paged cache, with a second sequence to time appends on.
+struct CachedDecode {
+  KvCache cache;
+  int64_t id = 0, appended = 0;
+  Tensor<float> k_token, v_token;  // [Hkv, 1, d]
+
+  CachedDecode(const Problem& p, int64_t tk, int64_t d, int64_t kv_heads, int64_t appends)
+      : cache({.kv_heads = kv_heads,
+               .dk = d,
+               .dv = d,
+               .type = p.kv_type,
+               .page_tokens = kBenchPageTokens,
+               .pages = (tk + kBenchPageTokens - 1) / kBenchPageTokens + appends / kBenchPageTokens + 2}),
+        k_token({kv_heads, 1, d}, 0.5f),
+        v_token({kv_heads, 1, d}, 0.25f) {
+    id = cache.add_sequence();
+    appended = cache.add_sequence();
+    cache.append(id, make_view(p.k.data(), {kv_heads, tk, d}), make_view(p.v.data(), {kv_heads, tk, d}));
+  }
 };
 
 // Every --T (Tk) of the decode benchmark, each in rounds with the two streams.
@@ -1073,7 +1111,25 @@ std::vector<DecodeResult> measure_decode(const BenchOptions& o, const Variant& v
                                                 [&] { read.run(); }};
     const bool against_float32 = p.kv_type != StorageType::float32 && wants(o, "float32");
     if (against_float32) calls.emplace_back([&] { p.run(variant, false, impl, true); });
+    std::optional<CachedDecode> cached;
+    const size_t contiguous_at = calls.size();
+    if (o.kv_cache) {
+      // At most 1000 appends a sample, one sample a round and the warm-up.
+      cached.emplace(p, tk, d, variant.kv_heads, 1000 * (o.repeats + 1));
+      calls.front() = [&] {
+        cached->cache.attend(cached->id, make_view<const float>(p.q.data(), {heads, 1, d}),
+                             {.out = make_view(p.out.data(), {heads, 1, d}), .weights = {}, .lse = {}});
+      };
+      calls.emplace_back([&] { p.run(variant, false, impl); });
+      calls.emplace_back(
+          [&] { cached->cache.append(cached->appended, cached->k_token.cview(), cached->v_token.cview()); });
+    }
     const std::vector<Timing> timings = time_in_rounds(calls, o.repeats);
+    std::optional<Spread> over_contiguous, append_fraction;
+    if (o.kv_cache) {
+      over_contiguous = ratio_by_round(timings[contiguous_at], timings[0]);
+      append_fraction = ratio_by_round(timings[contiguous_at + 1], timings[0]);
+    }
     // The bytes decode must stream: K and V once, shared by the query heads of each group, in their
     // storage type, and int8's scales (K's per channel, V's per token).
     const double elements = static_cast<double>(o.batch * variant.kv_heads * tk * d);
@@ -1097,7 +1153,9 @@ std::vector<DecodeResult> measure_decode(const BenchOptions& o, const Variant& v
          .read_gbs = gbs(ReadStream::bytes(), timings[2]),
          .of_triad = scaled(ratio_by_round(timings[1], timings[0]), kv_bytes / Triad::bytes()),
          .of_read = scaled(ratio_by_round(timings[2], timings[0]), kv_bytes / ReadStream::bytes()),
-         .over_float32 = against_float32 ? std::optional(ratio_by_round(timings[3], timings[0])) : std::nullopt});
+         .over_float32 = against_float32 ? std::optional(ratio_by_round(timings[3], timings[0])) : std::nullopt,
+         .over_contiguous = over_contiguous,
+         .append_fraction = append_fraction});
   }
   progress.done();
   return results;
@@ -1116,7 +1174,10 @@ void report_decode(const BenchOptions& o, const Variant& variant, const std::vec
           R"("read_gbs": {:.6g}, {}, {}{}}})",
           r.result.tk, r.result.flops, r.result.tensor_bytes, json_timing(r.result.timing, r.result.flops), r.kv_gbs,
           r.triad_gbs, r.read_gbs, json_spread("triad_fraction", r.of_triad), json_spread("read_fraction", r.of_read),
-          r.over_float32 ? ", " + json_spread("over_float32", *r.over_float32) : ""));
+          (r.over_float32 ? ", " + json_spread("over_float32", *r.over_float32) : "") +
+              (r.over_contiguous ? ", " + json_spread("paged_over_contiguous", *r.over_contiguous) + ", " +
+                                       json_spread("append_fraction", *r.append_fraction)
+                                 : "")));
     }
     // The first shape's streams at the top level too, for readers of one shape.
     const double triad_gbs = results.empty() ? 0.0 : results.front().triad_gbs;
@@ -1141,16 +1202,29 @@ void report_decode(const BenchOptions& o, const Variant& variant, const std::vec
              format_bytes(kTriadFloats * 12.0));
   fmt::print("memory: {}\n\n", memory_method(reset));
   const bool stored = !results.empty() && results.front().over_float32;
-  if (stored) fmt::print("over fp32: tokens per second over those of float32 K and V, timed in the same rounds\n\n");
-  fmt::print("{:>7}  {:>11}  {:>9}  {:>9}  {:>18}  {:>9}  {:>18}  {:>9}  {:>11}{}\n", "Tk", "median ms", "GB/s K+V",
-             "triad", "of triad", "read", "of read", "GFLOP/s", "peak extra", stored ? "  over fp32" : "");
+  if (stored) fmt::print("over fp32: tokens per second over those of float32 K and V, timed in the same rounds\n");
+  const bool paged = !results.empty() && results.front().over_contiguous;
+  if (paged) {
+    fmt::print(
+        "paged: a KvCache's decode (pages of {} tokens) in tokens per second over contiguous K and V's; append: one\n"
+        "token appended to another sequence of the cache, in time over the decode step's\n",
+        kBenchPageTokens);
+  }
+  if (stored || paged) fmt::print("\n");
+  fmt::print("{:>7}  {:>11}  {:>9}  {:>9}  {:>18}  {:>9}  {:>18}  {:>9}  {:>11}{}{}\n", "Tk", "median ms", "GB/s K+V",
+             "triad", "of triad", "read", "of read", "GFLOP/s", "peak extra", stored ? "  over fp32" : "",
+             paged ? "  paged over contiguous   append" : "");
   const auto percent = [](const Spread& s) {
     return fmt::format("{:.0f}% ({:.0f}–{:.0f}%)", 100.0 * s.median, 100.0 * s.min, 100.0 * s.max);
   };
   for (const DecodeResult& r : results) {
-    const std::string over = r.over_float32 ? fmt::format("  {:.2f}× ({:.2f}–{:.2f})", r.over_float32->median,
-                                                          r.over_float32->min, r.over_float32->max)
-                                            : "";
+    std::string over = r.over_float32 ? fmt::format("  {:.2f}× ({:.2f}–{:.2f})", r.over_float32->median,
+                                                    r.over_float32->min, r.over_float32->max)
+                                      : "";
+    if (r.over_contiguous) {
+      over += fmt::format("  {:.3f}× ({:.3f}–{:.3f})  {:.4f}%", r.over_contiguous->median, r.over_contiguous->min,
+                          r.over_contiguous->max, 100.0 * r.append_fraction->median);
+    }
     fmt::print("{:>7}  {:>11.3f}  {:>9.1f}  {:>9.1f}  {:>18}  {:>9.1f}  {:>18}  {:>9.1f}  {:>11}{}\n", r.result.tk,
                r.result.timing.median_ms, r.kv_gbs, r.triad_gbs, percent(r.of_triad), r.read_gbs, percent(r.of_read),
                r.result.flops * 1e-9 / (r.result.timing.median_ms * 1e-3), format_bytes(r.result.timing.extra_bytes),
@@ -1223,6 +1297,8 @@ void register_bench(CLI::App& app) {
       ->type_name("WHAT");
   cmd->add_flag("--backward", o->backward, "time forward + backward (the gradients of all of Q, K and V)");
   cmd->add_flag("--decode", o->decode, "decode: one query against many keys, in GB/s against a streaming triad");
+  cmd->add_flag("--kv-cache", o->kv_cache,
+                "with --decode: decode from a paged KvCache, against contiguous K and V, and time an append");
   cmd->add_option("--kv-dtype", o->kv_dtype,
                   "K and V stored as float32, float16, bfloat16 or int8 (f32, f16, bf16, i8), timed against "
                   "float32 ones")

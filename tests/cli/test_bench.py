@@ -116,6 +116,11 @@ def check_kv_dtype():
     check(done.returncode == 0, f"bench --kv-dtype bf16 --backward exits 0: {done.stderr}")
     baselines = json.loads(done.stdout)["results"][0]["baselines"]
     check("float32" in baselines and baselines["float32"]["speedup"] > 0, f"float32 baseline: {baselines}")
+    done = bench("--decode", "--T", "300", "--kv-dtype", "int8", "--kv-cache", *TINY, "--json")
+    check(done.returncode == 0, f"bench --decode --kv-cache exits 0: {done.stderr}")
+    r = json.loads(done.stdout)["results"][0]
+    check(r["paged_over_contiguous"] > 0 and r["append_fraction"] > 0, f"--kv-cache ratios: {r}")
+    check_spread(r, "paged_over_contiguous")
     done = bench("--decode", "--T", "300", "--kv-dtype", "f16", *TINY)
     check(done.returncode == 0 and "fp32 Q, float16 K and V" in done.stdout and "over fp32" in done.stdout,
           f"the text report names the storage and the ratio: {done.stdout}")
@@ -138,6 +143,8 @@ def check_refusals():
         (["--kv-dtype", "fp8"], "--kv-dtype"),
         (["--kv-dtype", "f16", "--varlen", "8,8"], "--varlen"),
         (["--kv-dtype", "int8", "--dropout", "0.1"], "--dropout"),
+        (["--kv-cache"], "--kv-cache"),
+        (["--decode", "--kv-cache", "--batch", "2"], "--kv-cache"),
     ]
     for args, option in cases:
         done = bench(*args)
