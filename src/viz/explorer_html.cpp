@@ -77,7 +77,7 @@ Packed pack(TensorView<const float> attention) {
     const float scale = largest / 255.0F;
     for (int64_t j = 0; j < tk; ++j) {
       const double code = scale > 0.0F ? std::round(std::max(0.0F, row[j]) / scale) : 0.0;
-      packed.codes[static_cast<size_t>(r * tk + j)] = static_cast<char>(std::min(255.0, code));
+      packed.codes[static_cast<size_t>(r * tk + j)] = static_cast<char>(static_cast<uint8_t>(std::min(255.0, code)));
     }
     const auto bits = std::bit_cast<uint32_t>(scale);
     for (int shift = 0; shift < 32; shift += 8) packed.scales += static_cast<char>((bits >> shift) & 0xFF);
@@ -206,16 +206,24 @@ constexpr std::string_view kScript = R"QKV(<script>
     "largest) \u00b7 drawn by qkv explore";
 
   // ---- the weights ---------------------------------------------------------------------------
-  const bytesOf = (b64) => {
+  const slowBytesOf = (b64) => {
     const text = atob(b64);
     const out = new Uint8Array(text.length);
     for (let k = 0; k < text.length; k++) out[k] = text.charCodeAt(k);
     return out;
   };
-  const inflated = new Response(new Blob([bytesOf(data.codes)]).stream().pipeThrough(new DecompressionStream("deflate")));
-  const codes = new Uint8Array(await inflated.arrayBuffer());
+  const bytesOf = Uint8Array.fromBase64 ? (b64) => Uint8Array.fromBase64(b64) : slowBytesOf;
+  const codes = new Uint8Array(L * H * plane);
+  await Promise.all(data.codes.map(async (packed, head) => {
+    const reader = new Blob([bytesOf(packed)]).stream().pipeThrough(new DecompressionStream("deflate")).getReader();
+    let at = head * plane;
+    for (let chunk = await reader.read(); !chunk.done; chunk = await reader.read()) {
+      codes.set(chunk.value, at);
+      at += chunk.value.length;
+    }
+    if (at !== (head + 1) * plane) throw new Error("weights: head " + head + " holds " + (at - head * plane) + " codes, expected " + plane);
+  }));
   const scales = new Float32Array(bytesOf(data.scales).buffer);
-  if (codes.length !== L * H * plane) throw new Error("weights: expected " + L * H * plane + " codes, got " + codes.length);
 
   // [Tq, Tk] of one head, as float64 products of a code and its row's scale.
   function headWeights(l, h) {
@@ -665,7 +673,7 @@ constexpr std::string_view kScript = R"QKV(<script>
       }
       g.fillStyle = hover && hover.side === side && hover.index === index ? "#1f5fbf" : "#222";
       g.textAlign = side === "query" ? "right" : "left";
-      g.fillText(fit(index + " " + label, 160), x, yOf(k));
+      g.fillText(fit(data.numbered ? label : index + " " + label, 160), x, yOf(k));
     };
     for (let a = 0; a < nq; a++) token(rows[qs + a], a, qs + a, "query", selection.queries.includes(qs + a));
     for (let b = 0; b < nk; b++) token(cols[ks + b], b, ks + b, "key", selection.keys.includes(ks + b));
@@ -874,11 +882,18 @@ std::string render_explorer_html(TensorView<const float> attention, const Explor
   out += "<script type=\"application/json\" id=\"qkv-data\">";
   fmt::format_to(std::back_inserter(out), "{{\"title\":{},\"source\":{},\"L\":{},\"H\":{},\"tq\":{},\"tk\":{},",
                  json_string(title), json_string(options.source), layers, heads, tq, tk);
-  fmt::format_to(std::back_inserter(out), "\"layers\":{},\"rows\":{},\"cols\":{},\"lut\":{},\"rolloutLimit\":512,",
-                 json_strings(names), json_strings(rows), json_strings(cols), json_strings(lut));
+  fmt::format_to(
+      std::back_inserter(out), "\"layers\":{},\"rows\":{},\"cols\":{},\"numbered\":{},\"lut\":{},\"rolloutLimit\":512,",
+      json_strings(names), json_strings(rows), json_strings(cols), options.query_tokens.empty(), json_strings(lut));
   fmt::format_to(std::back_inserter(out), "\"entropy\":{},\"distance\":{},", json_numbers(attention_entropy(attention)),
                  json_numbers(attention_distance(attention)));
-  out += "\"scales\":\"" + base64(packed.scales) + "\",\"codes\":\"" + base64(deflate(packed.codes)) + "\"}";
+  // A stream a head: the page inflates them all at once, which hides the browser's cost per chunk.
+  out += "\"scales\":\"" + base64(packed.scales) + "\",\"codes\":[";
+  const size_t plane = static_cast<size_t>(tq * tk);
+  for (size_t head = 0; head * plane < packed.codes.size(); ++head) {
+    out += (head > 0 ? ",\"" : "\"") + base64(deflate(packed.codes.substr(head * plane, plane))) + "\"";
+  }
+  out += "]}";
   out += "</script>\n";
   out += kScript;
   out += "</body>\n</html>\n";
