@@ -183,7 +183,12 @@ ModelAttention read_npz_model(const ExploreCliOptions& o) {
     if (array.shape.size() != 3 && array.shape.size() != 4) {
       throw ShapeError(fmt::format("{}: expected [H, Tq, Tk] or [B, H, Tq, Tk], got {}", what, array.shape_str()));
     }
-    if (array.shape.size() == 4) array = batch_entry(std::move(array), 0, o, what);
+    if (array.shape.size() == 4) {
+      array = batch_entry(std::move(array), 0, o, what);
+    } else if (o.batch_option->count() > 0) {
+      throw ShapeError(fmt::format("--batch: {} {} has no batch dim (only [B, H, Tq, Tk] has), got --batch {}", what,
+                                   array.shape_str(), o.batch));
+    }
     if (layer_shape.empty()) {
       layer_shape = array.shape;
       first = name;

@@ -125,7 +125,8 @@ std::string render_explorer_image(TensorView<const float> attention, const Explo
     picked.push_back(options.query_tokens.empty() ? fmt::format("{}", i)
                                                   : options.query_tokens[static_cast<size_t>(i)]);
   }
-  heatmap.title = options.title.empty() ? fmt::format("mean attention of {}", fmt::join(picked, " ")) : options.title;
+  heatmap.title =
+      options.title.empty() ? fmt::format("mean of the rows of {}", fmt::join(picked, ", ")) : options.title;
   heatmap.row_labels = panels.captions;
   return render_heatmap(selected.cview(), format, heatmap);
 }

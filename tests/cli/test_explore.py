@@ -102,6 +102,8 @@ def checks(t):
     np.savez(t.path("batched.npz"), l0=np.stack([a[0], a[1]]), l1=np.stack([a[1], a[2]]))
     t.succeed("an .npz of [B, H, T, T] layers", ["explore", "batched.npz", "--batch", "1", "-o", "bnpz.html"],
               t.page("bnpz.html", {"L": 2, "H": 2}))
+    t.refuse("--batch with unbatched layers", ["explore", "layers.npz", "--batch", "0", "-o", "x.html"],
+             "--batch", "ATTN layer 'layer1'", "no batch dim")
     np.savez(t.path("ragged.npz"), l0=a[0], l1=softmax_rows((2, 5, 5), 2))
     t.refuse("layers of different shapes", ["explore", "ragged.npz", "-o", "x.html"],
              "ATTN layer 'l1'", "expected the shape of layer 'l0', [2, 6, 6]", "got [2, 5, 5]")
