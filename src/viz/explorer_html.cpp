@@ -770,20 +770,33 @@ constexpr std::string_view kScript = R"QKV(<script>
   }
   const top = (values, labels) => [...values].map((v, k) => [v, k]).sort((a, b) => b[0] - a[0]).slice(0, 5)
     .map(([v, k]) => k + " " + quote(labels[k]) + " " + fmtValue(v)).join(", ");
-  function drawBars(target, values, color) {
+  // Bars over the keys (or queries), labelled as the matrix is: thinned so that labels never overlap.
+  function drawBars(target, values, color, labels) {
+    const bars = 90;
     target.width = 880;
-    target.height = values ? 90 : 0;
+    target.height = values ? bars + 60 : 0;
     if (!values) return;
     const g = target.getContext("2d");
     let largest = 0;
     for (const v of values) if (v > largest) largest = v;
     g.fillStyle = "#f6f6f6";
-    g.fillRect(0, 0, target.width, target.height);
-    g.fillStyle = color;
+    g.fillRect(0, 0, target.width, bars);
     const w = target.width / values.length;
+    const step = niceStep(Math.ceil(13 / w));
+    g.font = font;
+    g.textAlign = "right";
+    g.textBaseline = "middle";
     for (let k = 0; k < values.length; k++) {
-      const h = largest > 0 ? values[k] / largest * (target.height - 4) : 0;
-      g.fillRect(k * w, target.height - h, Math.max(w - (w > 3 ? 1 : 0), 0.5), h);
+      const h = largest > 0 ? values[k] / largest * (bars - 4) : 0;
+      g.fillStyle = color;
+      g.fillRect(k * w, bars - h, Math.max(w - (w > 3 ? 1 : 0), 0.5), h);
+      if (k % step !== 0) continue;
+      g.save();
+      g.translate(k * w + w / 2, bars + 4);
+      g.rotate(-Math.PI / 2);
+      g.fillStyle = "#222";
+      g.fillText(fit(labels[k], 54), 0, 0);
+      g.restore();
     }
   }
   function drawSelections() {
@@ -796,8 +809,8 @@ constexpr std::string_view kScript = R"QKV(<script>
       top(colsOut, rows) + " (" + combine + ", " + viewName() + ")"
       : selection.keys.length > 0 ? "The whole rollout is needed for keys; it is drawn up to " + data.rolloutLimit +
         " tokens." : "Select key tokens to see who attends to them.";
-    drawBars($("query-bars"), rowsOut, "#c0399f");
-    drawBars($("key-bars"), colsOut, "#1b9ac4");
+    drawBars($("query-bars"), rowsOut, "#c0399f", cols);
+    drawBars($("key-bars"), colsOut, "#1b9ac4", rows);
   }
 
   // ---- per-head summaries ----------------------------------------------------------------------
