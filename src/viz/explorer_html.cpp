@@ -441,8 +441,11 @@ constexpr std::string_view kScript = R"QKV(<script>
   const plotHeight = Math.round(tq * fitScale);
   const x0 = 130;
   const y0 = 8;
+  ctx.font = font;
+  // Key labels read upwards below the matrix: room for the widest (cut at 90 px) and the axis title.
+  const colBand = Math.min(90, Math.ceil(Math.max(0, ...cols.map((s) => ctx.measureText(s).width)))) + 34;
   const cssWidth = x0 + plotWidth + 8;
-  const cssHeight = y0 + plotHeight + 110;
+  const cssHeight = y0 + plotHeight + colBand;
   const dpr = window.devicePixelRatio || 1;
   canvas.width = Math.ceil(cssWidth * dpr);
   canvas.height = Math.ceil(cssHeight * dpr);
