@@ -62,7 +62,13 @@ std::string deflate(const std::string& bytes) {
 struct Packed {
   std::string codes;   // [L, H, Tq, Tk]
   std::string scales;  // [L, H, Tq] float32
+  // [L, H, P, Q] with P = min(Tq, kThumbnail), Q = min(Tk, kThumbnail): each head's largest weight in
+  // the block of cells a thumbnail pixel covers, as a code of that head's largest weight, so that the
+  // model view is drawn before the weights are inflated, and a sharp head stays sharp at 4096 tokens.
+  std::string thumbnails;
 };
+
+constexpr int64_t kThumbnail = 64;
 
 Packed pack(TensorView<const float> attention) {
   const int64_t rows = attention.shape[0] * attention.shape[1] * attention.shape[2];
@@ -81,6 +87,25 @@ Packed pack(TensorView<const float> attention) {
     }
     const auto bits = std::bit_cast<uint32_t>(scale);
     for (int shift = 0; shift < 32; shift += 8) packed.scales += static_cast<char>((bits >> shift) & 0xFF);
+  }
+  const int64_t heads = attention.shape[0] * attention.shape[1], tq = attention.shape[2];
+  const int64_t ph = std::min(tq, kThumbnail), pw = std::min(tk, kThumbnail);
+  std::vector<float> pooled(static_cast<size_t>(ph * pw));
+  for (int64_t head = 0; head < heads; ++head) {
+    std::fill(pooled.begin(), pooled.end(), 0.0F);
+    float largest = 0.0F;
+    for (int64_t i = 0; i < tq; ++i) {
+      const float* row = dense.data() + (head * tq + i) * tk;
+      for (int64_t j = 0; j < tk; ++j) {
+        float& p = pooled[static_cast<size_t>((i * ph / tq) * pw + j * pw / tk)];
+        p = std::max(p, row[j]);
+        largest = std::max(largest, row[j]);
+      }
+    }
+    for (const float p : pooled) {
+      const double code = largest > 0.0F ? std::round(255.0 * p / largest) : 0.0;
+      packed.thumbnails += static_cast<char>(static_cast<uint8_t>(std::clamp(code, 0.0, 255.0)));
+    }
   }
   return packed;
 }
@@ -213,25 +238,40 @@ constexpr std::string_view kScript = R"QKV(<script>
     return out;
   };
   const bytesOf = Uint8Array.fromBase64 ? (b64) => Uint8Array.fromBase64(b64) : slowBytesOf;
-  const codes = new Uint8Array(L * H * plane);
-  await Promise.all(data.codes.map(async (packed, head) => {
-    const reader = new Blob([bytesOf(packed)]).stream().pipeThrough(new DecompressionStream("deflate")).getReader();
-    let at = head * plane;
+  // codes[l * H + h]: that head's [Tq, Tk] codes, once inflated. The first layer is inflated before
+  // the page is ready, every other in the background after; a view waits for the layers it needs.
+  const codes = new Array(L * H);
+  const inflateHead = async (k) => {
+    const reader = new Blob([bytesOf(data.codes[k])]).stream().pipeThrough(new DecompressionStream("deflate"))
+      .getReader();
+    const out = new Uint8Array(plane);
+    let at = 0;
     for (let chunk = await reader.read(); !chunk.done; chunk = await reader.read()) {
-      codes.set(chunk.value, at);
+      if (at + chunk.value.length > plane) throw new Error("weights: head " + k + " holds more than " + plane + " codes");
+      out.set(chunk.value, at);
       at += chunk.value.length;
     }
-    if (at !== (head + 1) * plane) throw new Error("weights: head " + head + " holds " + (at - head * plane) + " codes, expected " + plane);
-  }));
+    if (at !== plane) throw new Error("weights: head " + k + " holds " + at + " codes, expected " + plane);
+    codes[k] = out;
+  };
+  const layerLoads = new Array(L);
+  const loadLayer = (l) => {
+    if (!layerLoads[l]) layerLoads[l] = Promise.all([...Array(H).keys()].map((h) => inflateHead(l * H + h)));
+    return layerLoads[l];
+  };
+  const loadLayersUpTo = (l) => Promise.all([...Array(l + 1).keys()].map(loadLayer));
+  const loaded = (l) => [...Array(H).keys()].every((h) => codes[l * H + h] !== undefined);
+  await loadLayer(0);
   const scales = new Float32Array(bytesOf(data.scales).buffer);
 
   // [Tq, Tk] of one head, as float64 products of a code and its row's scale.
   function headWeights(l, h) {
+    if (!loaded(l)) throw new Error("weights: layer " + l + " is not inflated yet (wait for body[data-loaded])");
     const out = new Float64Array(plane);
-    const base = (l * H + h) * plane;
+    const c = codes[l * H + h];
     for (let i = 0; i < tq; i++) {
       const s = scales[(l * H + h) * tq + i];
-      for (let j = 0; j < tk; j++) out[i * tk + j] = codes[base + i * tk + j] * s;
+      for (let j = 0; j < tk; j++) out[i * tk + j] = c[i * tk + j] * s;
     }
     return out;
   }
@@ -327,7 +367,12 @@ constexpr std::string_view kScript = R"QKV(<script>
     kindSelect.options[1].disabled = true;
     kindSelect.options[1].textContent = "rollout (self-attention only)";
   }
-  function setView(next) {
+  async function setView(next) {
+    const wanted = { ...view, ...next };
+    if (!(wanted.kind === "rollout" ? [...Array(wanted.layer + 1).keys()].every(loaded) : loaded(wanted.layer))) {
+      $("readout").textContent = "Inflating the weights of " + layers[wanted.layer] + "\u2026";
+      await (wanted.kind === "rollout" ? loadLayersUpTo(wanted.layer) : loadLayer(wanted.layer));
+    }
     Object.assign(view, next);
     layerSelect.value = String(view.layer);
     headSelect.value = String(view.head);
@@ -360,39 +405,22 @@ constexpr std::string_view kScript = R"QKV(<script>
   model.width = modelLeft + H * (thumb + gap);
   model.height = modelTop + L * (thumb + gap);
   const modelCtx = model.getContext("2d");
-  // Each thumbnail pixel is the largest weight of the cells it covers, so a sharp head stays sharp.
   const thumbnails = [];
-  const pw = Math.min(thumb, tk);
-  const ph = Math.min(thumb, tq);
-  for (let l = 0; l < L; l++) {
-    for (let h = 0; h < H; h++) {
-      const pooled = new Float32Array(pw * ph);
-      const base = (l * H + h) * plane;
-      let largest = 0;
-      for (let i = 0; i < tq; i++) {
-        const y = Math.floor(i * ph / tq) * pw;
-        const s = scales[(l * H + h) * tq + i];
-        for (let j = 0; j < tk; j++) {
-          const v = codes[base + i * tk + j] * s;
-          const p = y + Math.floor(j * pw / tk);
-          if (v > pooled[p]) pooled[p] = v;
-          if (v > largest) largest = v;
-        }
+  const [ph, pw] = data.thumbnailShape;
+  const pooled = bytesOf(data.thumbnails);
+  for (let k = 0; k < L * H; k++) {
+    const image = modelCtx.createImageData(thumb, thumb);
+    for (let y = 0; y < thumb; y++) {
+      for (let x = 0; x < thumb; x++) {
+        const c = rgbLut[pooled[k * ph * pw + Math.floor(y * ph / thumb) * pw + Math.floor(x * pw / thumb)]];
+        const o = 4 * (y * thumb + x);
+        image.data[o] = c >> 16;
+        image.data[o + 1] = (c >> 8) & 255;
+        image.data[o + 2] = c & 255;
+        image.data[o + 3] = 255;
       }
-      const image = modelCtx.createImageData(thumb, thumb);
-      for (let y = 0; y < thumb; y++) {
-        for (let x = 0; x < thumb; x++) {
-          const v = pooled[Math.floor(y * ph / thumb) * pw + Math.floor(x * pw / thumb)];
-          const c = rgbLut[Math.round((largest > 0 ? v / largest : 0) * 255)];
-          const o = 4 * (y * thumb + x);
-          image.data[o] = c >> 16;
-          image.data[o + 1] = (c >> 8) & 255;
-          image.data[o + 2] = c & 255;
-          image.data[o + 3] = 255;
-        }
-      }
-      thumbnails.push(image);
     }
+    thumbnails.push(image);
   }
   function drawModel() {
     modelCtx.fillStyle = "#fff";
@@ -860,8 +888,10 @@ constexpr std::string_view kScript = R"QKV(<script>
     colResult: () => { const r = colResult(); return r && Array.from(r); },
     setView,
   };
-  setView({});
+  await setView({});
   document.body.dataset.ready = "true";
+  await loadLayersUpTo(L - 1);
+  document.body.dataset.loaded = "true";
 })().catch((error) => {
   document.getElementById("readout").textContent = "The page could not be drawn: " + error.message;
   throw error;
@@ -903,7 +933,9 @@ std::string render_explorer_html(TensorView<const float> attention, const Explor
       json_strings(names), json_strings(rows), json_strings(cols), options.query_tokens.empty(), json_strings(lut));
   fmt::format_to(std::back_inserter(out), "\"entropy\":{},\"distance\":{},", json_numbers(attention_entropy(attention)),
                  json_numbers(attention_distance(attention)));
-  // A stream a head: the page inflates them all at once, which hides the browser's cost per chunk.
+  // A stream a head: the page inflates the first layer's before it is ready and the rest after.
+  fmt::format_to(std::back_inserter(out), "\"thumbnailShape\":[{},{}],\"thumbnails\":\"{}\",", std::min(tq, kThumbnail),
+                 std::min(tk, kThumbnail), base64(packed.thumbnails));
   out += "\"scales\":\"" + base64(packed.scales) + "\",\"codes\":[";
   const size_t plane = static_cast<size_t>(tq * tk);
   for (size_t head = 0; head * plane < packed.codes.size(); ++head) {
