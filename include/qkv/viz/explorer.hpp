@@ -14,11 +14,14 @@
 //   - aggregates: the mean over heads, attention rollout (attention_summary.hpp, computed in the page
 //     from the stored weights), and the per-head entropy and mean distance (computed here, float64).
 // Weights are stored as 8-bit codes with a float32 scale per row (a weight is its code times its row's
-// largest weight / 255, so each is within 1/510 of its row's largest weight), deflated (zlib) and
-// base64-encoded in the page, which inflates them with the browser's DecompressionStream. A canvas
-// draws every matrix, so 4096 tokens are one image, not 16 million DOM nodes.
-// Test hooks: window.qkvExplorer (state, decoded weights, the page's rollout and selections), and
-// body[data-ready=true] once the weights are decoded and the first views drawn.
+// largest weight / 255, so each is within 1/510 of its row's largest weight), deflated (zlib) a head
+// at a time and base64-encoded in the page, which inflates them with the browser's
+// DecompressionStream: the first layer before the page is ready, the others after. The thumbnails
+// of the model view come pooled from here. A canvas draws every matrix, so 4096 tokens are one
+// image, not 16 million DOM nodes.
+// Test hooks: window.qkvExplorer (state, decoded weights, the page's rollout and selections);
+// body[data-ready=true] once the first layer is drawn, body[data-loaded=true] once every layer is
+// inflated (the hooks that read weights need it).
 //
 // Shapes: attention is [L, H, Tq, Tk] (one batch entry), finite, each row a distribution.
 
