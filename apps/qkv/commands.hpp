@@ -10,6 +10,7 @@ void register_demo(CLI::App& app);
 void register_attend(CLI::App& app);
 void register_attend_backward(CLI::App& app);
 void register_heatmap(CLI::App& app);
+void register_explore(CLI::App& app);
 void register_experiment(CLI::App& app);
 void register_translate(CLI::App& app);
 void register_bench(CLI::App& app);

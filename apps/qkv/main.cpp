@@ -48,6 +48,7 @@ int main(int argc, char** argv) {
   qkv::cli::register_attend(app);
   qkv::cli::register_attend_backward(app);
   qkv::cli::register_heatmap(app);
+  qkv::cli::register_explore(app);
   qkv::cli::register_experiment(app);
   qkv::cli::register_translate(app);
   qkv::cli::register_bench(app);

@@ -572,6 +572,23 @@ NpyArray decode_npz(std::string_view archive, const std::filesystem::path& archi
   return parse_npy(shown, bytes);
 }
 
+std::vector<std::pair<std::string, NpyArray>> read_npz_arrays(const std::filesystem::path& path) {
+  const std::string archive = read_whole_file(path);
+  std::vector<io_detail::ZipMember> members;
+  try {
+    members = io_detail::zip_members(archive);
+  } catch (const std::invalid_argument& e) {
+    fail(path, fmt::format("not a readable .npz archive: {}", e.what()));
+  }
+  if (members.empty()) fail(path, "holds no arrays");
+  std::vector<std::pair<std::string, NpyArray>> arrays;
+  for (const io_detail::ZipMember& m : members) {
+    const std::string name = m.name.ends_with(".npy") ? m.name.substr(0, m.name.size() - 4) : m.name;
+    arrays.emplace_back(name, decode_npz(archive, path, name));
+  }
+  return arrays;
+}
+
 NpyArray read_npy(const std::filesystem::path& path) {
   // "arrays.npz:q" is member q.npy of arrays.npz, unless a file of that very name exists.
   const std::string spec = path.string();

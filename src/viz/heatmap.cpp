@@ -180,7 +180,9 @@ void compute_scale(Figure& f, const HeatmapOptions& options) {
 void compute_layout(Figure& f) {
   HeatmapLayout& layout = f.layout;
   const auto count = static_cast<int64_t>(f.panels.size());
-  const int64_t columns = count == 1 ? 1 : ceil_px(std::sqrt(static_cast<double>(count)));
+  const int64_t columns = f.grid_columns > 0 ? std::min(f.grid_columns, count)
+                          : count == 1       ? 1
+                                             : ceil_px(std::sqrt(static_cast<double>(count)));
   const int64_t rows = ceil_div(count, columns);
 
   // Square cells that fit the target side, unless that leaves one side of the matrix thinner than
@@ -470,6 +472,14 @@ Figure make_figure(TensorView<const T> alpha, const HeatmapOptions& options, Hea
   if (options.head && (*options.head < 0 || *options.head >= f.heads)) {
     throw ShapeError(fmt::format("head: expected 0 to {} ({}), got {}", f.heads - 1, described, *options.head));
   }
+  if (!options.panel_captions.empty() && static_cast<int64_t>(options.panel_captions.size()) != f.heads) {
+    throw ShapeError(fmt::format("panel_captions: expected {} (one per head of {}), got {}", f.heads, described,
+                                 options.panel_captions.size()));
+  }
+  if (options.grid_columns < 0) {
+    throw ValueError(fmt::format("grid_columns: expected 0 (about a square) or more, got {}", options.grid_columns));
+  }
+  f.grid_columns = options.grid_columns;
   f.batch = options.batch;
   f.first_head = options.head.value_or(0);
   f.labels_given = !options.row_labels.empty() || !options.col_labels.empty();
@@ -542,7 +552,9 @@ Figure make_figure(TensorView<const T> alpha, const HeatmapOptions& options, Hea
     panel.head = h;
     // The terminal names the batch entry of any rank-4 alpha, as `qkv heatmap` always printed it;
     // an image only when there are several to tell apart.
-    if (rank == 4 && (batches > 1 || terminal)) {
+    if (!options.panel_captions.empty()) {
+      panel.caption = sanitize_label(options.panel_captions[static_cast<size_t>(h)]);
+    } else if (rank == 4 && (batches > 1 || terminal)) {
       panel.caption = fmt::format("batch {} · head {}", f.batch, h);
     } else if (rank >= 3) {
       panel.caption = fmt::format("head {}", h);

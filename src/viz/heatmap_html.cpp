@@ -21,7 +21,6 @@
 #include "heatmap_internal.hpp"
 
 namespace qkv::heatmap_detail {
-namespace {
 
 // A JSON string literal. '<', '>' and '&' are escaped too, so "</script>" in a label cannot end the
 // data element, and U+2028/U+2029, which older JavaScript parsers refuse inside strings.
@@ -55,6 +54,8 @@ std::string json_strings(const std::vector<std::string>& items) {
   }
   return out + "]";
 }
+
+namespace {
 
 std::string figure_json(const Figure& f) {
   std::string out = "{";

@@ -97,6 +97,7 @@ struct Figure {
   std::vector<Mark> marks;    // the marked rows and columns, then the marked cells, checked
   std::vector<MarkKey> keys;  // the key's entries, as HeatmapLayout::key
   bool float32 = false;       // alpha was float: values are written as the shortest float that reads back
+  int64_t grid_columns = 0;   // HeatmapOptions::grid_columns
   std::vector<Panel> panels;  // what an image draws (one head, or every head); the page carries all
   HeatmapLayout layout;       // of the image (the scale only for the page and the terminal)
   // Labels as the image draws them: cut with "…" to 160 px; only every k-th is set. Empty for the page.
@@ -212,6 +213,11 @@ std::string render_svg(const Figure& figure);
 enum class Markup { xml, html_text };
 std::string escape_markup(std::string_view text, Markup markup = Markup::xml);
 std::string render_html(const Figure& figure);
+
+// A JSON string literal of UTF-8 text that is safe inside a <script> element: '<', '>', '&', the
+// controls and U+2028/U+2029 escaped. json_strings: a JSON array of them.
+std::string json_string(std::string_view text);
+std::string json_strings(const std::vector<std::string>& items);
 std::string render_terminal(const Figure& figure);
 
 }  // namespace qkv::heatmap_detail

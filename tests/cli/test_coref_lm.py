@@ -1,6 +1,7 @@
 """qkv experiment coref and encoder-lm: a --quick run of each writes well-formed outputs (results.md
 with its settings and command, CSVs with the expected columns, finite numbers in range, valid PNGs:
-coref's heatmaps of three examples, encoder-lm's loss curves), prints its tables and progress,
+coref's heatmaps of three examples, encoder-lm's loss curves; each one's attention.npy, tokens and
+explorer page, which `qkv explore` opens), prints its tables and progress,
 finishes well under the limit, and repeats exactly for a seed. coref reports accuracy, the pronoun
 row's attention mass per layer and head, and how often attention and value ablation agree;
 encoder-lm reports bits per character, training tokens/s and a sample from each of its two models,
@@ -15,6 +16,16 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from cli_harness import ExperimentSuite, run_suite  # noqa: E402  (the harness sits beside this script)
+
+
+def check_explore(t, directory, name):
+    """The run's saved attention opens in `qkv explore`, and its own page is there."""
+    page = directory / "attention.html"
+    if not page.is_file() or not page.read_bytes().startswith(b"<!DOCTYPE html>"):
+        t.fail(f"{name}: attention.html", "missing or not a page")
+    t.succeed(f"{name}: qkv explore opens the saved attention",
+              ["explore", str(directory / "attention.npy"), "--tokens-file", str(directory / "attention_tokens.txt"),
+               "-o", t.path(f"{name}-explore.png")])
 
 
 def check_coref(t, out):
@@ -56,6 +67,7 @@ def check_coref(t, out):
     if "magenta" not in (directory / "results.md").read_text():
         problems.append("results.md does not say how the pronoun's row is marked")
     t.check(f"coref ({out}): the heatmaps mark the pronoun's row and the referent's column", problems)
+    check_explore(t, directory, f"coref ({out})")
     return (directory / "results.csv").read_bytes()
 
 
@@ -86,6 +98,7 @@ def check_lm(t, out, corpus=None):
     if corpus and corpus not in t.settings(md).get("corpus", ""):
         problems.append("results.md does not name the corpus")
     t.check(f"encoder-lm ({out}): bits per character, tokens/s, samples, parameter budget", problems)
+    check_explore(t, directory, f"encoder-lm ({out})")
 
 
 def checks(t):

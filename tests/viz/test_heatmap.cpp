@@ -1127,5 +1127,24 @@ TEST(HeatmapPng, TheColourBarShowsClippingExactlyWhenValuesExceedVmax) {
   expect_inside(low, layout, "the low clipping triangle");
 }
 
+TEST(HeatmapGrid, ColumnsAndCaptionsAsAsked) {
+  // Six heads as a model's 2 layers × 3 heads: rows of 3 panels, each with its own caption.
+  const Tensor<float> alpha({6, 2, 2}, 0.5F);
+  HeatmapOptions options;
+  options.grid_columns = 3;
+  options.panel_captions = {"l0 h0", "l0 h1", "l0 h2", "l1 h0", "l1 h1", "l1 h2"};
+  const HeatmapLayout layout = heatmap_layout(alpha.cview(), options);
+  ASSERT_EQ(layout.panels.size(), 6U);
+  EXPECT_EQ(layout.panels[2].matrix.y, layout.panels[0].matrix.y);
+  EXPECT_GT(layout.panels[3].matrix.y, layout.panels[0].matrix.y);
+  EXPECT_EQ(layout.panels[3].matrix.x, layout.panels[0].matrix.x);
+  EXPECT_GT(layout.panels[0].caption.height, 0);
+  options.panel_captions.pop_back();
+  EXPECT_THROW(heatmap_layout(alpha.cview(), options), ShapeError);
+  options.panel_captions.clear();
+  options.grid_columns = -1;
+  EXPECT_THROW(heatmap_layout(alpha.cview(), options), ValueError);
+}
+
 }  // namespace
 }  // namespace qkv

@@ -7,6 +7,8 @@
 #include <utility>
 
 #include "experiments.hpp"
+#include "qkv/io/npy.hpp"
+#include "qkv/viz/explorer.hpp"
 
 namespace qkv::cli {
 
@@ -25,6 +27,30 @@ std::string command_line(std::string_view name, const ExperimentOptions& options
 void ExtraFiles::stage(const std::filesystem::path& directory, const std::string& name, std::string_view bytes) {
   staged_.stage(directory / name, bytes);
   names_.push_back(name);
+}
+
+std::string stage_attention(ExtraFiles& files, const std::filesystem::path& directory, const std::string& name,
+                            const std::vector<Tensor<float>>& layers, const std::vector<std::string>& tokens,
+                            const std::string& title) {
+  const Shape& one = layers.front().shape();  // [1, H, T, T]
+  std::vector<float> values;
+  for (const Tensor<float>& layer : layers) values.insert(values.end(), layer.values().begin(), layer.values().end());
+  const Tensor<float> attention({static_cast<int64_t>(layers.size()), one[1], one[2], one[3]}, std::move(values));
+  std::string lines;
+  for (const std::string& token : tokens) lines += token + "\n";
+  ExplorerOptions explorer;
+  for (size_t l = 0; l < layers.size(); ++l) explorer.layer_names.push_back(fmt::format("block {}", l));
+  explorer.query_tokens = tokens;
+  explorer.key_tokens = tokens;
+  explorer.title = title;
+  explorer.source = name + ".npy";
+  files.stage(directory, name + ".npy", encode_npy(attention.cview()));
+  files.stage(directory, name + "_tokens.txt", lines);
+  files.stage(directory, name + ".html", render_explorer_html(attention.cview(), explorer));
+  return fmt::format(
+      "The trained model's attention, every layer and head ({}): open [{}.html]({}.html), or draw it again with "
+      "`qkv explore {}.npy --tokens-file {}_tokens.txt -o page.html` (or `-o grid.png`).\n\n",
+      title, name, name, name, name);
 }
 
 double mean(const std::vector<double>& values) {

@@ -26,6 +26,8 @@
 //   training.csv    the training loss per step
 //   heatmap_N.png   the last layer's α for three test sentences, every head; the pronoun's row framed
 //                   in magenta, its referent's column in cyan, and a key under the image naming both
+//   attention.npy   every layer's α [L, H, T, T] of the first of them, with attention_tokens.txt, for
+//                   `qkv explore`, and attention.html, its explorer page
 
 #include <fmt/format.h>
 
@@ -225,8 +227,8 @@ struct CorefMeasurement {
   std::array<int64_t, 3> bucket_total{}, bucket_right{};  // distance pronoun − referent: ≤ 4, 5–8, ≥ 9
   std::vector<LayerHeadStats> heads;                      // [layer · heads + head], sums over the test split
   std::vector<AblationStats> ablation;                    // per layer, sums over the test split
-  // α of the last layer, [1, H, T, T], of the first three test sentences, each run alone.
-  std::vector<Tensor<float>> heatmap_alpha;
+  // α of every layer, [1, H, T, T] each, of the first three test sentences, each run alone.
+  std::vector<std::vector<Tensor<float>>> sentence_alpha;
 };
 
 CorefMeasurement measure_coref(const ExperimentOptions& options) {
@@ -358,7 +360,7 @@ CorefMeasurement measure_coref(const ExperimentOptions& options) {
     for (int64_t l = 0; l < s.layers; ++l) alpha.emplace_back(Shape{1, s.heads, length, length});
     for (Tensor<float>& a : alpha) views.push_back(a.view());
     model.forward(batch.ids.cview(), {}, views);
-    measurement.heatmap_alpha.push_back(std::move(alpha.back()));
+    measurement.sentence_alpha.push_back(std::move(alpha));
   }
   return measurement;
 }
@@ -446,7 +448,7 @@ Report report_coref(const ExperimentOptions& options, const CorefMeasurement& me
       "Heatmaps of three test sentences: every head of the last layer (rows: queries, columns: keys); "
       "the pronoun's row, framed in magenta, is the one to read, and its referent's column is framed in cyan "
       "(the key under each image says so).\n\n";
-  for (size_t k = 0; k < measurement.heatmap_alpha.size(); ++k) {
+  for (size_t k = 0; k < measurement.sentence_alpha.size(); ++k) {
     HeatmapOptions heatmap;
     for (int64_t id : test[k].ids) heatmap.row_labels.push_back(lex.word(id));
     heatmap.col_labels = heatmap.row_labels;
@@ -461,8 +463,14 @@ Report report_coref(const ExperimentOptions& options, const CorefMeasurement& me
     heatmap.vmax = 1.0;
     const std::string name = fmt::format("heatmap_{}.png", k + 1);
     files.stage(options.directory, name,
-                render_heatmap<float>(measurement.heatmap_alpha[k].cview(), HeatmapFormat::png, heatmap));
+                render_heatmap<float>(measurement.sentence_alpha[k].back().cview(), HeatmapFormat::png, heatmap));
     text += fmt::format("![sentence {}]({})\n\n", k + 1, name);
+  }
+  if (!measurement.sentence_alpha.empty()) {
+    std::vector<std::string> words;
+    for (int64_t id : test[0].ids) words.push_back(lex.word(id));
+    text += stage_attention(files, options.directory, "attention", measurement.sentence_alpha[0], words,
+                            fmt::format("{}", fmt::join(words, " ")));
   }
   report.add_paragraph(text);
   return report;

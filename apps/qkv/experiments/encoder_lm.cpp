@@ -19,6 +19,8 @@
 //   results.csv   per model: parameters, validation bits per character, training tokens/s, seconds
 //   training.csv  the training loss (bits per character) per step, both models; training.png its plot
 //   samples in results.md, each started from the same prompt
+//   attention.npy the attention model's α [L, H, T, T] as it reads its prompt and sample (the first 64
+//                 characters), with attention_tokens.txt for `qkv explore`, and attention.html, its page
 
 #include <fmt/format.h>
 
@@ -216,6 +218,14 @@ struct Result {
   std::string sample;
 };
 
+// The characters of `text` as tokens of the explorer: a space as ␣ and a line break as ⏎, since a
+// tokens file has no blank lines.
+std::vector<std::string> character_tokens(std::string_view text) {
+  std::vector<std::string> tokens;
+  for (const char ch : text) tokens.emplace_back(ch == ' ' ? "␣" : ch == '\n' ? "⏎" : std::string(1, ch));
+  return tokens;
+}
+
 // Both models train on kBatch windows of kLength characters a step, at width kDim.
 constexpr int64_t kLength = 64, kBatch = 16, kDim = 64;
 constexpr std::string_view kPrompt = "The ";
@@ -224,8 +234,10 @@ constexpr std::string_view kPrompt = "The ";
 struct EncoderLmMeasurement {
   Corpus corpus;
   int64_t steps = 0;
-  int64_t max_windows = 0;        // validation windows at most
-  std::array<Result, 2> results;  // the GRU, then causal attention
+  int64_t max_windows = 0;               // validation windows at most
+  std::array<Result, 2> results;         // the GRU, then causal attention
+  std::string attended;                  // the text whose attention is kept: the prompt and the sample, cut to kLength
+  std::vector<Tensor<float>> attention;  // the attention model's α of it, [1, H, T, T] a layer
 };
 
 EncoderLmMeasurement measure_encoder_lm(const ExperimentOptions& options) {
@@ -281,6 +293,16 @@ EncoderLmMeasurement measure_encoder_lm(const ExperimentOptions& options) {
     results[m].bits = validation_bits(*model, corpus.validation, length, max_windows);
     Rng sampler(derive_seed(options.seed, kSampleStream));
     results[m].sample = sample(*model, corpus, prompt, options.quick ? 80 : 300, length, sampler);
+    if (m == 1) {
+      // What the model attends to as it reads its own sample: one window, as it was trained on.
+      measurement.attended = (prompt + results[m].sample).substr(0, static_cast<size_t>(length));
+      Tensor<int64_t> ids(Shape{1, static_cast<int64_t>(measurement.attended.size())});
+      for (size_t k = 0; k < measurement.attended.size(); ++k) {
+        const size_t id = corpus.alphabet.find(measurement.attended[k]);
+        ids[static_cast<int64_t>(k)] = id == std::string::npos ? 0 : static_cast<int64_t>(id);
+      }
+      measurement.attention = static_cast<AttentionLm<float>&>(*model).attention(ids);
+    }
   }
   return measurement;
 }
@@ -336,6 +358,8 @@ Report report_encoder_lm(const ExperimentOptions& options, const EncoderLmMeasur
   report.add_figure("Training loss against step (dashed: validation after training)", figure, "training.png");
   std::string text = fmt::format("Samples, temperature {}, after the prompt \"{}\":\n\n", kTemperature, prompt);
   for (const Result& r : results) text += fmt::format("**{}**\n\n```\n{}{}\n```\n\n", r.name, prompt, r.sample);
+  text += stage_attention(*options.extra_files, options.directory, "attention", measurement.attention,
+                          character_tokens(measurement.attended), "the attention model reading its sample");
   report.add_paragraph(text);
   return report;
 }

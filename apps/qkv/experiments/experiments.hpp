@@ -17,6 +17,7 @@
 #include <string_view>
 #include <vector>
 
+#include "qkv/core/tensor.hpp"
 #include "qkv/io/staged_files.hpp"
 #include "qkv/viz/plot.hpp"
 #include "support/report.hpp"
@@ -37,6 +38,14 @@ class ExtraFiles {
   StagedFiles staged_;
   std::vector<std::string> names_;
 };
+
+// A trained model's attention on one input, staged for `qkv explore`: NAME.npy [L, H, T, T] (its
+// `layers`, each [1, H, T, T], stacked from the input up), NAME_tokens.txt (one token a line, as
+// --tokens-file reads) and NAME.html (the explorer page, to open at once). Returns the markdown
+// paragraph that tells the reader of results.md how to open them.
+std::string stage_attention(ExtraFiles& files, const std::filesystem::path& directory, const std::string& name,
+                            const std::vector<Tensor<float>>& layers, const std::vector<std::string>& tokens,
+                            const std::string& title);
 
 struct ExperimentOptions {
   bool quick = false;            // --quick: a small version that finishes in well under a minute

@@ -34,6 +34,17 @@ class AttentionLm : public LanguageModel<T> {
   Tensor<T> forward(const Tensor<int64_t>& ids) override { return model_.forward(ids.cview()); }
   void backward(const Tensor<T>& dlogits) override { model_.backward(dlogits.cview()); }
   std::vector<ParameterRef<T>> parameters() override { return model_.parameters(); }
+  // ids [1, T] → each layer's α [1, H, T, T], from the input up.
+  std::vector<Tensor<T>> attention(const Tensor<int64_t>& ids) {
+    std::vector<Tensor<T>> alpha;
+    std::vector<TensorView<T>> views;
+    const int64_t t = ids.shape()[1];
+    for (int64_t l = 0; l < model_.config().layers; ++l)
+      alpha.emplace_back(Shape{1, model_.config().block.heads, t, t});
+    for (Tensor<T>& a : alpha) views.push_back(a.view());
+    model_.forward(ids.cview(), {}, views);
+    return alpha;
+  }
 
  private:
   EncoderModel<T> model_;

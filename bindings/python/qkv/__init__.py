@@ -27,6 +27,7 @@ from ._qkv import (
     ShapeError,
     __version__,
     _format_for_path,
+    _render_explorer,
     _render_heatmap,
     _time_fused_forward,
     _write_file_atomically,
@@ -54,7 +55,7 @@ additive_attention_backward = _backward(additive_attention_backward, weight_coun
 __all__ = [
     "Error", "FileError", "Heatmap", "ResourceError", "SelfAttention", "ShapeError", "__version__",
     "additive_attention", "additive_attention_backward", "alibi_slopes", "attention", "attention_backward",
-    "cpu_summary", "default_scale", "get_num_threads", "heatmap", "set_num_threads", "simd_target",
+    "cpu_summary", "default_scale", "explore", "get_num_threads", "heatmap", "set_num_threads", "simd_target",
     "simd_targets", "use_simd_target",
 ]
 
@@ -174,3 +175,89 @@ def heatmap(weights, rows: Union[None, str, Sequence[str]] = None, cols: Union[N
     if path is not None:
         drawing.save(path)
     return drawing
+
+
+# Rows of a float16 or bfloat16 softmax, widened, are off 1 by a few of their ε; beyond this they are
+# not attention weights (as `qkv explore` takes them).
+_ROW_SUM_TOLERANCE = 0.01
+
+
+def explore(attention, tokens: Union[None, str, Sequence[str]] = None,
+            key_tokens: Union[None, str, Sequence[str]] = None, path: Union[None, str, os.PathLike] = None, *,
+            layer_names: Union[None, str, Sequence[str]] = None, batch: int = 0, title: str = "",
+            colormap: str = "viridis", view: str = "grid", select_rows: Optional[Sequence[int]] = None) -> bytes:
+    """A whole model's attention as the explorer page of `qkv explore` (every layer and head, head and
+    matrix views, selections, rollout, per-head entropy and distance), or as an image.
+
+    attention: [L, H, Tq, Tk], [L, B, H, Tq, Tk] (batch picks the entry), or a sequence of one
+        [H, Tq, Tk] or [B, H, Tq, Tk] array per layer, as a model's output_attentions gives them
+        (torch tensors too). Weights finite, >= 0, and each row summing to 1 within 0.01 (or all 0).
+    tokens: labels of the queries and, unless key_tokens is given, of the keys.
+    path: when given, the bytes are also written there whole or not at all: .html for the page,
+        .png, .svg or .pdf for an image of `view` ("grid", "mean" or "rollout"); with select_rows,
+        the mean of those queries' rows of the view, a row per panel.
+
+    Returns the page's (or the image's) bytes; the page's format when no path is given.
+    """
+    import numpy as np
+
+    if isinstance(attention, (list, tuple)):
+        layers = [np.asarray(layer.detach().cpu() if hasattr(layer, "detach") else layer) for layer in attention]
+        for k, layer in enumerate(layers):
+            if layer.ndim == 4:
+                if not 0 <= batch < layer.shape[0]:
+                    raise ShapeError(f"batch: expected 0 to {layer.shape[0] - 1} (B of layer {k} "
+                                     f"{list(layer.shape)}), got {batch}")
+                layers[k] = layer[batch]
+            elif layer.ndim != 3:
+                raise ShapeError(f"attention: expected layer {k} [H, Tq, Tk] or [B, H, Tq, Tk], got "
+                                 f"{list(layer.shape)}")
+            if layers[k].shape != layers[0].shape:
+                raise ShapeError(f"attention: expected layer {k} of the shape of layer 0, {list(layers[0].shape)}, "
+                                 f"got {list(layers[k].shape)}")
+        weights = np.stack(layers)
+    else:
+        weights = np.asarray(attention)
+        if weights.ndim == 5:
+            if not 0 <= batch < weights.shape[1]:
+                raise ShapeError(f"batch: expected 0 to {weights.shape[1] - 1} (B of attention "
+                                 f"{list(weights.shape)}), got {batch}")
+            weights = weights[:, batch]
+    if weights.ndim != 4:
+        raise ShapeError(f"attention: expected [L, H, Tq, Tk], [L, B, H, Tq, Tk] or a sequence of layers, got "
+                         f"{list(weights.shape)}")
+    if weights.dtype not in (np.float32, np.float64):
+        raise ShapeError(f"attention: expected float32 or float64, got {weights.dtype}")
+    bad = ~np.isfinite(weights) | (weights < 0)
+    if bad.any():
+        at = tuple(int(i) for i in np.argwhere(bad)[0])
+        raise ValueError(f"attention: expected finite weights >= 0, got {weights[at]} at [layer, head, query, key] = "
+                         f"{list(at)}")
+    sums = weights.astype(np.float64).sum(axis=-1)
+    off = (sums != 0) & (np.abs(sums - 1) > _ROW_SUM_TOLERANCE)
+    if off.any():
+        at = tuple(int(i) for i in np.argwhere(off)[0])
+        raise ValueError(f"attention: expected every row to sum to 1 within {_ROW_SUM_TOLERANCE} (or to 0), got "
+                         f"{sums[at]:.6g} in row [layer, head, query] = {list(at)}")
+    queries = _labels(tokens, "tokens")
+    keys = _labels(key_tokens, "key_tokens") if key_tokens is not None else list(queries)
+    tq, tk = weights.shape[2], weights.shape[3]
+    if queries and len(queries) != tq:
+        raise ShapeError(f"tokens: expected {tq} tokens (one per query of attention {list(weights.shape)}), "
+                         f"got {len(queries)}")
+    if keys and len(keys) != tk:
+        raise ShapeError(f"key_tokens: expected {tk} tokens (one per key of attention {list(weights.shape)}), "
+                         f"got {len(keys)}" + ("; give key_tokens for cross-attention" if key_tokens is None else ""))
+    names = _labels(layer_names, "layer_names")
+    if names and len(names) != weights.shape[0]:
+        raise ShapeError(f"layer_names: expected {weights.shape[0]} names (one per layer), got {len(names)}")
+    options = {"layer_names": names, "tokens": queries, "key_tokens": keys, "title": title, "colormap": colormap,
+               "source": f"qkv.explore of [{', '.join(str(d) for d in weights.shape)}]"}
+    fmt = _format_for_path(os.fspath(path)) if path is not None else "html"
+    rows = sorted({int(i) for i in select_rows}) if select_rows is not None else None
+    if rows is not None and (not rows or rows[0] < 0 or rows[-1] >= tq):
+        raise ValueError(f"select_rows: expected query indices from 0 to {tq - 1}, got {list(select_rows)}")
+    page = _render_explorer(np.ascontiguousarray(weights, dtype=np.float32), options, fmt, view, rows)
+    if path is not None:
+        _write_file_atomically(os.fspath(path), page)
+    return page

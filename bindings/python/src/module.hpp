@@ -8,5 +8,6 @@ namespace qkv::python {
 void add_attention(pybind11::module_& m);       // attention.cpp
 void add_self_attention(pybind11::module_& m);  // self_attention.cpp
 void add_heatmap(pybind11::module_& m);         // heatmap.cpp
+void add_explorer(pybind11::module_& m);        // explorer.cpp
 
 }  // namespace qkv::python

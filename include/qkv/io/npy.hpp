@@ -14,6 +14,7 @@
 #include <span>
 #include <string>
 #include <string_view>
+#include <utility>
 #include <variant>
 #include <vector>
 
@@ -44,6 +45,10 @@ struct NpyArray {
 // deflated members are refused, naming np.savez): "arrays.npz:q" reads member q.npy, "arrays.npz"
 // alone its only array (an archive of several names them in the error).
 NpyArray read_npy(const std::filesystem::path& path);
+
+// Every array of an .npz archive (np.savez), with its name (the member's without ".npy"), in the
+// archive's order. IoError as read_npy's, and for an archive without arrays.
+std::vector<std::pair<std::string, NpyArray>> read_npz_arrays(const std::filesystem::path& path);
 
 // The same from bytes in memory: a whole .npy file, or an .npz archive and the name of one of its
 // arrays (empty: its only one). `name` and `archive_path` are what the errors call the source.

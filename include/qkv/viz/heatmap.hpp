@@ -149,6 +149,11 @@ struct HeatmapOptions {
   std::string marked_cells_label;
   std::string marked_rows_label;
   std::string marked_cols_label;
+  // The caption of each head's panel in a grid, one per head of alpha (e.g. "layer 3 · head 5" when
+  // the heads are a model's layers × heads); empty: "head h".
+  std::vector<std::string> panel_captions;
+  // The panels of a grid a row (e.g. H, so that each row is a layer); 0: about √(panels), a square.
+  int64_t grid_columns = 0;
   TerminalStyle terminal;
 };
 
