@@ -62,70 +62,57 @@ void KvCache::remove_sequence(int64_t id) {
 
 int64_t KvCache::length(int64_t id) const { return sequence(id).length; }
 
+void KvCache::store_float_row(std::vector<uint8_t>& pool, int64_t at, const float* x, int64_t d) const {
+  if (shape_.type == StorageType::float32) {
+    std::memcpy(pool.data() + at * 4, x, static_cast<size_t>(d) * 4);
+    return;
+  }
+  auto* bits = reinterpret_cast<uint16_t*>(pool.data()) + at;
+  for (int64_t c = 0; c < d; ++c) {
+    bits[c] = shape_.type == StorageType::float16 ? float16_from_float(x[c]) : bfloat16_from_float(x[c]);
+  }
+}
+
 void KvCache::store_key(int64_t page, int64_t head, int64_t row, const float* k) {
   const int64_t dk = shape_.dk;
   const int64_t first = (page * shape_.kv_heads + head) * head_elements(dk);  // the head's row 0 in the page
   const int64_t at = first + row * dk;
-  switch (shape_.type) {
-    case StorageType::float32:
-      std::memcpy(k_pool_.data() + at * 4, k, static_cast<size_t>(dk) * 4);
-      return;
-    case StorageType::float16:
-    case StorageType::bfloat16: {
-      auto* bits = reinterpret_cast<uint16_t*>(k_pool_.data()) + at;
-      for (int64_t c = 0; c < dk; ++c) {
-        bits[c] = shape_.type == StorageType::float16 ? float16_from_float(k[c]) : bfloat16_from_float(k[c]);
+  if (shape_.type != StorageType::int8) {
+    store_float_row(k_pool_, at, k, dk);
+    return;
+  }
+  auto* q = reinterpret_cast<int8_t*>(k_pool_.data());
+  float* scale = k_scales_.data() + (page * shape_.kv_heads + head) * dk;
+  for (int64_t c = 0; c < dk; ++c) {
+    const float magnitude = std::abs(k[c]);
+    if (magnitude > scale[c] * 127.0f) {
+      // The channel's step grows, at least twofold, and its earlier tokens in this page are
+      // stored again on the new one: each time with an error of up to half the new step, so
+      // that, the steps at least doubling, all of them add up to less than the last step.
+      const float wider = std::max(magnitude / 127.0f, 2.0f * scale[c]);
+      for (int64_t r = 0; r < row; ++r) {
+        int8_t& earlier = q[first + r * dk + c];
+        earlier = quantize(static_cast<float>(earlier) * scale[c], wider);
       }
-      return;
+      scale[c] = wider;
     }
-    case StorageType::int8: {
-      auto* q = reinterpret_cast<int8_t*>(k_pool_.data());
-      float* scale = k_scales_.data() + (page * shape_.kv_heads + head) * dk;
-      for (int64_t c = 0; c < dk; ++c) {
-        const float magnitude = std::abs(k[c]);
-        if (magnitude > scale[c] * 127.0f) {
-          // The channel's step grows, at least twofold, and its earlier tokens in this page are
-          // stored again on the new one: each time with an error of up to half the new step, so
-          // that, the steps at least doubling, all of them add up to less than the last step.
-          const float wider = std::max(magnitude / 127.0f, 2.0f * scale[c]);
-          for (int64_t r = 0; r < row; ++r) {
-            int8_t& earlier = q[first + r * dk + c];
-            earlier = quantize(static_cast<float>(earlier) * scale[c], wider);
-          }
-          scale[c] = wider;
-        }
-        q[at + c] = quantize(k[c], scale[c]);
-      }
-      return;
-    }
+    q[at + c] = quantize(k[c], scale[c]);
   }
 }
 
 void KvCache::store_value(int64_t page, int64_t head, int64_t row, const float* v) {
   const int64_t dv = shape_.dv;
   const int64_t at = (page * shape_.kv_heads + head) * head_elements(dv) + row * dv;
-  switch (shape_.type) {
-    case StorageType::float32:
-      std::memcpy(v_pool_.data() + at * 4, v, static_cast<size_t>(dv) * 4);
-      return;
-    case StorageType::float16:
-    case StorageType::bfloat16: {
-      auto* bits = reinterpret_cast<uint16_t*>(v_pool_.data()) + at;
-      for (int64_t c = 0; c < dv; ++c) {
-        bits[c] = shape_.type == StorageType::float16 ? float16_from_float(v[c]) : bfloat16_from_float(v[c]);
-      }
-      return;
-    }
-    case StorageType::int8: {
-      float magnitude = 0.0f;
-      for (int64_t c = 0; c < dv; ++c) magnitude = std::max(magnitude, std::abs(v[c]));
-      const float scale = magnitude > 0.0f ? magnitude / 127.0f : 1.0f;
-      v_scales_[static_cast<size_t>((page * shape_.kv_heads + head) * shape_.page_tokens + row)] = scale;
-      auto* q = reinterpret_cast<int8_t*>(v_pool_.data()) + at;
-      for (int64_t c = 0; c < dv; ++c) q[c] = quantize(v[c], scale);
-      return;
-    }
+  if (shape_.type != StorageType::int8) {
+    store_float_row(v_pool_, at, v, dv);
+    return;
   }
+  float magnitude = 0.0f;
+  for (int64_t c = 0; c < dv; ++c) magnitude = std::max(magnitude, std::abs(v[c]));
+  const float scale = magnitude > 0.0f ? magnitude / 127.0f : 1.0f;
+  v_scales_[static_cast<size_t>((page * shape_.kv_heads + head) * shape_.page_tokens + row)] = scale;
+  auto* q = reinterpret_cast<int8_t*>(v_pool_.data()) + at;
+  for (int64_t c = 0; c < dv; ++c) q[c] = quantize(v[c], scale);
 }
 
 void KvCache::append(int64_t id, TensorView<const float> k, TensorView<const float> v) {

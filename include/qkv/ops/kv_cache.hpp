@@ -75,6 +75,8 @@ class KvCache {
   };
   const Sequence& sequence(int64_t id) const;
   int64_t head_elements(int64_t d) const { return shape_.page_tokens * d; }  // one head's rows in a page
+  // Row `at` (in elements) of a float32, float16 or bfloat16 pool: d values of x, converted.
+  void store_float_row(std::vector<uint8_t>& pool, int64_t at, const float* x, int64_t d) const;
   void store_key(int64_t page, int64_t head, int64_t row, const float* k);
   void store_value(int64_t page, int64_t head, int64_t row, const float* v);
   Tensor<float> read(int64_t id, bool keys) const;
