@@ -1,15 +1,18 @@
-# qkv_layer(NAME [DEPENDS lower layers...] [LIBRARIES third-party targets...])
+# qkv_layer(NAME [SEPARATE] [DEPENDS lower layers...] [LIBRARIES third-party targets...])
 #
 # One layer of the library (docs/architecture.md) as an object library qkv_NAME built from the
 # sources in the calling folder (src/NAME). Its compiler sees only its own public headers
 # (include/qkv/NAME), those of the layers it DEPENDS on, and its private headers in src/NAME: an
 # #include of a header from any other layer fails to compile. That works through a per-layer
-# include root in the build tree, layers/NAME/qkv/NAME, a link to include/qkv/NAME.
+# include root in the build tree, layers/NAME/qkv/NAME, a link to include/qkv/NAME. A SEPARATE
+# layer is left out of libqkv (qkv_link_layers): dist, whose MPI a user of libqkv need not have.
 function(qkv_layer name)
-  cmake_parse_arguments(LAYER "" "" "DEPENDS;LIBRARIES" ${ARGN})
+  cmake_parse_arguments(LAYER "SEPARATE" "" "DEPENDS;LIBRARIES" ${ARGN})
   file(GLOB sources CONFIGURE_DEPENDS ${CMAKE_CURRENT_SOURCE_DIR}/*.cpp)
   add_library(qkv_${name} OBJECT ${sources})
-  set_property(GLOBAL APPEND PROPERTY QKV_LAYERS ${name})
+  if(NOT LAYER_SEPARATE)
+    set_property(GLOBAL APPEND PROPERTY QKV_LAYERS ${name})
+  endif()
   set(root ${PROJECT_BINARY_DIR}/layers/${name})
   file(MAKE_DIRECTORY ${root}/qkv)
   file(CREATE_LINK ${PROJECT_SOURCE_DIR}/include/qkv/${name} ${root}/qkv/${name} SYMBOLIC)

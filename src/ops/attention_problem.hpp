@@ -43,6 +43,7 @@ struct AttentionOperands {
   // What the band is made of, to set it again for each sequence of a packed batch.
   bool causal = false;
   CausalAlignment alignment = CausalAlignment::bottom_right;
+  std::optional<int64_t> diagonal_offset;
   std::optional<AttentionWindow> window;
   // Packed sequences: [N+1] offsets of each sequence's queries and keys; empty when not packed.
   std::vector<int64_t> cu_q, cu_k;
@@ -74,7 +75,7 @@ struct AttentionOperands {
 
   // The band of this problem's Tq and Tk.
   void set_band() {
-    diagonal = alignment == CausalAlignment::bottom_right ? tk() - tq() : 0;
+    diagonal = diagonal_offset ? *diagonal_offset : alignment == CausalAlignment::bottom_right ? tk() - tq() : 0;
     band_lo = -kUnbounded;
     band_hi = kUnbounded;
     if (window && window->left >= 0) band_lo = diagonal - window->left;
@@ -214,6 +215,16 @@ AttentionOperands<T> make_attention_operands(TensorView<const T> q, TensorView<c
   }
   p.causal = mask.causal;
   p.alignment = mask.alignment;
+  if (mask.diagonal_offset) {
+    if (*mask.diagonal_offset < -kUnbounded / 2 || *mask.diagonal_offset > kUnbounded / 2) {
+      throw ValueError(fmt::format("diagonal_offset: expected |o| below 2^61, got {}", *mask.diagonal_offset));
+    }
+    if (mask.cu_seqlens_q || mask.cu_seqlens_k) {
+      throw ValueError(
+          "diagonal_offset: not with packed sequences (cu_seqlens_q), whose diagonals are each sequence's own");
+    }
+  }
+  p.diagonal_offset = mask.diagonal_offset;
   p.window = mask.window;
   p.set_band();
   if (mask.cu_seqlens_q || mask.cu_seqlens_k) {

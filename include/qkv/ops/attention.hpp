@@ -48,6 +48,11 @@ struct AttentionMask {
   // usual lower triangle, and with a KV cache (Tq < Tk) the last query sees every key.
   bool causal = false;
   CausalAlignment alignment = CausalAlignment::bottom_right;
+  // o itself, in place of the alignment's: for queries and keys that are blocks of one longer
+  // sequence, starting at its positions qs and ks, o = qs − ks + the whole sequence's o. That is
+  // how a block of a sharded sequence (ring attention) keeps the whole sequence's causality,
+  // window and ALiBi. Not with packed sequences.
+  std::optional<int64_t> diagonal_offset = std::nullopt;
   std::optional<AttentionWindow> window = std::nullopt;
   // Broadcastable to [B, H, Tq, Tk]; nonzero = may attend.
   std::optional<TensorView<const uint8_t>> allowed = std::nullopt;
