@@ -22,6 +22,7 @@
 #include <utility>
 #include <vector>
 
+#include "attend_distributed.hpp"
 #include "cli_io.hpp"
 #include "commands.hpp"
 #include "qkv/core/error.hpp"
@@ -114,6 +115,8 @@ struct InputOptions {
   std::string score = "dot";
   std::string w_q, w_k, w;
   bool allow_nonfinite = false;
+  std::string distributed;  // "" or ring
+  std::string shards = "contiguous";
 };
 
 struct AttendOptions {
@@ -198,6 +201,42 @@ void add_input_options(CLI::App& cmd, InputOptions& o) {
   cmd.add_option("--wk", o.w_k, "WK.npy [A, Dk], the key projection of --score additive")->type_name("FILE");
   cmd.add_option("--ww", o.w, "W.npy [A], the score vector of --score additive")->type_name("FILE");
   cmd.add_flag("--allow-nonfinite", o.allow_nonfinite, "accept NaN and infinities in the inputs");
+  cmd.add_option("--distributed", o.distributed,
+                 "ring: under mpirun -np P, ring attention over the P ranks, the sequence split along T (float32; "
+                 "a path with {rank} is one file per rank, its shard)")
+      ->check(CLI::IsMember({"ring"}));
+  cmd.add_option("--shards", o.shards,
+                 "with --distributed: contiguous (rank r holds tokens r*T/P to (r+1)*T/P) or zigzag (chunks r and "
+                 "2P-1-r of 2P: the same work on every rank under --causal)")
+      ->check(CLI::IsMember({"contiguous", "zigzag"}));
+}
+
+// The options of a distributed run, those it cannot take refused by name.
+RingRunOptions ring_options(const InputOptions& o) {
+  const std::pair<std::string_view, bool> refused[] = {
+      {"--mask", !o.mask.empty()},
+      {"--cu-seqlens-q", !o.cu_seqlens_q.empty()},
+      {"--dropout", o.dropout_option && o.dropout_option->count() > 0},
+      {"--score additive", o.score == "additive"},
+      {"--impl reference", o.impl == "reference"},
+  };
+  for (const auto& [option, given] : refused) {
+    if (given) throw ValueError(fmt::format("--distributed: ring attention does not take {}", option));
+  }
+  RingRunOptions r;
+  r.layout = o.shards;
+  r.q = o.q;
+  r.k = o.k;
+  r.v = o.v;
+  if (o.scale_option && o.scale_option->count() > 0) r.scale = o.scale;
+  if (o.softcap_option && o.softcap_option->count() > 0) r.softcap = o.softcap;
+  r.causal = !o.causal.empty();
+  if (o.causal == "top-left") r.alignment = CausalAlignment::top_left;
+  if (!o.window.empty()) r.window = parse_window(o.window, "--window");
+  r.alibi = o.alibi;
+  r.sinks = o.sinks;
+  r.allow_nonfinite = o.allow_nonfinite;
+  return r;
 }
 
 // The operands of one run: read, converted to T (float, or double for float64 dot-product runs)
@@ -587,6 +626,17 @@ template <class T>
 void attend(const Operands<T>& x, const std::optional<HeatmapFormat>& heatmap, OutputFiles& files);
 
 void run_attend(const AttendOptions& o) {
+  if (!o.in.distributed.empty()) {
+    if (!o.weights.empty() || !o.heatmap.empty()) {
+      throw ValueError(fmt::format("{}: ring attention never forms the attention weights; drop it",
+                                   o.weights.empty() ? "--heatmap" : "--weights"));
+    }
+    RingRunOptions r = ring_options(o.in);
+    r.out = o.out;
+    r.lse = o.lse;
+    run_ring(r);
+    return;
+  }
   OutputFiles files;
   files.plan("-o", o.out);
   if (!o.weights.empty()) files.plan("--weights", o.weights);
@@ -665,6 +715,27 @@ template <class T>
 void attend_backward(const BackwardOptions& o, const Operands<T>& x, OutputFiles& files);
 
 void run_attend_backward(const BackwardOptions& o) {
+  if (!o.in.distributed.empty()) {
+    RingRunOptions r = ring_options(o.in);
+    r.backward = true;
+    r.dout = o.dout;
+    for (const OutputOption& output : o.outputs) {
+      if (output.path.empty()) continue;
+      if (output.arg == "--dq") r.dq = output.path;
+      else if (output.arg == "--dk") r.dk = output.path;
+      else if (output.arg == "--dv") r.dv = output.path;
+      else if (output.arg == "--dsinks") r.dsinks = output.path;
+      else throw ValueError(fmt::format("{}: not computed by --distributed ring", output.arg));
+    }
+    if (r.dq.empty() && r.dk.empty() && r.dv.empty() && r.dsinks.empty()) {
+      throw ValueError("attend-backward: expected at least one of --dq, --dk, --dv, --dsinks, got none");
+    }
+    if (!r.dsinks.empty() && r.sinks.empty()) {
+      throw ValueError("--dsinks: needs --sinks (it is their gradient), got no --sinks");
+    }
+    run_ring(r);
+    return;
+  }
   OutputFiles files;
   for (const OutputOption& output : o.outputs) {
     if (!output.path.empty()) files.plan(output.arg, output.path);

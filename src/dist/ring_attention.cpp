@@ -95,11 +95,11 @@ struct Comm {
   int origin(int step) const { return (rank + size - step % size) % size; }
 };
 
-// Runs `check` on every rank; when it throws on any of them, every rank throws the error of the
-// lowest such rank, in its type, prefixed with that rank. Nothing is sent before the ranks agree,
-// so one rank's bad argument never leaves the others waiting on a message that will not come.
-void agree(const Comm& c, const std::function<void()>& check) {
-  enum Kind : int { ok, shape, value, resource, other };
+}  // namespace
+
+void all_or_none(MPI_Comm comm, const std::function<void()>& check) {
+  const Comm c(comm);
+  enum Kind : int { ok, shape, value, resource, io, other };
   int kind = ok;
   std::string message;
   try {
@@ -110,6 +110,8 @@ void agree(const Comm& c, const std::function<void()>& check) {
     kind = value, message = e.what();
   } catch (const ResourceError& e) {
     kind = resource, message = e.what();
+  } catch (const IoError& e) {
+    kind = io, message = e.what();
   } catch (const std::exception& e) {
     kind = other, message = e.what();
   }
@@ -129,10 +131,14 @@ void agree(const Comm& c, const std::function<void()>& check) {
       throw ValueError(text);
     case resource:
       throw ResourceError(text);
+    case io:
+      throw IoError(text);
     default:
       throw Error(text);
   }
 }
+
+namespace {
 
 // Past the agreement every rank is inside the ring: an error on one would leave its neighbours
 // blocked in MPI_Wait for good, so it ends the job instead.
@@ -428,7 +434,7 @@ void check_same_as_rank0(const Ring& r, const Comm& c) {
 Ring checked_ring(const AttentionParams<float>& params, const RingShards& shards, const Comm& c,
                   const std::function<void(const Ring&)>& more) {
   std::optional<Ring> ring;
-  agree(c, [&] {
+  all_or_none(c.comm, [&] {
     ring = make_ring(params, shards, c);
     AttentionParams<float> probe = params;
     probe.q = slice(ring->q, 2, 0, 0);
@@ -439,7 +445,7 @@ Ring checked_ring(const AttentionParams<float>& params, const RingShards& shards
     attention_forward_fused<float>(probe, AttentionOutputs<float>{.out = out.view(), .weights = {}, .lse = lse.view()});
     more(*ring);
   });
-  agree(c, [&] { check_same_as_rank0(*ring, c); });
+  all_or_none(c.comm, [&] { check_same_as_rank0(*ring, c); });
   return *ring;
 }
 

@@ -25,6 +25,7 @@
 #include <mpi.h>
 
 #include <cstdint>
+#include <functional>
 #include <optional>
 #include <vector>
 
@@ -55,6 +56,12 @@ int64_t shard_length(int64_t tokens, int ranks, int rank, ShardLayout layout);
 // Rows `ranges` of `whole` along its T axis (the second to last), gathered into one contiguous
 // tensor: the shard a rank holds of an array every rank can read.
 Tensor<float> take_shard(TensorView<const float> whole, const std::vector<TokenRange>& ranges);
+
+// Runs `step` on every rank of `comm` (a collective call); when it throws on any of them, every
+// rank throws the error of the lowest such rank, in its type (ShapeError, ValueError, IoError,
+// ResourceError, else Error), its message prefixed "rank R: ". A program that checks its inputs in
+// steps so guarded never leaves ranks waiting for a message that a failed rank will not send.
+void all_or_none(MPI_Comm comm, const std::function<void()>& step);
 
 // The whole sequence's Tq and Tk and the layout of both.
 struct RingShards {
