@@ -721,11 +721,16 @@ void run_attend_backward(const BackwardOptions& o) {
     r.dout = o.dout;
     for (const OutputOption& output : o.outputs) {
       if (output.path.empty()) continue;
-      if (output.arg == "--dq") r.dq = output.path;
-      else if (output.arg == "--dk") r.dk = output.path;
-      else if (output.arg == "--dv") r.dv = output.path;
-      else if (output.arg == "--dsinks") r.dsinks = output.path;
-      else throw ValueError(fmt::format("{}: not computed by --distributed ring", output.arg));
+      if (output.arg == "--dq")
+        r.dq = output.path;
+      else if (output.arg == "--dk")
+        r.dk = output.path;
+      else if (output.arg == "--dv")
+        r.dv = output.path;
+      else if (output.arg == "--dsinks")
+        r.dsinks = output.path;
+      else
+        throw ValueError(fmt::format("{}: not computed by --distributed ring", output.arg));
     }
     if (r.dq.empty() && r.dk.empty() && r.dv.empty() && r.dsinks.empty()) {
       throw ValueError("attend-backward: expected at least one of --dq, --dk, --dv, --dsinks, got none");

@@ -215,19 +215,55 @@ Ring make_ring(const AttentionParams<float>& params, const RingShards& shards, c
   return r;
 }
 
+// The buffers of shards, kept by each thread from one call to the next: a fresh buffer of a
+// shard's size costs a page fault per 4 KiB on first touch, which on a virtual machine takes as
+// long as the kernel's work on a short shard.
+std::vector<std::vector<float>>& buffer_pool() {
+  thread_local std::vector<std::vector<float>> pool;
+  return pool;
+}
+
+// A float buffer from this thread's pool, given back when it goes.
+class PooledFloats {
+ public:
+  PooledFloats() {
+    auto& pool = buffer_pool();
+    if (!pool.empty()) {
+      values_ = std::move(pool.back());
+      pool.pop_back();
+    }
+  }
+  ~PooledFloats() {
+    if (values_.capacity() > 0) buffer_pool().push_back(std::move(values_));
+  }
+  PooledFloats(PooledFloats&& other) noexcept : values_(std::exchange(other.values_, {})) {}
+  PooledFloats& operator=(PooledFloats&& other) noexcept {
+    std::swap(values_, other.values_);
+    return *this;
+  }
+  PooledFloats(const PooledFloats&) = delete;
+  PooledFloats& operator=(const PooledFloats&) = delete;
+
+  std::vector<float>& values() { return values_; }
+  float* data() { return values_.data(); }
+
+ private:
+  std::vector<float> values_;
+};
+
 // A packed shard of K and V (or of dK and dV) for `tokens` tokens: k [B, Hkv, n, Dk], then v.
 struct KvShard {
-  std::vector<float> data;
+  PooledFloats buffer;
   int64_t tokens = 0;
 
-  TensorView<float> k(const Ring& r) { return make_view(data.data(), {r.batch(), r.kv_heads(), tokens, r.dk()}); }
+  TensorView<float> k(const Ring& r) { return make_view(buffer.data(), {r.batch(), r.kv_heads(), tokens, r.dk()}); }
   TensorView<float> v(const Ring& r) {
-    return make_view(data.data() + r.batch() * r.kv_heads() * tokens * r.dk(),
+    return make_view(buffer.data() + r.batch() * r.kv_heads() * tokens * r.dk(),
                      {r.batch(), r.kv_heads(), tokens, r.dv()});
   }
   void resize(const Ring& r, int64_t n) {
     tokens = n;
-    data.assign(static_cast<size_t>(n * r.token_floats()), 0.0f);
+    buffer.values().assign(static_cast<size_t>(n * r.token_floats()), 0.0f);
   }
 };
 
@@ -267,8 +303,8 @@ class TokenType {
 void exchange(const Ring& r, const Comm& c, const TokenType& type, KvShard& out, KvShard& in, int origin,
               MPI_Request requests[2], int tag) {
   in.resize(r, shard_length(r.shards.tk, c.size, origin, r.shards.layout));
-  MPI_Irecv(in.data.data(), static_cast<int>(in.tokens), type.get(), c.prev(), tag, c.comm, &requests[0]);
-  MPI_Isend(out.data.data(), static_cast<int>(out.tokens), type.get(), c.next(), tag, c.comm, &requests[1]);
+  MPI_Irecv(in.buffer.data(), static_cast<int>(in.tokens), type.get(), c.prev(), tag, c.comm, &requests[0]);
+  MPI_Isend(out.buffer.data(), static_cast<int>(out.tokens), type.get(), c.next(), tag, c.comm, &requests[1]);
 }
 
 void wait_all(MPI_Request requests[2], double& wait_s) {
@@ -296,41 +332,59 @@ AttentionParams<float> block_params(const Ring& r, const Block& blk, KvShard& kv
   return p;
 }
 
-// The blocks of this rank's queries against the shard of `origin` that may see anything.
+// The blocks of this rank's queries against the shard of `origin` that may see anything, each
+// range of queries cut into pieces of at least kPieceRows rows, about kPieces per range: between
+// two pieces the ring lets MPI move the messages in flight (progress()), which a large message
+// needs (its transfer advances only inside MPI calls). How a range is cut depends on its length
+// alone, so the results do not depend on the messages' timing.
+constexpr int64_t kPieces = 8;
+constexpr int64_t kPieceRows = 64;
+
 std::vector<Block> blocks_of(const Ring& r, const Comm& c, int origin) {
   std::vector<Block> blocks;
   int64_t q_at = 0;
   for (const TokenRange& qr : r.q_ranges) {
-    int64_t k_at = 0;
-    for (const TokenRange& kr : shard_ranges(r.shards.tk, c.size, origin, r.shards.layout)) {
-      if (r.may_see(qr, kr)) blocks.push_back({qr, kr, q_at, k_at});
-      k_at += kr.length;
+    const int64_t piece = std::max(kPieceRows, (qr.length + kPieces - 1) / kPieces);
+    for (int64_t first = 0; first < qr.length; first += piece) {
+      const TokenRange rows{qr.start + first, std::min(piece, qr.length - first)};
+      int64_t k_at = 0;
+      for (const TokenRange& kr : shard_ranges(r.shards.tk, c.size, origin, r.shards.layout)) {
+        if (r.may_see(rows, kr)) blocks.push_back({rows, kr, q_at + first, k_at});
+        k_at += kr.length;
+      }
     }
     q_at += qr.length;
   }
   return blocks;
 }
 
-// The rank's out and lse, accumulated in float64 across the ring: [B, H, tq_r, Dv] and [B, H, tq_r].
+// Lets MPI advance the transfers of `requests` (those not yet complete), without waiting.
+void progress(MPI_Request* requests, int count) {
+  int done = 0;
+  MPI_Testall(count, requests, &done, MPI_STATUSES_IGNORE);
+}
+
+// The rank's out, accumulated in place in the caller's [B, H, tq_r, Dv] (each merge computed in
+// float64 and rounded once), and its lse [B, H, tq_r] in float64.
 struct Merged {
-  std::vector<double> out, lse;
+  TensorView<float> out;
+  std::vector<double> lse;
 };
 
-void merge_block(const Ring& r, const Block& blk, const Tensor<float>& out, const Tensor<float>& lse, Merged& m) {
+void merge_block(const Ring& r, const Block& blk, TensorView<const float> out, TensorView<const float> lse, Merged& m) {
   const int64_t B = r.batch(), H = r.heads(), n = blk.qr.length, dv = r.dv(), tq_r = r.tq_r();
   for (int64_t b = 0; b < B; ++b)
     for (int64_t h = 0; h < H; ++h)
       for (int64_t i = 0; i < n; ++i) {
-        const double lb = lse[(b * H + h) * n + i];
+        const double lb = lse(b, h, i);
         if (lb == -std::numeric_limits<double>::infinity()) continue;
-        const int64_t row = (b * H + h) * tq_r + blk.q_at + i;
-        double& la = m.lse[static_cast<size_t>(row)];
-        double* acc = &m.out[static_cast<size_t>(row * dv)];
-        const float* part = &out[((b * H + h) * n + i) * dv];
+        double& la = m.lse[static_cast<size_t>((b * H + h) * tq_r + blk.q_at + i)];
+        float* acc = &m.out(b, h, blk.q_at + i, 0);
+        const float* part = &out(b, h, i, 0);
         const double top = std::max(la, lb);
         const double merged = top + std::log(std::exp(la - top) + std::exp(lb - top));
         const double wa = std::exp(la - merged), wb = std::exp(lb - merged);
-        for (int64_t d = 0; d < dv; ++d) acc[d] = wa * acc[d] + wb * static_cast<double>(part[d]);
+        for (int64_t d = 0; d < dv; ++d) acc[d] = static_cast<float>(wa * acc[d] + wb * part[d]);
         la = merged;
       }
 }
@@ -350,7 +404,7 @@ void merge_sinks(const Ring& r, Merged& m) {
         if (top == -std::numeric_limits<double>::infinity()) continue;
         const double merged = top + std::log(std::exp(la - top) + std::exp(sink - top));
         const double w = std::exp(la - merged);
-        for (int64_t d = 0; d < dv; ++d) m.out[static_cast<size_t>(row * dv + d)] *= w;
+        for (int64_t d = 0; d < dv; ++d) m.out(b, h, i, d) = static_cast<float>(w * m.out(b, h, i, d));
         la = merged;
       }
     }
@@ -450,22 +504,31 @@ Ring checked_ring(const AttentionParams<float>& params, const RingShards& shards
 }
 
 // The forward into float64 accumulators; `times` collects compute and wait.
-Merged forward_merged(const Ring& r, const Comm& c, RingTimes& times) {
+std::vector<double> forward_merged(const Ring& r, const Comm& c, TensorView<float> out, RingTimes& times) {
   const int64_t rows = r.batch() * r.heads() * r.tq_r();
-  Merged m{std::vector<double>(static_cast<size_t>(rows * r.dv()), 0.0),
-           std::vector<double>(static_cast<size_t>(rows), -std::numeric_limits<double>::infinity())};
+  for (int64_t b = 0; b < r.batch(); ++b)
+    for (int64_t h = 0; h < r.heads(); ++h)
+      for (int64_t i = 0; i < r.tq_r(); ++i) std::fill_n(&out(b, h, i, 0), r.dv(), 0.0f);
+  Merged m{out, std::vector<double>(static_cast<size_t>(rows), -std::numeric_limits<double>::infinity())};
   const TokenType type(r);
   KvShard held = pack_own(r), incoming;
+  // One block's out and lse, reused by every block: a fresh allocation per block would cost its
+  // page faults each time.
+  PooledFloats out_scratch, lse_scratch;
+  out_scratch.values().resize(static_cast<size_t>(rows * r.dv()));
+  lse_scratch.values().resize(static_cast<size_t>(rows));
   for (int step = 0; step < c.size; ++step) {
-    MPI_Request requests[2];
+    MPI_Request requests[2] = {MPI_REQUEST_NULL, MPI_REQUEST_NULL};
     const bool more = step + 1 < c.size;
     if (more) exchange(r, c, type, held, incoming, c.origin(step + 1), requests, 0);
     const auto start = Clock::now();
     for (const Block& blk : blocks_of(r, c, c.origin(step))) {
-      Tensor<float> out({r.batch(), r.heads(), blk.qr.length, r.dv()}), lse({r.batch(), r.heads(), blk.qr.length});
+      const TensorView<float> out = make_view(out_scratch.data(), {r.batch(), r.heads(), blk.qr.length, r.dv()});
+      const TensorView<float> lse = make_view(lse_scratch.data(), {r.batch(), r.heads(), blk.qr.length});
       attention_forward_fused<float>(block_params(r, blk, held),
-                                     AttentionOutputs<float>{.out = out.view(), .weights = {}, .lse = lse.view()});
+                                     AttentionOutputs<float>{.out = out, .weights = {}, .lse = lse});
       merge_block(r, blk, out, lse, m);
+      progress(requests, 2);
     }
     times.compute_s += seconds_since(start);
     if (more) {
@@ -474,7 +537,7 @@ Merged forward_merged(const Ring& r, const Comm& c, RingTimes& times) {
     }
   }
   merge_sinks(r, m);
-  return m;
+  return std::move(m.lse);
 }
 
 }  // namespace
@@ -490,15 +553,13 @@ void ring_attention_forward(const AttentionParams<float>& params, const RingShar
   });
   RingTimes t;
   or_abort(c, [&] {
-    const Merged m = forward_merged(r, c, t);
-    const TensorView<float> out = as_bhtd(outputs.out, "out");
+    const std::vector<double> lse = forward_merged(r, c, as_bhtd(outputs.out, "out"), t);
+    if (!outputs.lse) return;
+    const TensorView<float> lse3 = lse_bht(*outputs.lse);
     for (int64_t b = 0; b < r.batch(); ++b)
       for (int64_t h = 0; h < r.heads(); ++h)
         for (int64_t i = 0; i < r.tq_r(); ++i) {
-          const int64_t row = (b * r.heads() + h) * r.tq_r() + i;
-          for (int64_t d = 0; d < r.dv(); ++d)
-            out(b, h, i, d) = static_cast<float>(m.out[static_cast<size_t>(row * r.dv() + d)]);
-          if (outputs.lse) lse_bht (*outputs.lse)(b, h, i) = static_cast<float>(m.lse[static_cast<size_t>(row)]);
+          lse3(b, h, i) = static_cast<float>(lse[static_cast<size_t>((b * r.heads() + h) * r.tq_r() + i)]);
         }
   });
   t.total_s = seconds_since(start);
@@ -574,9 +635,9 @@ void ring_attention_backward(const AttentionParams<float>& params, const RingSha
     const TensorView<float> dq4 = as_bhtd(grads.dq, "dq");
     const TokenType type(r);
     KvShard held = pack_own(r), incoming, part, travelling_out, travelling_in;
-    MPI_Request grad_requests[2];
+    MPI_Request grad_requests[2] = {MPI_REQUEST_NULL, MPI_REQUEST_NULL};
     for (int step = 0; step < c.size; ++step) {
-      MPI_Request requests[2];
+      MPI_Request requests[2] = {MPI_REQUEST_NULL, MPI_REQUEST_NULL};
       const bool more = step + 1 < c.size;
       if (more) exchange(r, c, type, held, incoming, c.origin(step + 1), requests, 1);
       const auto compute_start = Clock::now();
@@ -589,13 +650,17 @@ void ring_attention_backward(const AttentionParams<float>& params, const RingSha
         const AttentionSaved<float> s{.out = slice(out4, 2, blk.q_at, blk.qr.length),
                                       .lse = slice(lse3, 2, blk.q_at, blk.qr.length)};
         attention_backward_fused<float>(block_params(r, blk, held), slice(dout4, 2, blk.q_at, blk.qr.length), g, s);
+        progress(requests, 2);
+        progress(grad_requests, 2);
       }
       t.compute_s += seconds_since(compute_start);
       // The gradients of the shard held so far arrive from the previous rank; this rank's part
       // joins them and they move on, towards the shard's home.
       if (step > 0) {
         wait_all(grad_requests, t.wait_s);
-        for (size_t e = 0; e < part.data.size(); ++e) part.data[e] = travelling_in.data[e] + part.data[e];
+        std::vector<float>& sum = part.buffer.values();
+        const std::vector<float>& before = travelling_in.buffer.values();
+        for (size_t e = 0; e < sum.size(); ++e) sum[e] = before[e] + sum[e];
       }
       std::swap(travelling_out, part);
       if (c.size > 1) exchange(r, c, type, travelling_out, travelling_in, c.origin(step + 1), grad_requests, 2);
