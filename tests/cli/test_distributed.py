@@ -248,7 +248,7 @@ def checks(s):
     # A rank killed in the middle of a run: mpirun fails within seconds.
     s.ranks = 2
     s.count += 1
-    big = rng.standard_normal((8, 24576, 64)).astype(np.float32)
+    big = rng.standard_normal((8, 32768, 64)).astype(np.float32)
     for name in ("bq", "bk", "bv"):
         s.save(f"{name}.npy", big)
     environment = dict(os.environ, **MPI_ENV)
