@@ -15,5 +15,6 @@ void register_experiment(CLI::App& app);
 void register_translate(CLI::App& app);
 void register_bench(CLI::App& app);
 void register_soak(CLI::App& app);
+void register_quantize(CLI::App& app);
 
 }  // namespace qkv::cli

@@ -53,6 +53,7 @@ int main(int argc, char** argv) {
   qkv::cli::register_translate(app);
   qkv::cli::register_bench(app);
   qkv::cli::register_soak(app);
+  qkv::cli::register_quantize(app);
 
   if (argc == 1) {
     fmt::print("{}", app.help());

@@ -264,6 +264,8 @@ QKV_INSTANTIATE_VIEW(float)
 QKV_INSTANTIATE_VIEW(double)
 QKV_INSTANTIATE_VIEW(uint8_t)
 QKV_INSTANTIATE_VIEW(int64_t)
+QKV_INSTANTIATE_VIEW(uint16_t)
+QKV_INSTANTIATE_VIEW(int8_t)
 #undef QKV_INSTANTIATE_VIEW
 
 template Tensor<float> to_tensor<float, float>(TensorView<const float>);

@@ -49,7 +49,8 @@ constexpr size_t kPreambleV2 = kMagic.size() + 2 + 4;
 // numpy aligns the data to 64 bytes so that it can be memory-mapped for any dtype and SIMD width.
 constexpr size_t kAlign = 64;
 constexpr char kSupported[] =
-    "float32 'f4', float64 'f8', int32 'i4', int64 'i8' (either byte order), bool '|b1', uint8 '|u1'";
+    "float32 'f4', float64 'f8', float16 'f2', int32 'i4', int64 'i8', uint16 'u2' (either byte order), bool '|b1', "
+    "uint8 '|u1', int8 '|i1'";
 
 [[noreturn]] void fail(const std::filesystem::path& path, std::string_view problem) {
   throw IoError(fmt::format("{}: {}", path.string(), problem));
@@ -59,7 +60,11 @@ int64_t item_size(DType dtype) {
   switch (dtype) {
     case DType::boolean:
     case DType::uint8:
+    case DType::int8:
       return 1;
+    case DType::float16:
+    case DType::uint16:
+      return 2;
     case DType::float32:
     case DType::int32:
       return 4;
@@ -84,6 +89,12 @@ std::string_view descr_of(DType dtype) {
       return "<i8";
     case DType::uint8:
       return "|u1";
+    case DType::float16:
+      return "<f2";
+    case DType::uint16:
+      return "<u2";
+    case DType::int8:
+      return "|i1";
   }
   return "";
 }
@@ -100,6 +111,7 @@ std::optional<ElementType> dtype_of(std::string_view descr) {
   // which hand-written headers use.
   if (descr == "|b1" || descr == "b1" || descr == "?" || descr == "|?") return ElementType{DType::boolean};
   if (descr == "|u1" || descr == "u1" || descr == "B" || descr == "|B") return ElementType{DType::uint8};
+  if (descr == "|i1" || descr == "i1" || descr == "b" || descr == "|b") return ElementType{DType::int8};
   bool big_endian = false;
   if (!descr.empty() && (descr[0] == '<' || descr[0] == '>' || descr[0] == '=')) {
     big_endian = descr[0] == '>';
@@ -107,6 +119,8 @@ std::optional<ElementType> dtype_of(std::string_view descr) {
   }
   if (descr == "f4") return ElementType{DType::float32, big_endian};
   if (descr == "f8") return ElementType{DType::float64, big_endian};
+  if (descr == "f2") return ElementType{DType::float16, big_endian};
+  if (descr == "u2") return ElementType{DType::uint16, big_endian};
   if (descr == "i4") return ElementType{DType::int32, big_endian};
   if (descr == "i8") return ElementType{DType::int64, big_endian};
   return std::nullopt;
@@ -400,8 +414,10 @@ DType dtype_for() {
     return DType::float64;
   } else if constexpr (std::is_same_v<T, uint8_t>) {
     return DType::boolean;
+  } else if constexpr (std::is_same_v<T, int8_t>) {
+    return DType::int8;
   } else {
-    static_assert(std::is_same_v<T, int64_t>, "write_npy takes float, double, uint8_t or int64_t");
+    static_assert(std::is_same_v<T, int64_t>, "write_npy takes float, double, uint8_t, int8_t or int64_t");
     return DType::int64;
   }
 }
@@ -422,6 +438,12 @@ std::string dtype_name(DType dtype) {
       return "int64";
     case DType::uint8:
       return "uint8";
+    case DType::float16:
+      return "float16";
+    case DType::uint16:
+      return "uint16";
+    case DType::int8:
+      return "int8";
   }
   return fmt::format("DType({})", static_cast<int>(dtype));
 }
@@ -526,6 +548,13 @@ NpyArray parse_npy(const std::filesystem::path& path, std::string_view file) {
     case DType::uint8:
       array.values = copy_values<uint8_t>(data, header.numel);
       break;
+    case DType::float16:
+    case DType::uint16:
+      array.values = copy_values<uint16_t>(data, header.numel);
+      break;
+    case DType::int8:
+      array.values = copy_values<int8_t>(data, header.numel);
+      break;
   }
   std::visit(
       [&](auto& values) {
@@ -609,15 +638,16 @@ std::string encode_npy(TensorView<const T> view) {
   return encode_npy(view, view.shape.dims());
 }
 
+namespace {
+
 template <class T>
-std::string encode_npy(TensorView<const T> view, std::span<const int64_t> file_shape) {
+std::string encode_npy_as(TensorView<const T> view, std::span<const int64_t> file_shape, DType dtype) {
   int64_t file_numel = 1;
   for (const int64_t dim : file_shape) file_numel *= dim;
   if (file_numel != view.numel()) {
     throw ShapeError(fmt::format("file_shape: expected {} elements (those of the view, shape {}), got shape [{}]",
                                  view.numel(), view.shape.str(), fmt::join(file_shape, ", ")));
   }
-  const DType dtype = dtype_for<T>();
   std::string bytes = make_header(dtype, file_shape);
   const size_t data_start = bytes.size();
   bytes.resize(data_start + static_cast<size_t>(view.numel() * item_size(dtype)));
@@ -635,9 +665,28 @@ std::string encode_npy(TensorView<const T> view, std::span<const int64_t> file_s
   return bytes;
 }
 
+}  // namespace
+
+template <class T>
+std::string encode_npy(TensorView<const T> view, std::span<const int64_t> file_shape) {
+  return encode_npy_as(view, file_shape, dtype_for<T>());
+}
+
 template <class T>
 void write_npy(const std::filesystem::path& path, TensorView<const T> view) {
   write_file_atomically(path, encode_npy(view));
+}
+
+std::string encode_npy_bits(TensorView<const uint16_t> bits, DType dtype) {
+  if (dtype != DType::float16 && dtype != DType::uint16) {
+    throw ValueError(
+        fmt::format("dtype: expected float16 or uint16 (the two 2-byte dtypes), got {}", dtype_name(dtype)));
+  }
+  return encode_npy_as(bits, bits.shape.dims(), dtype);
+}
+
+void write_npy_bits(const std::filesystem::path& path, TensorView<const uint16_t> bits, DType dtype) {
+  write_file_atomically(path, encode_npy_bits(bits, dtype));
 }
 
 #define QKV_INSTANTIATE_NPY(T)                                                       \
@@ -647,6 +696,7 @@ void write_npy(const std::filesystem::path& path, TensorView<const T> view) {
 QKV_INSTANTIATE_NPY(float)
 QKV_INSTANTIATE_NPY(double)
 QKV_INSTANTIATE_NPY(uint8_t)
+QKV_INSTANTIATE_NPY(int8_t)
 QKV_INSTANTIATE_NPY(int64_t)
 #undef QKV_INSTANTIATE_NPY
 

@@ -212,6 +212,24 @@ TEST_F(Npy, RoundTripFloat64) { check_round_trips<double>(dir_, DType::float64);
 TEST_F(Npy, RoundTripBool) { check_round_trips<uint8_t>(dir_, DType::boolean); }
 TEST_F(Npy, RoundTripInt64) { check_round_trips<int64_t>(dir_, DType::int64); }
 
+TEST_F(Npy, RoundTripInt8) {
+  const Tensor<int8_t> t(Shape{2, 3}, std::vector<int8_t>{-128, -1, 0, 1, 127, 5});
+  write_npy(dir_ / "i8.npy", t.cview());
+  EXPECT_TRUE(same_array(read_npy(dir_ / "i8.npy"), DType::int8, t));
+}
+
+// float16 and bfloat16 bits travel as uint16_t; every pattern, NaNs included, comes back unchanged.
+TEST_F(Npy, RoundTripSixteenBitPatterns) {
+  Tensor<uint16_t> t(Shape{4, 16384});
+  for (int64_t i = 0; i < t.numel(); ++i) t[i] = static_cast<uint16_t>(i);
+  for (const DType dtype : {DType::float16, DType::uint16}) {
+    SCOPED_TRACE(dtype_name(dtype));
+    write_npy_bits(dir_ / "bits.npy", t.cview(), dtype);
+    EXPECT_TRUE(same_array(read_npy(dir_ / "bits.npy"), dtype, t));
+  }
+  EXPECT_THROW(encode_npy_bits(t.cview(), DType::float32), ValueError);
+}
+
 TEST_F(Npy, NonzeroBytesAreWrittenAsTrue) {
   const Tensor<uint8_t> t(Shape{5}, std::vector<uint8_t>{0, 1, 2, 128, 255});
   write_npy(dir_ / "b.npy", t.cview());
@@ -323,6 +341,9 @@ TEST(NpyNames, DTypeNamesAndShapeStrings) {
   EXPECT_EQ(dtype_name(DType::int64), "int64");
   EXPECT_EQ(dtype_name(DType::int32), "int32");
   EXPECT_EQ(dtype_name(DType::uint8), "uint8");
+  EXPECT_EQ(dtype_name(DType::float16), "float16");
+  EXPECT_EQ(dtype_name(DType::uint16), "uint16");
+  EXPECT_EQ(dtype_name(DType::int8), "int8");
   NpyArray array;
   EXPECT_EQ(array.shape_str(), "[]");
   EXPECT_EQ(array.numel(), 1);
@@ -432,6 +453,16 @@ TEST_F(Npy, ReadsBigEndianAndFortranOrderAsLittleEndianCOrder) {
   EXPECT_TRUE(same_array(
       read_raw(npy_bytes("{'descr': '|u1', 'fortran_order': False, 'shape': (3,)}", std::string("\x00\x07\xff", 3))),
       DType::uint8, Tensor<uint8_t>(Shape{3}, {0, 7, 255})));
+  EXPECT_TRUE(same_array(
+      read_raw(npy_bytes("{'descr': '|i1', 'fortran_order': False, 'shape': (3,)}", std::string("\x00\x07\xff", 3))),
+      DType::int8, Tensor<int8_t>(Shape{3}, std::vector<int8_t>{0, 7, -1})));
+  // 1.0 in half precision is 0x3c00; '>f2' stores it high byte first.
+  EXPECT_TRUE(same_array(read_raw(npy_bytes("{'descr': '>f2', 'fortran_order': False, 'shape': (2,)}",
+                                            std::string("\x3c\x00\xc0\x00", 4))),
+                         DType::float16, Tensor<uint16_t>(Shape{2}, std::vector<uint16_t>{0x3c00, 0xc000})));
+  EXPECT_TRUE(same_array(read_raw(npy_bytes("{'descr': '<u2', 'fortran_order': False, 'shape': (2,)}",
+                                            std::string("\x80\x3f\x00\xc0", 4))),
+                         DType::uint16, Tensor<uint16_t>(Shape{2}, std::vector<uint16_t>{0x3f80, 0xc000})));
 }
 
 TEST_F(Npy, RefusesOtherDtypes) {
@@ -440,12 +471,12 @@ TEST_F(Npy, RefusesOtherDtypes) {
                         std::string(5, '\0')),
               {"unsupported dtype [('x', '<f4'), ('y', [('z', '|b1')])]", "structured arrays are not supported",
                "float32 'f4'"}));
-  for (const std::string descr : {"<i2", "<u4", "<f2", "<c8", "|S3", "<U2", "O", "", ">u2"}) {
+  for (const std::string descr : {"<i2", "<u4", "<f16", "<c8", "|S3", "<U2", "O", "", "|V2", "<f1"}) {
     SCOPED_TRACE(descr);
     EXPECT_TRUE(refused(
         npy_bytes(fmt::format("{{'descr': '{}', 'fortran_order': False, 'shape': (3,)}}", descr), f32_bytes({1, 2, 3})),
         {fmt::format("unsupported dtype '{}'", descr), "float32 'f4'", "float64 'f8'", "bool '|b1'", "int32 'i4'",
-         "int64 'i8'", "uint8 '|u1'"}));
+         "int64 'i8'", "uint8 '|u1'", "float16 'f2'", "uint16 'u2'", "int8 '|i1'"}));
   }
 }
 
