@@ -73,6 +73,12 @@ int main(int argc, char** argv) {
     fmt::print("ring attention, P = {} ranks, T = {}, H = {}, D = {}, fp32, {} rounds; times are the slowest rank's\n",
                ranks, T, H, D, rounds);
   }
+  // The zigzag shards: their lengths differ from the contiguous ones' when T is not a multiple of 2P.
+  const int64_t zn = qkv::dist::shard_length(T, ranks, rank, ShardLayout::zigzag);
+  Tensor<float> zq({H, zn, D}), zk({H, zn, D}), zv({H, zn, D}), zout({H, zn, D}), zlse({H, zn});
+  for (Tensor<float>* t : {&zq, &zk, &zv}) rng.fill_normal(t->view(), 0.0, 1.0);
+  AttentionParams<float> zparams{.q = zq.cview(), .k = zk.cview(), .v = zv.cview(), .scale = std::nullopt, .mask = {}};
+  zparams.mask.causal = true;
   Ratio forward, backward, causal_speedup, wait_share;
   for (int round = 0; round < rounds; ++round) {
     const double alone = timed([&] {
@@ -93,12 +99,6 @@ int main(int argc, char** argv) {
     causal.mask.causal = true;
     const double contiguous = timed(
         [&] { qkv::dist::ring_attention_forward(causal, RingShards{.tq = T, .tk = T}, outputs, MPI_COMM_WORLD); });
-    // The zigzag shard has the contiguous one's length to within a token: the same arrays serve.
-    const int64_t zn = qkv::dist::shard_length(T, ranks, rank, ShardLayout::zigzag);
-    Tensor<float> zq({H, zn, D}), zk({H, zn, D}), zv({H, zn, D}), zout({H, zn, D}), zlse({H, zn});
-    AttentionParams<float> zparams{
-        .q = zq.cview(), .k = zk.cview(), .v = zv.cview(), .scale = std::nullopt, .mask = {}};
-    zparams.mask.causal = true;
     const double zigzag = timed([&] {
       qkv::dist::ring_attention_forward(zparams, RingShards{.tq = T, .tk = T, .layout = ShardLayout::zigzag},
                                         AttentionOutputs<float>{.out = zout.view(), .weights = {}, .lse = zlse.view()},
