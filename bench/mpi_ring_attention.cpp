@@ -3,9 +3,12 @@
 //
 // Each round times, on every rank and in alternation (so that a machine whose speed drifts moves
 // both alike): the compute alone (the P calls of the fused kernel that the ring makes, on shards of
-// the same sizes, with no message sent), the ring forward, the ring backward and the backward's
+// the same sizes, with no message sent), the ring's K/V exchange alone (its P - 1 steps of sending
+// a shard's K and V to the next rank, with no compute), the ring forward, the ring backward and the backward's
 // compute alone; and, causal, the ring forward with the contiguous and with the zigzag layout. A
-// time is the slowest rank's. Printed: the median over rounds of each ratio, with its range.
+// time is the slowest rank's. Printed: the median over rounds of each ratio, with its range; and
+// the model of when communication hides, c >= 2 F / B for a shard of c tokens, with F and B
+// measured here (the kernel's FLOP/s and the exchange's bytes per second per rank).
 
 #include <fmt/format.h>
 #include <mpi.h>
@@ -42,10 +45,15 @@ double timed(F&& body) {
 
 struct Ratio {
   std::vector<double> values;
+  double median() const {
+    std::vector<double> v = values;
+    std::sort(v.begin(), v.end());
+    return v[v.size() / 2];
+  }
   void print(const char* what) const {
     std::vector<double> v = values;
     std::sort(v.begin(), v.end());
-    fmt::print("{:<58} {:6.3f}  (rounds {:.3f} to {:.3f})\n", what, v[v.size() / 2], v.front(), v.back());
+    fmt::print("{:<58} {:6.3f}  (rounds {:.3f} to {:.3f})\n", what, median(), v.front(), v.back());
   }
 };
 
@@ -79,10 +87,21 @@ int main(int argc, char** argv) {
   for (Tensor<float>* t : {&zq, &zk, &zv}) rng.fill_normal(t->view(), 0.0, 1.0);
   AttentionParams<float> zparams{.q = zq.cview(), .k = zk.cview(), .v = zv.cview(), .scale = std::nullopt, .mask = {}};
   zparams.mask.causal = true;
-  Ratio forward, backward, causal_speedup, wait_share;
+  Ratio forward, backward, causal_speedup, wait_share, flops, link_bytes;
+  const int next = (rank + 1) % ranks, previous = (rank + ranks - 1) % ranks;
+  Tensor<float> incoming_k({H, n, D}), incoming_v({H, n, D});
+  const auto shard_floats = static_cast<int>(H * n * D);
   for (int round = 0; round < rounds; ++round) {
     const double alone = timed([&] {
       for (int step = 0; step < ranks; ++step) qkv::attention_forward_fused(params, outputs);
+    });
+    const double exchange = timed([&] {
+      for (int step = 0; step + 1 < ranks; ++step) {
+        MPI_Sendrecv(k.data(), shard_floats, MPI_FLOAT, next, 0, incoming_k.data(), shard_floats, MPI_FLOAT, previous,
+                     0, MPI_COMM_WORLD, MPI_STATUS_IGNORE);
+        MPI_Sendrecv(v.data(), shard_floats, MPI_FLOAT, next, 1, incoming_v.data(), shard_floats, MPI_FLOAT, previous,
+                     1, MPI_COMM_WORLD, MPI_STATUS_IGNORE);
+      }
     });
     qkv::dist::RingTimes times;
     const double ring = timed([&] {
@@ -108,11 +127,15 @@ int main(int argc, char** argv) {
     backward.values.push_back(ring_backward / backward_alone);
     causal_speedup.values.push_back(contiguous / zigzag);
     wait_share.values.push_back(slowest(times.wait_s) / ring);
+    flops.values.push_back(4.0 * static_cast<double>(ranks * n * n * H * D) / alone);
+    if (ranks > 1) link_bytes.values.push_back(8.0 * static_cast<double>((ranks - 1) * H * n * D) / exchange);
     if (rank == 0) {
       fmt::print(
-          "round {}: forward compute alone {:.3f} s, ring {:.3f} s (rank 0: {:.3f} s in the kernel and the merge, "
+          "round {}: forward compute alone {:.3f} s, K/V exchange alone {:.3f} s, ring {:.3f} s (rank 0: {:.3f} s in "
+          "the kernel and the merge, "
           "{:.3f} s waiting); backward alone {:.3f} s, ring {:.3f} s; causal contiguous {:.3f} s, zigzag {:.3f} s\n",
-          round + 1, alone, ring, times.compute_s, times.wait_s, backward_alone, ring_backward, contiguous, zigzag);
+          round + 1, alone, exchange, ring, times.compute_s, times.wait_s, backward_alone, ring_backward, contiguous,
+          zigzag);
     }
   }
   if (rank == 0) {
@@ -120,6 +143,14 @@ int main(int argc, char** argv) {
     backward.print("ring backward / its compute alone");
     wait_share.print("forward: share of the time blocked waiting for a shard");
     causal_speedup.print("causal: zigzag speed-up over the contiguous split");
+    if (ranks > 1) {
+      const double f = flops.median(), b = link_bytes.median();
+      fmt::print(
+          "the model: the kernel runs at F = {:.1f} GFLOP/s per rank, the exchange at B = {:.2f} Gbit/s per rank, so "
+          "communication hides for shards of c >= 2F/B = {:.0f} tokens (these shards: {}; twice that under a causal "
+          "mask)\n",
+          f * 1e-9, b * 8e-9, 2 * f / b, n);
+    }
   }
   MPI_Finalize();
   return 0;

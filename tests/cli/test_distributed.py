@@ -82,12 +82,50 @@ class MpiSuite(Suite):
     env = MPI_ENV
     ranks = 2
 
+    def launcher(self):
+        return [MPIRUN, "--oversubscribe", "-np", str(self.ranks)]
+
     def run(self, args, env=None, preexec=None):
         environment = dict(os.environ, **self.env)
         environment.update(env or {})
-        command = [MPIRUN, "--oversubscribe", "-np", str(self.ranks), QKV, *args]
-        return subprocess.run(command, cwd=self.workdir, capture_output=True, text=True, timeout=self.timeout,
-                              env=environment, preexec_fn=preexec)
+        return subprocess.run([*self.launcher(), QKV, *args], cwd=self.workdir, capture_output=True, text=True,
+                              timeout=self.timeout, env=environment, preexec_fn=preexec)
+
+    def rank_to_kill(self, pids):
+        return pids[-1]
+
+    def kill_one_rank(self, name, rng):
+        """SIGKILL one rank (rank_to_kill's choice) a few seconds into a long forward: the launcher
+        must exit non-zero within 20 s, with no output written."""
+        self.count += 1
+        big = rng.standard_normal((8, 32768, 64)).astype(np.float32)
+        for array in ("bq", "bk", "bv"):
+            self.save(f"{array}.npy", big)
+        job = subprocess.Popen([*self.launcher(), QKV, "attend", "--distributed", "ring", "--q", "bq.npy", "--k",
+                                "bk.npy", "--v", "bv.npy", "-o", "bout.npy"], cwd=self.workdir,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=dict(os.environ, **self.env),
+                               start_new_session=True)
+        time.sleep(3.0)
+        ranks = subprocess.run(["pgrep", "-f", f"^{QKV} attend .*--q bq.npy"], capture_output=True, text=True)
+        pids = [int(p) for p in ranks.stdout.split()]
+        target = self.rank_to_kill(pids) if pids else None
+        killed_at = time.monotonic()
+        if target:
+            os.kill(target, signal.SIGKILL)
+        try:
+            code = job.wait(timeout=20)
+            waited = time.monotonic() - killed_at
+            if not target:
+                self.fail(name, f"found no rank to kill among {pids} (the run ended first?)")
+            elif code == 0:
+                self.fail(name, "the launcher exited 0")
+            elif os.path.exists(self.path("bout.npy")):
+                self.fail(name, "an output was written")
+            else:
+                print(f"ok   {name}: the launcher exited {code} {waited:.1f} s after the kill")
+        except subprocess.TimeoutExpired:
+            os.killpg(job.pid, signal.SIGKILL)
+            self.fail(name, "the launcher still running 20 s after one rank was killed")
 
     def refuse_everywhere(self, name, args, *must_mention):
         """Exit 2 from mpirun, no file written, and every error line the same, mentioning must_mention
@@ -249,34 +287,7 @@ def checks(s):
 
     # A rank killed in the middle of a run: mpirun fails within seconds.
     s.ranks = 2
-    s.count += 1
-    big = rng.standard_normal((8, 32768, 64)).astype(np.float32)
-    for name in ("bq", "bk", "bv"):
-        s.save(f"{name}.npy", big)
-    environment = dict(os.environ, **MPI_ENV)
-    job = subprocess.Popen([MPIRUN, "--oversubscribe", "-np", "2", QKV, "attend", "--distributed", "ring",
-                            "--q", "bq.npy", "--k", "bk.npy", "--v", "bv.npy", "-o", "bout.npy"], cwd=s.workdir,
-                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=environment, start_new_session=True)
-    time.sleep(3.0)
-    ranks = subprocess.run(["pgrep", "-f", f"^{QKV} attend .*--q bq.npy"], capture_output=True, text=True)
-    pids = [int(p) for p in ranks.stdout.split()]
-    killed_at = time.monotonic()
-    if pids:
-        os.kill(pids[-1], signal.SIGKILL)
-    try:
-        code = job.wait(timeout=20)
-        waited = time.monotonic() - killed_at
-        if not pids:
-            s.fail("a killed rank", "found no rank to kill (the run ended first?)")
-        elif code == 0:
-            s.fail("a killed rank", "mpirun exited 0")
-        elif os.path.exists(s.path("bout.npy")):
-            s.fail("a killed rank", "an output was written")
-        else:
-            print(f"ok   a killed rank: mpirun exited {code} {waited:.1f} s after the kill")
-    except subprocess.TimeoutExpired:
-        os.killpg(job.pid, signal.SIGKILL)
-        s.fail("a killed rank", "mpirun still running 20 s after one rank was killed")
+    s.kill_one_rank("a killed rank", rng)
 
 
 def main():
