@@ -87,7 +87,7 @@ int main(int argc, char** argv) {
   for (Tensor<float>* t : {&zq, &zk, &zv}) rng.fill_normal(t->view(), 0.0, 1.0);
   AttentionParams<float> zparams{.q = zq.cview(), .k = zk.cview(), .v = zv.cview(), .scale = std::nullopt, .mask = {}};
   zparams.mask.causal = true;
-  Ratio forward, backward, causal_speedup, wait_share, flops, link_bytes;
+  Ratio forward, backward, causal_speedup, wait_share, kernel_share, flops, link_bytes;
   const int next = (rank + 1) % ranks, previous = (rank + ranks - 1) % ranks;
   Tensor<float> incoming_k({H, n, D}), incoming_v({H, n, D});
   const auto shard_floats = static_cast<int>(H * n * D);
@@ -127,6 +127,7 @@ int main(int argc, char** argv) {
     backward.values.push_back(ring_backward / backward_alone);
     causal_speedup.values.push_back(contiguous / zigzag);
     wait_share.values.push_back(slowest(times.wait_s) / ring);
+    kernel_share.values.push_back(slowest(times.compute_s) / alone);
     flops.values.push_back(4.0 * static_cast<double>(ranks * n * n * H * D) / alone);
     if (ranks > 1) link_bytes.values.push_back(8.0 * static_cast<double>((ranks - 1) * H * n * D) / exchange);
     if (rank == 0) {
@@ -142,6 +143,7 @@ int main(int argc, char** argv) {
     forward.print("ring forward / its compute alone (1 = fully hidden)");
     backward.print("ring backward / its compute alone");
     wait_share.print("forward: share of the time blocked waiting for a shard");
+    kernel_share.print("forward: the ring's kernel and merge time / the compute alone");
     causal_speedup.print("causal: zigzag speed-up over the contiguous split");
     if (ranks > 1) {
       const double f = flops.median(), b = link_bytes.median();

@@ -4,8 +4,12 @@
 Runs bench/mpi_ring_attention with one rank per host (scripts/netns-mpirun.sh: network namespaces
 joined by veth links, all traffic over TCP, each link capped with tc) for each link rate and shard
 length asked for, and prints one table: the link's measured rate, the kernel's measured FLOP/s,
-the ring forward's time over its compute alone (median over rounds, and its range), and the
-shard length the model c >= 2F/B says communication needs to hide.
+the ring forward's time over its compute alone (median over rounds, and its range), how much of
+the ring's time it spent blocked waiting for a shard, the ring's own kernel and merge time over
+the compute alone (above 1 when the transfers slow the kernel down: they take the same cores), and
+the shard length the model c >= 2F/B says communication needs to hide, and the ratio the model
+predicts: a ring of P steps overlaps each of its P - 1 transfers with one step's compute, so it
+takes (P - 1) max(t_compute, t_transfer) + t_compute, and t_transfer / t_compute = 2F / (B c).
 
     sudo bench/ring_links.py --bench build/release/bench/mpi_ring_attention \\
         --rates 1gbit,10gbit,none --tokens 512,1024,2048,4096,8192 [--ranks 2] [--heads 8] [--dim 64]
@@ -64,8 +68,8 @@ def main():
     print(f"ring forward, P = {args.ranks} hosts, H = {args.heads}, d = {args.dim}, fp32, 1 thread per rank, "
           f"{args.rounds} rounds per row")
     print("| link cap | shard c | link measured (Gbit/s) | kernel (GFLOP/s) | ring / compute alone (range) "
-          "| model: hides from c = |")
-    print("| --- | ---: | ---: | ---: | --- | ---: |")
+          "| waiting | ring's kernel / alone | model: hides from c = | model: ring / compute alone |")
+    print("| --- | ---: | ---: | ---: | --- | ---: | ---: | ---: | ---: |")
     for rate in rates:
         for c in tokens:
             command = [NETNS_MPIRUN, *([] if rate == "none" else ["--rate", rate]), "-np", str(args.ranks),
@@ -79,11 +83,17 @@ def main():
                 sys.exit(f"ring_links: {' '.join(command)} failed ({result.returncode}):\n{result.stderr}")
             ratio = re.search(r"ring forward / its compute alone.*?([0-9.]+)\s+\(rounds ([0-9.]+) to ([0-9.]+)\)",
                               result.stdout)
+            waiting = re.search(r"blocked waiting for a shard\s+([0-9.]+)", result.stdout)
+            kernel = re.search(r"kernel and merge time / the compute alone\s+([0-9.]+)", result.stdout)
             model = re.search(r"F = ([0-9.]+) GFLOP/s.*B = ([0-9.]+) Gbit/s.*2F/B = ([0-9]+) tokens", result.stdout)
-            if not ratio or not model:
+            if not ratio or not model or not waiting or not kernel:
                 sys.exit(f"ring_links: could not read the bench's output:\n{result.stdout}")
+            threshold = float(model.group(3))
+            predicted = 1 + (args.ranks - 1) / args.ranks * max(0.0, threshold / c - 1)
             print(f"| {rate} | {c} | {model.group(2)} | {model.group(1)} | {ratio.group(1)} "
-                  f"({ratio.group(2)}–{ratio.group(3)}) | {model.group(3)} |", flush=True)
+                  f"({ratio.group(2)}–{ratio.group(3)}) | {float(waiting.group(1)):.0%} | {kernel.group(1)} | {model.group(3)} "
+                  f"| {predicted:.3f} |",
+                  flush=True)
     return 0
 
 

@@ -96,12 +96,14 @@ done
 
 # mpirun itself runs on the first host; it starts the rank there itself and the others through
 # the agent. Only TCP on the hosts' network: no shared memory (vader) and no UCX, which would find
-# the other ranks on the same machine and bypass the links.
+# the other ranks on the same machine and bypass the links. No binding: each host's daemon
+# believes it has the machine to itself and would bind its rank to the first core, the same core
+# on every host.
 host_list=$(IFS=,; echo "${hosts[*]}")
 set +e
 ip netns exec "$prefix-h0" unshare --uts sh -c 'hostname host0 && exec "$@"' sh \
   mpirun -np "$ranks" --host "$host_list" \
-  --mca plm_rsh_agent "$self --as-agent" --mca plm_rsh_no_tree_spawn 1 \
+  --bind-to none --mca plm_rsh_agent "$self --as-agent" --mca plm_rsh_no_tree_spawn 1 \
   --mca pml ob1 --mca btl self,tcp --mca btl_tcp_if_include 10.213.0.0/24 --mca oob_tcp_if_include 10.213.0.0/24 \
   "$@"
 status=$?
