@@ -580,48 +580,6 @@ Operands<T> load_operands(const InputOptions& o, InputArrays in) {
   return x;
 }
 
-// The library's messages name its arguments as its API spells them; the CLI's name the option
-// that gave each, with the library's wording kept.
-constexpr std::array<std::pair<std::string_view, std::string_view>, 17> kOptionOfArgument{{
-    {"q", "--q"},
-    {"k", "--k"},
-    {"v", "--v"},
-    {"mask", "--mask"},
-    {"bias", "--mask"},
-    {"scale", "--scale"},
-    {"window", "--window"},
-    {"softcap", "--softcap"},
-    {"alibi_slopes", "--alibi"},
-    {"sinks", "--sinks"},
-    {"cu_seqlens_q", "--cu-seqlens-q"},
-    {"cu_seqlens_k", "--cu-seqlens-k"},
-    {"dropout", "--dropout"},
-    {"dout", "--dout"},
-    {"w_q", "--wq"},
-    {"w_k", "--wk"},
-    {"w", "--ww"},
-}};
-
-std::string with_option_names(std::string_view message) {
-  for (const auto& [argument, option] : kOptionOfArgument) {
-    const std::string prefix = fmt::format("{}: ", argument);
-    if (message.starts_with(prefix)) return fmt::format("{}: {}", option, message.substr(prefix.size()));
-  }
-  return std::string(message);
-}
-
-// Runs a library call, its refusals renamed by with_option_names.
-template <class Call>
-void naming_options(Call&& call) {
-  try {
-    std::forward<Call>(call)();
-  } catch (const ShapeError& e) {
-    throw ShapeError(with_option_names(e.what()));
-  } catch (const ValueError& e) {
-    throw ValueError(with_option_names(e.what()));
-  }
-}
-
 template <class T>
 void attend(const Operands<T>& x, const std::optional<HeatmapFormat>& heatmap, OutputFiles& files);
 

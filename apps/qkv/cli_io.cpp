@@ -6,6 +6,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <array>
 #include <cerrno>
 #include <charconv>
 #include <cmath>
@@ -485,6 +486,39 @@ int64_t terminal_width() {
                   : 80;
   }
   return std::max(columns, kMinTerminalWidth);
+}
+
+// The options that give the library's arguments, by the argument's name in the API.
+namespace {
+
+constexpr std::array<std::pair<std::string_view, std::string_view>, 17> kOptionOfArgument{{
+    {"q", "--q"},
+    {"k", "--k"},
+    {"v", "--v"},
+    {"mask", "--mask"},
+    {"bias", "--mask"},
+    {"scale", "--scale"},
+    {"window", "--window"},
+    {"softcap", "--softcap"},
+    {"alibi_slopes", "--alibi"},
+    {"sinks", "--sinks"},
+    {"cu_seqlens_q", "--cu-seqlens-q"},
+    {"cu_seqlens_k", "--cu-seqlens-k"},
+    {"dropout", "--dropout"},
+    {"dout", "--dout"},
+    {"w_q", "--wq"},
+    {"w_k", "--wk"},
+    {"w", "--ww"},
+}};
+
+}  // namespace
+
+std::string with_option_names(std::string_view message) {
+  for (const auto& [argument, option] : kOptionOfArgument) {
+    const std::string prefix = fmt::format("{}: ", argument);
+    if (message.starts_with(prefix)) return fmt::format("{}: {}", option, message.substr(prefix.size()));
+  }
+  return std::string(message);
 }
 
 }  // namespace qkv::cli

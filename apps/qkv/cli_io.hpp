@@ -12,9 +12,11 @@
 #include <span>
 #include <string>
 #include <string_view>
+#include <utility>
 #include <variant>
 #include <vector>
 
+#include "qkv/core/error.hpp"
 #include "qkv/core/tensor.hpp"
 #include "qkv/io/npy.hpp"
 #include "qkv/ops/attention.hpp"
@@ -173,5 +175,23 @@ TerminalColor terminal_color(std::string_view when);
 // standard output is one, else 80 (a pipe or a file, read in an 80-column window more often than
 // not). Never below kMinTerminalWidth (qkv/viz/heatmap.hpp), the narrowest a heatmap can fit.
 int64_t terminal_width();
+
+// ---- The library's messages -------------------------------------------------------------------
+
+// The library's messages name its arguments as its API spells them (q, k, alibi_slopes, ...); the
+// CLI's name the option that gave each (--q, --k, --alibi, ...), with the library's wording kept.
+std::string with_option_names(std::string_view message);
+
+// Runs a library call, its refusals renamed by with_option_names.
+template <class Call>
+void naming_options(Call&& call) {
+  try {
+    std::forward<Call>(call)();
+  } catch (const ShapeError& e) {
+    throw ShapeError(with_option_names(e.what()));
+  } catch (const ValueError& e) {
+    throw ValueError(with_option_names(e.what()));
+  }
+}
 
 }  // namespace qkv::cli

@@ -16,5 +16,6 @@ void register_translate(CLI::App& app);
 void register_bench(CLI::App& app);
 void register_soak(CLI::App& app);
 void register_quantize(CLI::App& app);
+void register_decode(CLI::App& app);
 
 }  // namespace qkv::cli

@@ -54,6 +54,7 @@ int main(int argc, char** argv) {
   qkv::cli::register_bench(app);
   qkv::cli::register_soak(app);
   qkv::cli::register_quantize(app);
+  qkv::cli::register_decode(app);
 
   if (argc == 1) {
     fmt::print("{}", app.help());

@@ -19,6 +19,7 @@
 #include "qkv/core/storage.hpp"
 #include "qkv/io/npy.hpp"
 #include "qkv/ops/quantize.hpp"
+#include "stored_input.hpp"
 
 namespace qkv::cli {
 namespace {
@@ -75,28 +76,6 @@ void run_quantize(const QuantizeOptions& o) {
   files.commit();
 }
 
-template <class T>
-Tensor<T> tensor_of(NpyArray array) {
-  return Tensor<T>(Shape(std::span<const int64_t>(array.shape)), std::move(std::get<std::vector<T>>(array.values)));
-}
-
-// Scales broadcast to the values: the same rank, each dim 1 or the values' own.
-Tensor<float> load_scales(const std::string& path, const Shape& values) {
-  Tensor<float> scales = load_float32(path, "--scales");
-  bool broadcasts = scales.shape().rank() == values.rank();
-  for (int i = 0; i < values.rank() && broadcasts; ++i) {
-    broadcasts = scales.shape()[i] == 1 || scales.shape()[i] == values[i];
-  }
-  if (!broadcasts) {
-    throw ShapeError(fmt::format(
-        "--scales: expected a shape that broadcasts to IN's {} (each dim 1 or IN's, e.g. [..., 1, D] or [..., T, 1]), "
-        "got {}",
-        values.str(), scales.shape().str()));
-  }
-  check_finite(scales.cview(), "--scales");
-  return scales;
-}
-
 void run_dequantize(const DequantizeOptions& o) {
   if (!o.dtype.empty() && o.dtype != "bf16") {
     throw ValueError(fmt::format("--dtype: expected bf16 (what a '<u2' IN holds), got {}", o.dtype));
@@ -104,36 +83,19 @@ void run_dequantize(const DequantizeOptions& o) {
   OutputFiles files;
   files.plan("-o", o.output);
 
-  NpyArray array = read_input(o.input, "IN", "float16 '<f2', uint16 '<u2' with --dtype bf16, or int8 '|i1'");
-  if (array.shape.size() > 4) {
-    throw ShapeError(fmt::format("IN: expected rank 4 or less, got shape {}", array.shape_str()));
+  const StoredArray array = read_stored(o.input, o.scales, !o.dtype.empty(), {.arg = "IN", .scales_arg = "--scales"});
+  if (array.type == StorageType::float32) {
+    throw ShapeError(fmt::format(
+        "IN: expected dtype float16 '<f2', uint16 '<u2' (with --dtype bf16) or int8 '|i1', got float32 (shape {})",
+        array.shape().str()));
   }
-  if (array.dtype == DType::int8) {
-    if (o.scales.empty()) {
-      throw ValueError("--scales: expected the scales of int8 IN (value = scale · stored), got none");
-    }
-    const Tensor<int8_t> values = tensor_of<int8_t>(std::move(array));
-    const Tensor<float> scales = load_scales(o.scales, values.shape());
-    files.set("-o", to_float32(StoredView::int8(values.cview(), scales.cview())));
-  } else if (!o.scales.empty()) {
-    throw ValueError(fmt::format("--scales: expected none for IN of dtype {} (only int8 has scales), got {}",
-                                 dtype_name(array.dtype), o.scales));
-  } else if (array.dtype == DType::float16) {
-    if (!o.dtype.empty()) throw ValueError("--dtype: expected none for a float16 ('<f2') IN, got bf16");
-    files.set("-o", to_float32(StoredView::float16(tensor_of<uint16_t>(std::move(array)).cview())));
-  } else if (array.dtype == DType::uint16) {
-    if (o.dtype.empty()) {
-      throw ValueError(
-          "--dtype: expected bf16 for a uint16 ('<u2') IN (the bits of bfloat16; numpy has no bfloat16 "
-          "dtype), got none");
-    }
-    files.set("-o", to_float32(StoredView::bfloat16(tensor_of<uint16_t>(std::move(array)).cview())));
-  } else {
-    throw ShapeError(
-        fmt::format("IN: expected dtype float16 '<f2', uint16 '<u2' (with --dtype bf16) or int8 '|i1', "
-                    "got {} (shape {})",
-                    dtype_name(array.dtype), array.shape_str()));
+  if (array.type == StorageType::float16 && !o.dtype.empty()) {
+    throw ValueError("--dtype: expected none for a float16 ('<f2') IN, got bf16");
   }
+  if (array.shape().rank() > 4) {
+    throw ShapeError(fmt::format("IN: expected rank 4 or less, got shape {}", array.shape().str()));
+  }
+  files.set("-o", to_float32(array.view()));
   files.commit();
 }
 

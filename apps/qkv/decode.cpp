@@ -1,0 +1,181 @@
+// qkv decode: new queries attending to stored keys and values, the step of autoregressive
+// decoding. K and V come from .npy files in any storage type (stored_input.hpp). They are attended
+// as stored, the fused kernel converting a tile at a time; or, with --cache TYPE, first appended to
+// a paged KvCache of that type a page at a time and attended there, as a decoder that keeps its
+// cache in that type would (the cache stores what it is given in its own type: int8 K/V given to
+// an int8 cache are dequantised and quantised again, with the cache's own scales).
+
+#include <fmt/format.h>
+#include <CLI/CLI.hpp>
+
+#include <algorithm>
+#include <cmath>
+#include <memory>
+#include <optional>
+#include <string>
+#include <utility>
+
+#include "cli_io.hpp"
+#include "commands.hpp"
+#include "qkv/core/error.hpp"
+#include "qkv/core/storage.hpp"
+#include "qkv/ops/attention.hpp"
+#include "qkv/ops/kv_cache.hpp"
+#include "stored_input.hpp"
+
+namespace qkv::cli {
+namespace {
+
+struct DecodeOptions {
+  std::string q, k, v, k_scales, v_scales, dtype, cache, window, sinks, out, lse;
+  int64_t page_tokens = 256;
+  CLI::Option* page_tokens_option = nullptr;
+  double scale = 0;
+  CLI::Option* scale_option = nullptr;
+  double softcap = 0;
+  CLI::Option* softcap_option = nullptr;
+  bool full = false;
+};
+
+void expect_rank3(const StoredArray& a, std::string_view arg, std::string_view meaning) {
+  if (a.shape().rank() != 3) {
+    throw ShapeError(fmt::format("{}: expected rank 3 ({}), got shape {}", arg, meaning, a.shape().str()));
+  }
+}
+
+// [Hkv, n, D] rows [start, start + n) of a contiguous [Hkv, T, D] tensor, in place.
+TensorView<const float> token_rows(const Tensor<float>& x, int64_t start, int64_t n) {
+  const Shape& s = x.shape();
+  return {x.data() + start * s[2], Shape{s[0], n, s[2]}, x.cview().strides};
+}
+
+void run_decode(const DecodeOptions& o) {
+  if (!o.dtype.empty() && o.dtype != "bf16") {
+    throw ValueError(fmt::format("--dtype: expected bf16 (what a '<u2' input holds), got {}", o.dtype));
+  }
+  std::optional<StorageType> cache;
+  if (!o.cache.empty()) cache = parse_storage(o.cache, "--cache");
+  if (!cache && o.page_tokens_option->count() > 0) {
+    throw ValueError("--page-tokens: expected --cache with it (it sizes the cache's pages), got none");
+  }
+  if (o.page_tokens < 1) throw ValueError(fmt::format("--page-tokens: expected at least 1, got {}", o.page_tokens));
+  if (o.scale_option->count() > 0 && !std::isfinite(o.scale)) {
+    throw ValueError(fmt::format("--scale: expected a finite number, got {}", o.scale));
+  }
+  if (o.softcap_option->count() > 0 && !(o.softcap > 0 && std::isfinite(o.softcap))) {
+    throw ValueError(fmt::format("--softcap: expected a finite number > 0, got {}", o.softcap));
+  }
+  std::optional<AttentionWindow> window;
+  if (!o.window.empty()) window = parse_window(o.window, "--window");
+  OutputFiles files;
+  files.plan("-o", o.out);
+  if (!o.lse.empty()) files.plan("--lse", o.lse);
+
+  const bool bf16 = !o.dtype.empty();
+  const StoredArray q = read_stored(o.q, "", bf16, {.arg = "--q", .scales_arg = "", .int8_allowed = false});
+  const StoredArray k = read_stored(o.k, o.k_scales, bf16, {.arg = "--k", .scales_arg = "--k-scales"});
+  const StoredArray v = read_stored(o.v, o.v_scales, bf16, {.arg = "--v", .scales_arg = "--v-scales"});
+  if (bf16 && q.type != StorageType::bfloat16 && k.type != StorageType::bfloat16 && v.type != StorageType::bfloat16) {
+    throw ValueError("--dtype: bf16 says which '<u2' files hold bfloat16 bits, but none of --q, --k, --v is '<u2'");
+  }
+  expect_rank3(q, "--q", "[H, Tq, Dk]: the new queries");
+  expect_rank3(k, "--k", "[Hkv, Tk, Dk]: the keys of the sequence so far");
+  expect_rank3(v, "--v", "[Hkv, Tk, Dv]");
+  const int64_t heads = q.shape()[0], tq = q.shape()[1], dk = q.shape()[2];
+  const int64_t kv_heads = k.shape()[0], tk = k.shape()[1], dv = v.shape()[2];
+  if (k.shape()[2] != dk) {
+    throw ShapeError(fmt::format("--k: expected [Hkv, Tk, {}] (Dk of --q), got shape {}", dk, k.shape().str()));
+  }
+  if (v.shape()[0] != kv_heads || v.shape()[1] != tk) {
+    throw ShapeError(
+        fmt::format("--v: expected [{}, {}, Dv] (Hkv and Tk of --k), got shape {}", kv_heads, tk, v.shape().str()));
+  }
+  check_stored_finite(q, "--q");
+  check_stored_finite(k, "--k");
+  check_stored_finite(v, "--v");
+  std::optional<Tensor<float>> sinks;
+  if (!o.sinks.empty()) {
+    sinks = load_float32(o.sinks, "--sinks");
+    if (sinks->shape() != Shape{heads}) {
+      throw ShapeError(
+          fmt::format("--sinks: expected shape [{}] (one per head of --q), got {}", heads, sinks->shape().str()));
+    }
+    check_input_finite(sinks->cview(), "--sinks");
+  }
+  const std::optional<double> scale = o.scale_option->count() > 0 ? std::optional(o.scale) : std::nullopt;
+  const std::optional<double> softcap = o.softcap_option->count() > 0 ? std::optional(o.softcap) : std::nullopt;
+  const std::optional<TensorView<const float>> sink_view = sinks ? std::optional(sinks->cview()) : std::nullopt;
+
+  Tensor<float> out = allocate_output<float>(Shape{heads, tq, dv}, "-o");
+  std::optional<Tensor<float>> lse;
+  if (!o.lse.empty()) lse = allocate_output<float>(Shape{heads, tq}, "--lse");
+  const AttentionOutputs<float> outputs{
+      .out = out.view(), .weights = {}, .lse = lse ? std::optional(lse->view()) : std::nullopt};
+  naming_options([&] {
+    if (!cache) {
+      StoredAttentionParams p{.q = q.view(), .k = k.view(), .v = v.view(), .scale = scale, .mask = {}};
+      p.mask.causal = !o.full;
+      p.mask.window = window;
+      p.softcap = softcap;
+      p.sinks = sink_view;
+      attention_forward(p, outputs, AttentionImpl::fused);
+      return;
+    }
+    const int64_t page = o.page_tokens;
+    KvCache c(KvCacheShape{.kv_heads = kv_heads,
+                           .dk = dk,
+                           .dv = dv,
+                           .type = *cache,
+                           .page_tokens = page,
+                           .pages = std::max<int64_t>(1, (tk + page - 1) / page)});
+    const int64_t id = c.add_sequence();
+    const Tensor<float> k32 = to_float32(k.view()), v32 = to_float32(v.view());
+    for (int64_t start = 0; start < tk; start += page) {
+      const int64_t n = std::min(page, tk - start);
+      c.append(id, token_rows(k32, start, n), token_rows(v32, start, n));
+    }
+    c.attend(
+        id, q.type == StorageType::float32 ? std::get<Tensor<float>>(q.values).cview() : to_float32(q.view()).cview(),
+        outputs,
+        KvAttendOptions{.scale = scale, .causal = !o.full, .window = window, .softcap = softcap, .sinks = sink_view});
+  });
+  files.set("-o", std::move(out));
+  if (lse) files.set("--lse", std::move(*lse));
+  files.commit();
+}
+
+}  // namespace
+
+void register_decode(CLI::App& app) {
+  auto o = std::make_shared<DecodeOptions>();
+  CLI::App* cmd = app.add_subcommand(
+      "decode",
+      "New queries attending to stored keys and values (float32, float16, bfloat16 or int8 with scales), "
+      "as stored or through a paged KV cache");
+  cmd->footer(R"(Shapes: --q [H, Tq, Dk], --k [Hkv, Tk, Dk], --v [Hkv, Tk, Dv] (one sequence; Hkv divides H).
+The queries are the last Tq tokens of the sequence: query i sees keys up to Tk - Tq + i (--full: every key).
+Storage: float32 or float64 (rounded to float32); float16 '<f2'; bfloat16 as its bits in a '<u2' file, read
+as bfloat16 only with --dtype bf16; int8 '|i1' (K and V only) with float32 scales that broadcast to it
+(--k-scales [Hkv, 1, Dk] per channel, --v-scales [Hkv, Tk, 1] per token; qkv quantize makes both).
+Without --cache the fused kernel reads K and V as stored. With --cache TYPE (f32, f16, bf16, int8) they
+are appended to a paged KV cache of that type, --page-tokens per page, and attended there.
+Out is [H, Tq, Dv] and --lse [H, Tq], float32.)");
+  cmd->add_option("--q", o->q, "the new queries, [H, Tq, Dk]: float32, float16 or bfloat16 (.npy)")->required();
+  cmd->add_option("--k", o->k, "the keys, [Hkv, Tk, Dk], any storage type (.npy)")->required();
+  cmd->add_option("--v", o->v, "the values, [Hkv, Tk, Dv], any storage type (.npy)")->required();
+  cmd->add_option("--k-scales", o->k_scales, "for an int8 --k: its float32 scales (.npy)");
+  cmd->add_option("--v-scales", o->v_scales, "for an int8 --v: its float32 scales (.npy)");
+  cmd->add_option("--dtype", o->dtype, "bf16: the '<u2' inputs hold bfloat16 bits");
+  cmd->add_option("--cache", o->cache, "attend through a paged KV cache of this type: f32, f16, bf16 or int8");
+  o->page_tokens_option = cmd->add_option("--page-tokens", o->page_tokens, "tokens per page of --cache (256)");
+  o->scale_option = cmd->add_option("--scale", o->scale, "the scores' scale (1/sqrt(Dk))");
+  cmd->add_flag("--full", o->full, "every query sees every key (no causal mask)");
+  cmd->add_option("--window", o->window, "LEFT,RIGHT: a query sees keys within LEFT before and RIGHT after it");
+  o->softcap_option = cmd->add_option("--softcap", o->softcap, "cap the scores at C: C tanh(s / C)");
+  cmd->add_option("--sinks", o->sinks, "one float32 logit per head [H], joining each row's normaliser (.npy)");
+  cmd->add_option("-o", o->out, "the output, [H, Tq, Dv] (.npy)")->required();
+  cmd->add_option("--lse", o->lse, "the log-sum-exp of each query's scores, [H, Tq] (.npy)");
+  cmd->callback([o] { run_decode(*o); });
+}
+
+}  // namespace qkv::cli

@@ -1,0 +1,167 @@
+#!/usr/bin/env python3
+"""`qkv decode`: new queries over keys and values stored as float32, float16, bfloat16 or int8,
+attended as stored or through a paged KV cache of each type, against a float64 numpy reference on
+the values the stored arrays stand for; and its refusals (exit 2, one line naming the option, no
+file written).
+
+The int8 files come from `qkv quantize` (keys per channel, values per token), the bfloat16 ones
+too. An int8 cache quantises what it is given with its own scales, so it is held to the
+quantisation's error against the float32 inputs, not to float32 rounding.
+
+Run: QKV_BIN=build/release/apps/qkv /usr/bin/python3 tests/cli/test_decode.py
+"""
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from cli_harness import QKV, Suite, run_suite  # noqa: E402  (the harness sits beside this script)
+
+# float32 accumulation over at most 61 keys of unit-size values, against float64.
+TOL = 2e-5
+# An int8 cache: one step of the page's scale on each key and value (up to 2 max|x| / 127), a few
+# percent of the output here.
+INT8_TOL = 5e-2
+
+
+def attention(q, k, v, full=False, window=None, softcap=None, sinks=None, scale=None):
+    """float64 decode: q [H, Tq, D] as the last Tq tokens over k, v [Hkv, Tk, D]."""
+    q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
+    h, tq, d = q.shape
+    group = h // k.shape[0]
+    k, v = np.repeat(k, group, 0), np.repeat(v, group, 0)
+    tk = k.shape[1]
+    s = q @ k.transpose(0, 2, 1) * (scale if scale is not None else 1 / np.sqrt(d))
+    if softcap:
+        s = softcap * np.tanh(s / softcap)
+    i = np.arange(tq)[:, None] + tk - tq
+    j = np.arange(tk)[None, :]
+    visible = np.ones((tq, tk), bool) if full else j <= i
+    if window:
+        visible &= (j >= i - window[0]) & (j <= i + window[1])
+    s = np.where(visible[None], s, -np.inf)
+    m = s.max(axis=2, keepdims=True)
+    if sinks is not None:
+        m = np.maximum(m, sinks[:, None, None])
+    e = np.exp(s - m)
+    z = e.sum(axis=2, keepdims=True)
+    if sinks is not None:
+        z = z + np.exp(sinks[:, None, None] - m)
+    return (e / z) @ v, (m + np.log(z))[..., 0]
+
+
+def from_bfloat16(bits):
+    return (bits.astype(np.uint32) << 16).view(np.float32)
+
+
+def checks(s):
+    rng = np.random.default_rng(17)
+    h, hkv, tq, tk, d = 4, 2, 3, 61, 16
+    q = rng.standard_normal((h, tq, d)).astype(np.float32)
+    k = rng.standard_normal((hkv, tk, d)).astype(np.float32)
+    k[:, :, 3] *= 8  # an outlier channel, as keys have
+    v = rng.standard_normal((hkv, tk, d)).astype(np.float32)
+    for name, a in (("q", q), ("k", k), ("v", v), ("q16", q.astype(np.float16)), ("k16", k.astype(np.float16)),
+                    ("v16", v.astype(np.float16))):
+        s.save(f"{name}.npy", a)
+    made = [["quantize", "k.npy", "--to", "int8", "-o", "k8.npy", "--scales", "k8s.npy", "--group", "per-channel"],
+            ["quantize", "v.npy", "--to", "int8", "-o", "v8.npy", "--scales", "v8s.npy", "--group", "per-token"],
+            ["quantize", "k.npy", "--to", "bf16", "-o", "kb.npy"],
+            ["quantize", "v.npy", "--to", "bf16", "-o", "vb.npy"]]
+    for command in made:
+        subprocess.run([QKV, *command], cwd=s.workdir, check=True, capture_output=True, timeout=30)
+    load = lambda name: np.load(s.path(name))  # noqa: E731
+    k8 = load("k8.npy").astype(np.float32) * load("k8s.npy")
+    v8 = load("v8.npy").astype(np.float32) * load("v8s.npy")
+    kb, vb = from_bfloat16(load("kb.npy")), from_bfloat16(load("vb.npy"))
+    k16, v16, q16 = (load(f"{n}16.npy").astype(np.float32) for n in ("k", "v", "q"))
+
+    def matches(want_q, want_k, want_v, tol=TOL, **options):
+        want_out, want_lse = attention(want_q, want_k, want_v, **options)
+
+        def check(_):
+            out, lse = load("out.npy"), load("lse.npy")
+            if out.shape != want_out.shape or out.dtype != np.float32:
+                return f"out: shape {out.shape} {out.dtype}, expected {want_out.shape} float32"
+            err = float(np.max(np.abs(out - want_out)))
+            lse_err = float(np.max(np.abs(lse - want_lse)))
+            if err > tol * max(1.0, float(np.max(np.abs(want_out)))) or lse_err > tol * float(np.max(np.abs(want_lse))):
+                return f"max error {err:.3g} (lse {lse_err:.3g}) > {tol}"
+            return None
+        return check
+
+    stored = {
+        "float32": (["--k", "k.npy", "--v", "v.npy"], k, v),
+        "float16": (["--k", "k16.npy", "--v", "v16.npy"], k16, v16),
+        "bfloat16": (["--k", "kb.npy", "--v", "vb.npy", "--dtype", "bf16"], kb, vb),
+        "int8": (["--k", "k8.npy", "--k-scales", "k8s.npy", "--v", "v8.npy", "--v-scales", "v8s.npy"], k8, v8),
+    }
+    outputs = ["-o", "out.npy", "--lse", "lse.npy"]
+    for name, (args, want_k, want_v) in stored.items():
+        s.succeed(f"{name} K/V as stored", ["decode", "--q", "q.npy", *args, *outputs], matches(q, want_k, want_v))
+        # A cache of the inputs' own type holds them exactly (int8: a cache of float32 does).
+        cache = {"float32": "f32", "float16": "f16", "bfloat16": "bf16", "int8": "f32"}[name]
+        s.succeed(f"{name} K/V through a {cache} cache of 7-token pages",
+                  ["decode", "--q", "q.npy", *args, "--cache", cache, "--page-tokens", "7", *outputs],
+                  matches(q, want_k, want_v))
+    s.succeed("an int8 cache of float32 K/V, 16-token pages",
+              ["decode", "--q", "q.npy", "--k", "k.npy", "--v", "v.npy", "--cache", "int8", "--page-tokens", "16",
+               *outputs], matches(q, k, v, tol=INT8_TOL))
+    s.succeed("float16 queries", ["decode", "--q", "q16.npy", "--k", "k16.npy", "--v", "v16.npy", *outputs],
+              matches(q16, k16, v16))
+    sinks = np.array([0.5, -1.0, 0.0, 2.0], np.float32)
+    s.save("sinks.npy", sinks)
+    options = ["--window", "20,0", "--softcap", "4", "--sinks", "sinks.npy", "--scale", "0.3"]
+    s.succeed("window, softcap, sinks and scale, as stored",
+              ["decode", "--q", "q.npy", "--k", "k16.npy", "--v", "v16.npy", *options, *outputs],
+              matches(q, k16, v16, window=(20, 0), softcap=4.0, sinks=sinks.astype(np.float64), scale=0.3))
+    s.succeed("window, softcap, sinks and scale, through an f16 cache",
+              ["decode", "--q", "q.npy", "--k", "k16.npy", "--v", "v16.npy", "--cache", "f16", *options, *outputs],
+              matches(q, k16, v16, window=(20, 0), softcap=4.0, sinks=sinks.astype(np.float64), scale=0.3))
+    s.succeed("--full: every key", ["decode", "--q", "q.npy", "--k", "k.npy", "--v", "v.npy", "--full", *outputs],
+              matches(q, k, v, full=True))
+
+    # Refusals.
+    base = ["decode", "--q", "q.npy", "-o", "out.npy"]
+    nan_scales = load("k8s.npy").copy()
+    nan_scales[0, 0, 2] = np.nan
+    s.save("nan_scales.npy", nan_scales)
+    k16_nan = k.astype(np.float16)
+    k16_nan[1, 5, 0] = np.inf
+    s.save("k16_nan.npy", k16_nan)
+    s.save("q8.npy", np.zeros((h, tq, d), np.int8))
+    s.save("k_wide.npy", np.zeros((hkv, tk, d + 1), np.float32))
+    s.save("v_short.npy", v[:, :-1])
+    s.save("scales_short.npy", np.ones((hkv, tk - 1, 1), np.float32))
+    s.save("k3.npy", np.zeros((3, tk, d), np.float32))
+    s.save("v3.npy", np.zeros((3, tk, d), np.float32))
+    for f in ("out.npy", "lse.npy"):
+        os.remove(s.path(f))
+    s.refuse("int8 K without its scales", [*base, "--k", "k8.npy", "--v", "v.npy"], "--k-scales", "int8")
+    s.refuse("scales for a float16 K", [*base, "--k", "k16.npy", "--k-scales", "k8s.npy", "--v", "v.npy"],
+             "--k-scales", "only int8")
+    s.refuse("a '<u2' K without --dtype bf16", [*base, "--k", "kb.npy", "--v", "v.npy"], "--k", "--dtype bf16")
+    s.refuse("--dtype bf16 with no '<u2' input", [*base, "--k", "k.npy", "--v", "v.npy", "--dtype", "bf16"],
+             "--dtype")
+    s.refuse("NaN among K's scales", [*base, "--k", "k8.npy", "--k-scales", "nan_scales.npy", "--v", "v.npy"],
+             "--k-scales")
+    s.refuse("V's scales of the wrong shape",
+             [*base, "--k", "k.npy", "--v", "v8.npy", "--v-scales", "scales_short.npy"], "--v-scales", "broadcasts")
+    s.refuse("an int8 Q", ["decode", "--q", "q8.npy", "--k", "k.npy", "--v", "v.npy", "-o", "out.npy"], "--q", "int8")
+    s.refuse("an infinity in a float16 K", [*base, "--k", "k16_nan.npy", "--v", "v.npy"], "--k")
+    s.refuse("K of another Dk", [*base, "--k", "k_wide.npy", "--v", "v.npy"], "--k", "Dk")
+    s.refuse("V of another Tk", [*base, "--k", "k.npy", "--v", "v_short.npy"], "--v", "Tk")
+    s.refuse("K's heads do not divide Q's", [*base, "--k", "k3.npy", "--v", "v3.npy"], "--k")
+    s.refuse("an unknown cache type", [*base, "--k", "k.npy", "--v", "v.npy", "--cache", "f8"], "--cache")
+    s.refuse("pages of no tokens", [*base, "--k", "k.npy", "--v", "v.npy", "--cache", "f16", "--page-tokens", "0"],
+             "--page-tokens")
+    s.refuse("--page-tokens without --cache", [*base, "--k", "k.npy", "--v", "v.npy", "--page-tokens", "8"],
+             "--page-tokens", "--cache")
+    s.refuse("sinks of the wrong length", [*base, "--k", "k.npy", "--v", "v.npy", "--sinks", "k8s.npy"], "--sinks")
+
+
+if __name__ == "__main__":
+    sys.exit(run_suite(Suite, "qkv-decode-", checks))
