@@ -290,14 +290,21 @@ def checks(s):
     s.kill_one_rank("a killed rank", rng)
 
 
-def main():
+def why_skip():
+    """Why the MPI tests cannot run here, or None."""
     if not MPIRUN:
-        print("skipped: no mpirun (Open MPI's openmpi-bin)")
-        return 0
+        return "no mpirun (Open MPI's openmpi-bin)"
     probe = subprocess.run([QKV, "attend", "--distributed", "ring", "--q", "none.npy", "--k", "none.npy", "--v",
                             "none.npy", "-o", "none.npy"], capture_output=True, text=True, env=dict(os.environ, **MPI_ENV))
     if "built without MPI" in probe.stderr:
-        print("skipped: this qkv was built without MPI")
+        return "this qkv was built without MPI"
+    return None
+
+
+def main():
+    reason = why_skip()
+    if reason:
+        print(f"skipped: {reason}")
         return 0
     return run_suite(MpiSuite, "qkv-distributed-", checks)
 

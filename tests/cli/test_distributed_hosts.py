@@ -23,7 +23,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from cli_harness import QKV, run_suite  # noqa: E402  (the harness sits beside this script)
-from test_distributed import MPI_ENV, MPIRUN, MpiSuite, close, shard_ranges, take  # noqa: E402
+from test_distributed import MPI_ENV, MpiSuite, close, shard_ranges, take, why_skip  # noqa: E402
 
 NETNS_MPIRUN = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "scripts", "netns-mpirun.sh")
 CANNOT_MAKE_NAMESPACES = 77
@@ -129,13 +129,9 @@ def checks(s):
 
 
 def main():
-    if not MPIRUN:
-        print("skipped: no mpirun (Open MPI's openmpi-bin)")
-        return 0
-    probe = subprocess.run([QKV, "attend", "--distributed", "ring", "--q", "none.npy", "--k", "none.npy", "--v",
-                            "none.npy", "-o", "none.npy"], capture_output=True, text=True, env=dict(os.environ, **MPI_ENV))
-    if "built without MPI" in probe.stderr:
-        print("skipped: this qkv was built without MPI")
+    reason = why_skip()
+    if reason:
+        print(f"skipped: {reason}")
         return 0
     hosts = subprocess.run([NETNS_MPIRUN, "-np", "1", "true"], capture_output=True, text=True, timeout=60,
                            env=dict(os.environ, **MPI_ENV))
