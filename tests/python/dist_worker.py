@@ -9,7 +9,7 @@ accumulating in float64), within twice the error of the float32 ones plus what t
 for one case, with a float64 numpy reference. Then the refusals: options ring attention does not
 take, and bad input on one rank only, each of which every rank must raise alike and survive.
 
-Prints "rank R ok: CASE" per case and "rank R done: N cases" at the end. A failed check aborts the
+Prints "rank R ok: CASE" per case and "rank R done: N cases." at the end. A failed check aborts the
 whole job (MPI Abort), so that no rank waits for one that stopped. --end-with-uncaught-error then
 gives rank 1 a q of the wrong length and lets the error end every rank (test_dist.py checks that
 mpirun exits non-zero, soon, and that the traceback names the argument).
@@ -193,7 +193,7 @@ def shard_helpers():
 
 
 def main():
-    print(f"rank {RANK} LD_PRELOAD={os.environ.get('LD_PRELOAD', '')}", flush=True)
+    print(f"rank {RANK} LD_PRELOAD=[{os.environ.get('LD_PRELOAD', '')}]", flush=True)
     try:
         shard_helpers()
         numeric_cases()
@@ -202,7 +202,7 @@ def main():
         traceback.print_exc()
         sys.stderr.flush()
         COMM.Abort(1)
-    print(f"rank {RANK} done: {count} cases", flush=True)
+    print(f"rank {RANK} done: {count} cases.", flush=True)
     if "--end-with-uncaught-error" in sys.argv:
         q = np.zeros((2, 5 + (RANK == 1), 4), np.float32)
         k = np.zeros((2, 5, 4), np.float32)
