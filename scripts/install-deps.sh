@@ -24,8 +24,9 @@ packages=(
   libcairo2-dev libpango1.0-dev fonts-noto-cjk libplplot-dev plplot-driver-cairo
   # the Python package: the pybind11 module, numpy at run time, and what `pip install .` uses offline
   python3-dev pybind11-dev python3-numpy python3-pip python3-setuptools python3-wheel python3-venv
-  # ring attention across processes and machines (qkv::dist, qkv attend --distributed): Open MPI
-  libopenmpi-dev openmpi-bin
+  # ring attention across processes and machines (qkv::dist, qkv attend --distributed): Open MPI,
+  # and mpi4py for it from Python (qkv.dist; its C headers build the module qkv._dist)
+  libopenmpi-dev openmpi-bin python3-mpi4py
 )
 if [[ "$mode" == test ]]; then
   packages+=(

@@ -40,6 +40,20 @@ PY
   { cat "$work/venv-install.log" >&2; exit 1; }
 check_import "$work/venv/bin/python" "$work/venv"
 (cd "$work" && "$work/venv/bin/python" -c "import qkv.torch, torch; print('qkv.torch with torch', torch.__version__)")
+# Where the build folder has qkv._dist, the install has it too: qkv.dist runs on one rank (MPI
+# started by mpi4py alone; as root Open MPI must be told it may).
+if grep -q '^QKV_PYTHON_DIST:INTERNAL=ON$' "$build_dir/CMakeCache.txt"; then
+  (cd "$work" && OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 "$work/venv/bin/python" - "$work/venv" <<'PY'
+import sys
+import numpy as np
+import qkv.dist
+assert qkv.dist.__file__.startswith(sys.argv[1]), f"qkv.dist imported from {qkv.dist.__file__}"
+q = np.ones((2, 3, 4), dtype=np.float32)
+assert np.allclose(qkv.dist.ring_attention(q, q, q), 1.0)
+print(f"qkv.dist from {qkv.dist.__file__}: ok")
+PY
+  )
+fi
 
 "$python" -m pip install --no-build-isolation --no-index -q --prefix "$work/prefix" "$work/src" \
   > "$work/prefix-install.log" 2>&1 || { cat "$work/prefix-install.log" >&2; exit 1; }

@@ -34,7 +34,8 @@ run() {
 
 run demo
 [[ $rc -eq 0 ]] || fail "demo: exit code $rc: $(cat "$tmp/out")"
-for pkg in cmake g++ libhwy-dev libcli11-dev libfmt-dev libcairo2-dev libplplot-dev pybind11-dev python3-dev python3-numpy python3-pip; do
+for pkg in cmake g++ libhwy-dev libcli11-dev libfmt-dev libcairo2-dev libplplot-dev pybind11-dev python3-dev python3-numpy python3-pip \
+    libopenmpi-dev openmpi-bin python3-mpi4py; do
   [[ " $installed " == *" $pkg "* ]] || fail "demo does not install $pkg: $installed"
 done
 for pkg in python3-torch python3-pytest python3-nbconvert chromium libgtest-dev libgmock-dev libbenchmark-dev nodejs npm libxml2-utils clang; do

@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "arrays.hpp"
+#include "attention_args.hpp"
 #include "module.hpp"
 #include "qkv/core/error.hpp"
 #include "qkv/ops/additive_attention.hpp"
@@ -22,57 +23,6 @@ namespace qkv::python {
 namespace {
 
 using namespace pybind11::literals;
-
-// causal=: False, True (= "bottom-right") or "bottom-right" / "top-left".
-struct Causality {
-  bool causal = false;
-  CausalAlignment alignment = CausalAlignment::bottom_right;
-};
-
-Causality causality_of(const py::object& causal) {
-  if (py::isinstance<py::str>(causal)) {
-    const std::string name = causal.cast<std::string>();
-    if (name == "bottom-right") return {true, CausalAlignment::bottom_right};
-    if (name == "top-left") return {true, CausalAlignment::top_left};
-  } else if (PyBool_Check(causal.ptr()) || py::isinstance(causal, py::module_::import("numpy").attr("bool_"))) {
-    return {causal.cast<bool>(), CausalAlignment::bottom_right};
-  }
-  throw ValueError(fmt::format("causal: expected True, False, \"bottom-right\" or \"top-left\", got {}",
-                               py::repr(causal).cast<std::string>()));
-}
-
-// seed=: an int in [0, 2**64) (a bool is a mistake, not 0 or 1).
-uint64_t seed_of(const py::object& seed) {
-  const auto refuse = [&] {
-    return ValueError(fmt::format("seed: expected an int in [0, 2**64), got {}", py::repr(seed).cast<std::string>()));
-  };
-  if (PyBool_Check(seed.ptr()) || !PyIndex_Check(seed.ptr())) throw refuse();
-  const auto index = py::reinterpret_steal<py::object>(PyNumber_Index(seed.ptr()));
-  if (!index) throw py::error_already_set();
-  const unsigned long long value = PyLong_AsUnsignedLongLong(index.ptr());
-  if (value == static_cast<unsigned long long>(-1) && PyErr_Occurred()) {
-    PyErr_Clear();
-    throw refuse();
-  }
-  return value;
-}
-
-// The keyword arguments of a forward (and of the backward, which must be given the same ones).
-struct ForwardRequest {
-  std::optional<double> scale = std::nullopt;
-  Causality causality = {};
-  std::optional<AttentionWindow> window = std::nullopt;
-  py::object mask = py::none();
-  std::string impl = "auto";
-  bool return_lse = false;
-  bool return_weights = false;
-  bool allow_nonfinite = false;
-  std::optional<double> softcap = std::nullopt;
-  py::object alibi = py::none();                                    // None, "auto" or [H] slopes
-  py::object sinks = py::none();                                    // None or [H]
-  py::object cu_seqlens_q = py::none(), cu_seqlens_k = py::none();  // None or [N+1] offsets
-  AttentionDropout dropout = {};
-};
 
 // float64 runs the plain-loop reference unless told otherwise: its float64 accumulation is what a
 // float64 caller (gradcheck, a reference computation) wants.
@@ -125,51 +75,6 @@ struct ForwardArrays {
     return py::tuple(results);
   }
 };
-
-// The mask with causality's alignment and the window, which the dot-product and the additive
-// attention share.
-template <class T>
-AttentionMask<T> mask_of(Inputs& in, const ForwardRequest& r) {
-  AttentionMask<T> mask = in.mask<T>(r.mask, r.causality.causal, r.allow_nonfinite);
-  mask.alignment = r.causality.alignment;
-  mask.window = r.window;
-  if (!r.cu_seqlens_q.is_none()) mask.cu_seqlens_q = in.offsets(r.cu_seqlens_q, "cu_seqlens_q");
-  if (!r.cu_seqlens_k.is_none()) mask.cu_seqlens_k = in.offsets(r.cu_seqlens_k, "cu_seqlens_k");
-  return mask;
-}
-
-// alibi="auto": the standard slopes for q's heads, as an array that `in` keeps alive.
-template <class T>
-TensorView<const T> standard_alibi_slopes(Inputs& in, TensorView<const T> q) {
-  const std::vector<double> slopes = alibi_slopes(as_bhtd(q, "q").shape[1]);
-  py::array_t<T> array(static_cast<py::ssize_t>(slopes.size()));
-  std::copy(slopes.begin(), slopes.end(), array.mutable_data());
-  return in.floats<T>(array, "alibi", "q", true);
-}
-
-template <class T>
-AttentionParams<T> attention_params(Inputs& in, const py::object& q, const py::object& k, const py::object& v,
-                                    const ForwardRequest& r) {
-  AttentionParams<T> p{in.floats<T>(q, "q", "", r.allow_nonfinite), in.floats<T>(k, "k", "q", r.allow_nonfinite),
-                       in.floats<T>(v, "v", "q", r.allow_nonfinite), r.scale, mask_of<T>(in, r)};
-  p.softcap = r.softcap;
-  if (py::isinstance<py::str>(r.alibi)) {
-    if (r.alibi.cast<std::string>() != "auto") {
-      throw ValueError(
-          fmt::format("alibi: expected None, \"auto\" or [H] slopes, got {}", py::repr(r.alibi).cast<std::string>()));
-    }
-    p.mask.alibi_slopes = standard_alibi_slopes<T>(in, p.q);
-  } else if (!r.alibi.is_none()) {
-    const TensorView<const T> slopes = in.per_head<T>(r.alibi, "alibi", r.allow_nonfinite);
-    // The op would name its own field, alibi_slopes.
-    check_shape("alibi", slopes.shape, Shape{as_bhtd(p.q, "q").shape[1]});
-    p.mask.alibi_slopes = slopes;
-  }
-  if (!r.sinks.is_none()) p.sinks = in.per_head<T>(r.sinks, "sinks", r.allow_nonfinite);
-  // p = 0 is exactly no dropout, so the op may be handed it always (and checks it).
-  p.dropout = r.dropout;
-  return p;
-}
 
 template <class T>
 py::object attention_as(const py::object& q, const py::object& k, const py::object& v, const ForwardRequest& r) {
