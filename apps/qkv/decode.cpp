@@ -43,10 +43,17 @@ void expect_rank3(const StoredArray& a, std::string_view arg, std::string_view m
   }
 }
 
-// [Hkv, n, D] rows [start, start + n) of a contiguous [Hkv, T, D] tensor, in place.
-TensorView<const float> token_rows(const Tensor<float>& x, int64_t start, int64_t n) {
-  const Shape& s = x.shape();
-  return {x.data() + start * s[2], Shape{s[0], n, s[2]}, x.cview().strides};
+// The float32 values of an operand: its own array when it is stored as float32, else a converted
+// copy kept in `copy`.
+TensorView<const float> float32_values(const StoredArray& a, std::optional<Tensor<float>>& copy) {
+  if (a.type == StorageType::float32) return std::get<Tensor<float>>(a.values).cview();
+  copy = to_float32(a.view());
+  return copy->cview();
+}
+
+// [Hkv, n, D] rows [start, start + n) of a contiguous [Hkv, T, D] view, in place.
+TensorView<const float> token_rows(TensorView<const float> x, int64_t start, int64_t n) {
+  return {x.data + start * x.shape[2], Shape{x.shape[0], n, x.shape[2]}, x.strides};
 }
 
 void run_decode(const DecodeOptions& o) {
@@ -129,14 +136,14 @@ void run_decode(const DecodeOptions& o) {
                            .page_tokens = page,
                            .pages = std::max<int64_t>(1, (tk + page - 1) / page)});
     const int64_t id = c.add_sequence();
-    const Tensor<float> k32 = to_float32(k.view()), v32 = to_float32(v.view());
+    std::optional<Tensor<float>> k_copy, v_copy, q_copy;
+    const TensorView<const float> k32 = float32_values(k, k_copy), v32 = float32_values(v, v_copy);
     for (int64_t start = 0; start < tk; start += page) {
       const int64_t n = std::min(page, tk - start);
       c.append(id, token_rows(k32, start, n), token_rows(v32, start, n));
     }
     c.attend(
-        id, q.type == StorageType::float32 ? std::get<Tensor<float>>(q.values).cview() : to_float32(q.view()).cview(),
-        outputs,
+        id, float32_values(q, q_copy), outputs,
         KvAttendOptions{.scale = scale, .causal = !o.full, .window = window, .softcap = softcap, .sinks = sink_view});
   });
   files.set("-o", std::move(out));
