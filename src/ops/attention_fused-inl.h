@@ -329,10 +329,10 @@ constexpr int64_t kDecodeTasks = 64;      // chunks × heads aimed at: enough to
 // At most this many queries take the kernel with keys along the lanes (AttendFewQueries): measured
 // at Tk = 32768, d = 128, it is faster than the query-vector layout up to 8 queries, slower from 12.
 constexpr size_t kFewQueries = 8;
-// How far ahead of its keys AttendFewQueries asks for K and V rows, counted in bytes of K (32 KiB:
-// 64 keys at d = 128): hardware prefetchers stop at page boundaries, every 8 keys at d = 128.
-// Measured on Zen 3 (d = 128): 8 keys ahead (the next block) 62% of the triad, 16 keys 69–74%, 64
-// keys 74–76%, 128 and more lower.
+// How far ahead of its keys AttendFewQueries asks for the K and V rows it converts (float16,
+// bfloat16, int8, paged), counted in bytes of K (32 KiB: 64 keys at d = 128). Chosen on Zen 3 when
+// every operand was prefetched: 8 keys ahead (the next block) 62% of the triad, 16 keys 69–74%,
+// 64 keys 74–76%, 128 and more lower.
 constexpr size_t kFewQueriesPrefetchBytes = 32 * 1024;
 
 // Depth summed in registers before adding to C (see TileUpdate), a key block's worth. Every chunk
@@ -716,6 +716,7 @@ struct ForwardScratch {
   Buffer<T> drop;  // [Bc][Br]       the dropout factors of Sᵀ's pairs
   Buffer<T> acc;   // [Dv][Br]       oᵀ, the unnormalised outputs, queries along vectors like Sᵀ
   Buffer<T> few;   // [8][Dv_pad]    o of AttendFewQueries, one row per query
+  Buffer<T> few_block;  // [Dv_pad]  one key block's weighted sum of V rows, when wider than the registers
   Buffer<T> max;   // [Br]           m, running max
   Buffer<T> sum;   // [Br]           l, running sum
   Buffer<T> corr;  // [Br]           exp(m_old − m_new) of the last key block
@@ -731,6 +732,7 @@ struct ForwardScratch {
         drop(Allocate<T>(kKeyBlock * kQueryBlock)),
         acc(Allocate<T>(dv * kQueryBlock)),
         few(Allocate<T>(kFewQueries * dv_pad)),
+        few_block(Allocate<T>(dv_pad)),
         max(Allocate<T>(kQueryBlock)),
         sum(Allocate<T>(kQueryBlock)),
         corr(Allocate<T>(kQueryBlock)),
@@ -800,46 +802,24 @@ HWY_INLINE void OnlineSoftmaxStep(D d, const Inputs<T>& in, int64_t b, int64_t h
   }
 }
 
-// q·k for one query and one key: Dk/N products summed lane-wise, then across the lanes; the last
-// partial vector of columns, if any, one column at a time.
+// q·k for one query and one key, the key's row read once from start to end: four chains of
+// products summed lane-wise, added, then summed across the lanes; the last partial vector of
+// columns, if any, one column at a time.
 template <class D, class T = hn::TFromD<D>>
 HWY_INLINE T RowDot(D d, const T* HWY_RESTRICT q, const T* HWY_RESTRICT k, size_t cols) {
   const size_t N = hn::Lanes(d);
-  hn::Vec<D> lanes = hn::Zero(d);
-  size_t c = 0;
-  for (; c + N <= cols; c += N) lanes = hn::MulAdd(hn::LoadU(d, q + c), hn::LoadU(d, k + c), lanes);
-  T dot = hn::GetLane(hn::SumOfLanes(d, lanes));
-  for (; c < cols; ++c) dot += q[c] * k[c];
-  return dot;
-}
-
-// RowDot for four keys at once: four independent chains of multiply-adds, and q loaded once for
-// all four, so that a key's reduction does not hold up the loads of the next.
-template <class D, class T = hn::TFromD<D>>
-HWY_INLINE void RowDot4(D d, const T* HWY_RESTRICT q, const T* HWY_RESTRICT k0, const T* HWY_RESTRICT k1,
-                        const T* HWY_RESTRICT k2, const T* HWY_RESTRICT k3, size_t cols, T* HWY_RESTRICT dots) {
-  const size_t N = hn::Lanes(d);
   hn::Vec<D> a0 = hn::Zero(d), a1 = hn::Zero(d), a2 = hn::Zero(d), a3 = hn::Zero(d);
   size_t c = 0;
-  for (; c + N <= cols; c += N) {
-    const hn::Vec<D> qc = hn::LoadU(d, q + c);
-    a0 = hn::MulAdd(qc, hn::LoadU(d, k0 + c), a0);
-    a1 = hn::MulAdd(qc, hn::LoadU(d, k1 + c), a1);
-    a2 = hn::MulAdd(qc, hn::LoadU(d, k2 + c), a2);
-    a3 = hn::MulAdd(qc, hn::LoadU(d, k3 + c), a3);
+  for (; c + 4 * N <= cols; c += 4 * N) {
+    a0 = hn::MulAdd(hn::LoadU(d, q + c), hn::LoadU(d, k + c), a0);
+    a1 = hn::MulAdd(hn::LoadU(d, q + c + N), hn::LoadU(d, k + c + N), a1);
+    a2 = hn::MulAdd(hn::LoadU(d, q + c + 2 * N), hn::LoadU(d, k + c + 2 * N), a2);
+    a3 = hn::MulAdd(hn::LoadU(d, q + c + 3 * N), hn::LoadU(d, k + c + 3 * N), a3);
   }
-  T t0 = hn::GetLane(hn::SumOfLanes(d, a0)), t1 = hn::GetLane(hn::SumOfLanes(d, a1));
-  T t2 = hn::GetLane(hn::SumOfLanes(d, a2)), t3 = hn::GetLane(hn::SumOfLanes(d, a3));
-  for (; c < cols; ++c) {
-    t0 += q[c] * k0[c];
-    t1 += q[c] * k1[c];
-    t2 += q[c] * k2[c];
-    t3 += q[c] * k3[c];
-  }
-  dots[0] = t0;
-  dots[1] = t1;
-  dots[2] = t2;
-  dots[3] = t3;
+  for (; c + N <= cols; c += N) a0 = hn::MulAdd(hn::LoadU(d, q + c), hn::LoadU(d, k + c), a0);
+  T dot = hn::GetLane(hn::SumOfLanes(d, hn::Add(hn::Add(a0, a1), hn::Add(a2, a3))));
+  for (; c < cols; ++c) dot += q[c] * k[c];
+  return dot;
 }
 
 // o_row[c, c + C·N) ← corr·o_row + Σ_j p[j]·v_j[c, c + C·N) over the block's nk keys: the block's
@@ -865,16 +845,42 @@ HWY_INLINE void AccumulateWeightedColumns(D d, const RowBlock<T>& v, size_t nk, 
   }
 }
 
-// o_row ← corr·o_row + Σ_j p[j]·v_j over all `cols` columns: kGroup column vectors at a
-// time, then single vectors, then the last partial vector one column at a time.
+// AccumulateWeightedColumns over `vectors` column vectors, more than the registers hold, with the
+// block's sum kept in `block` (L1) instead: the same operations in the same order, so the same
+// result, but each V row is read once from start to end (see AttendFewQueries).
+template <class D, class T = hn::TFromD<D>>
+HWY_INLINE void AccumulateWeightedRowsThroughMemory(D d, const RowBlock<T>& v, size_t nk, const T* HWY_RESTRICT p,
+                                                    T corr, size_t vectors, T* HWY_RESTRICT block,
+                                                    T* HWY_RESTRICT o_row) {
+  const size_t N = hn::Lanes(d);
+  for (size_t j = 0; j < nk; ++j) {
+    const T* HWY_RESTRICT vj = v.row(j);
+    const hn::Vec<D> pj = hn::Set(d, p[j]);
+    for (size_t c = 0; c < vectors * N; c += N) {
+      const hn::Vec<D> sum = j == 0 ? hn::Zero(d) : hn::Load(d, block + c);
+      hn::Store(hn::MulAdd(pj, hn::LoadU(d, vj + c), sum), d, block + c);
+    }
+  }
+  for (size_t c = 0; c < vectors * N; c += N) {
+    hn::Store(hn::MulAdd(hn::Load(d, o_row + c), hn::Set(d, corr), hn::Load(d, block + c)), d, o_row + c);
+  }
+}
+
+// o_row ← corr·o_row + Σ_j p[j]·v_j over all `cols` columns: kGroup column vectors in registers
+// (or, with `whole_rows` and more whole vectors than that, all of them through `block`), then
+// single vectors, then the last partial vector one column at a time.
 template <class D, class T = hn::TFromD<D>>
 HWY_INLINE void AccumulateWeightedRows(D d, const RowBlock<T>& v, size_t nk, const T* HWY_RESTRICT p, T corr,
-                                       size_t cols, T* HWY_RESTRICT o_row) {
+                                       size_t cols, bool whole_rows, T* HWY_RESTRICT block, T* HWY_RESTRICT o_row) {
   // Eight accumulators: enough independent chains for two 4-cycle FMA pipes on every x86 target
   // (measured ≈ 1.05–1.1× decode on Zen 3 against 2·kTileVectors = 4 there).
   constexpr size_t kGroup = 8;
   const size_t N = hn::Lanes(d);
   size_t c = 0;
+  if (whole_rows && cols / N > kGroup) {
+    AccumulateWeightedRowsThroughMemory(d, v, nk, p, corr, cols / N, block, o_row);
+    c = cols / N * N;
+  }
   for (; c + kGroup * N <= cols; c += kGroup * N) {
     AccumulateWeightedColumns<kGroup>(d, v, nk, p, corr, c, o_row);
   }
@@ -893,6 +899,15 @@ HWY_INLINE void AccumulateWeightedRows(D d, const RowBlock<T>& v, size_t nk, con
 // Every key is used by at most nq queries, so memory, not arithmetic, sets the pace: the kernel
 // does little more per key than load k and v once. Advances m, l and o like the other layout, o
 // summed in rows (s.few) that EndQueryBlock transposes.
+// K and V rows read in place stream from memory, and each is read once from start to end: K one
+// key at a time, V whole rows (through s.few_block when they are wider than the registers), with
+// no software prefetch. The hardware prefetchers keep far more lines in flight on one sequential
+// stream per operand than software prefetches can, and they lose the stream on the short strided
+// runs of reading four rows at once or a row in register-sized pieces (measured on Zen 3, d = 128:
+// 1.16× one thread and 1.11× two over that, with every line prefetched 64 keys ahead). The rows
+// that StageRows converts are asked for ahead, kFewQueriesPrefetchBytes of K, since converting
+// them holds their loads back; their dot products are RowDot's too, so that a stored operand's
+// result stays bit-identical to the float32 kernel's on the converted values.
 template <class D, class T = hn::TFromD<D>>
 void AttendFewQueries(D d, const Inputs<T>& in, int64_t b, int64_t h, int64_t q0, size_t nq, int64_t key_begin,
                       int64_t key_end, int64_t prefetch_end, ForwardScratch<T>& s) {
@@ -910,18 +925,15 @@ void AttendFewQueries(D d, const Inputs<T>& in, int64_t b, int64_t h, int64_t q0
     const int64_t ahead = j0 + prefetch_keys;
     if (ahead < prefetch_end) {
       const int64_t n_ahead = std::min<int64_t>(static_cast<int64_t>(N), prefetch_end - ahead);
-      PrefetchRows(in.k, in.k_stored, b, hk, ahead, n_ahead, dk);
-      PrefetchRows(in.v, in.v_stored, b, hk, ahead, n_ahead, dv);
+      if (in.k_stored) PrefetchRows(in.k, in.k_stored, b, hk, ahead, n_ahead, dk);
+      if (in.v_stored) PrefetchRows(in.v, in.v_stored, b, hk, ahead, n_ahead, dv);
     }
     const RowBlock<T> keys = StageRows(d, in.k, in.k_stored, b, hk, j0, nk, dk, s.k_stage.get());
     const RowBlock<T> values = StageRows(d, in.v, in.v_stored, b, hk, j0, nk, dv, s.v_stage.get());
     for (size_t i = 0; i < nq; ++i) {
       const int64_t qi = q0 + static_cast<int64_t>(i);
       const T* HWY_RESTRICT q = queries.row(i);
-      size_t j = 0;
-      for (; j + 4 <= nk; j += 4)
-        RowDot4(d, q, keys.row(j), keys.row(j + 1), keys.row(j + 2), keys.row(j + 3), dk, p + j);
-      for (; j < nk; ++j) p[j] = RowDot(d, q, keys.row(j), dk);
+      for (size_t j = 0; j < nk; ++j) p[j] = RowDot(d, q, keys.row(j), dk);
       const LaneRun run{.i = qi, .j = j0, .di = 0, .dj = 1, .count = nk};
       const hn::Vec<D> scores = hn::IfThenElse(hn::FirstN(d, nk), Scores(d, in, b, h, run, hn::LoadU(d, p)), neg_inf);
       const T old_max = s.max[i];
@@ -933,7 +945,7 @@ void AttendFewQueries(D d, const Inputs<T>& in, int64_t b, int64_t h, int64_t q0
       hn::StoreU(weights, d, p);
       s.sum[i] = s.sum[i] * corr + hn::GetLane(hn::SumOfLanes(d, weights));
       s.max[i] = new_max;
-      AccumulateWeightedRows(d, values, nk, p, corr, dv, s.few.get() + i * s.few_row);
+      AccumulateWeightedRows(d, values, nk, p, corr, dv, !in.v_stored, s.few_block.get(), s.few.get() + i * s.few_row);
     }
   }
 }
