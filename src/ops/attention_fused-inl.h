@@ -710,16 +710,16 @@ void FillDropoutTile(const Inputs<T>& in, int64_t b, int64_t h, int64_t i0, size
 
 template <class T>
 struct ForwardScratch {
-  size_t few_row;  // Dv rounded up to whole vectors
-  Buffer<T> qt;    // [Dk][Br]       Qᵀ of the query block (scores come out as Sᵀ, queries along vectors)
-  Buffer<T> st;    // [Bc][Br]       Sᵀ of one key block, then exp(Sᵀ − m)
-  Buffer<T> drop;  // [Bc][Br]       the dropout factors of Sᵀ's pairs
-  Buffer<T> acc;   // [Dv][Br]       oᵀ, the unnormalised outputs, queries along vectors like Sᵀ
-  Buffer<T> few;   // [8][Dv_pad]    o of AttendFewQueries, one row per query
-  Buffer<T> few_block;  // [Dv_pad]  one key block's weighted sum of V rows, when wider than the registers
-  Buffer<T> max;   // [Br]           m, running max
-  Buffer<T> sum;   // [Br]           l, running sum
-  Buffer<T> corr;  // [Br]           exp(m_old − m_new) of the last key block
+  size_t few_row;       // Dv rounded up to whole vectors
+  Buffer<T> qt;         // [Dk][Br]       Qᵀ of the query block (scores come out as Sᵀ, queries along vectors)
+  Buffer<T> st;         // [Bc][Br]       Sᵀ of one key block, then exp(Sᵀ − m)
+  Buffer<T> drop;       // [Bc][Br]       the dropout factors of Sᵀ's pairs
+  Buffer<T> acc;        // [Dv][Br]       oᵀ, the unnormalised outputs, queries along vectors like Sᵀ
+  Buffer<T> few;        // [8][Dv_pad]    o of AttendFewQueries, one row per query
+  Buffer<T> few_block;  // [Dv_pad]       one key block's Σ p·v (AttendFewQueries, rows wider than the registers)
+  Buffer<T> max;        // [Br]           m, running max
+  Buffer<T> sum;        // [Br]           l, running sum
+  Buffer<T> corr;       // [Br]           exp(m_old − m_new) of the last key block
   // Rows of stored operands converted to T (StageRows); one element each when not stored.
   Buffer<T> q_stage;  // [Br][Dk]
   Buffer<T> k_stage;  // [Bc][Dk]
