@@ -643,8 +643,14 @@ HWY_INLINE V SoftmaxExp(D d, V x) {
   } else {
     const hn::RebindToSigned<D> di;
     const V round_magic = hn::Set(d, 12582912.0f);  // 1.5·2²³
-    // Max(bound, x): x86's max returns its second operand when either is NaN, so NaN stays NaN.
-    x = hn::Max(hn::Set(d, -88.02969193f), x);
+    // NaN must stay NaN. x86's max returns its second operand when either is NaN; the scalar
+    // target's Max returns the other operand, so there the bound is a compare and a select.
+    const V bound = hn::Set(d, -88.02969193f);
+    if constexpr (HWY_TARGET == HWY_SCALAR) {
+      x = hn::IfThenElse(hn::Lt(x, bound), bound, x);
+    } else {
+      x = hn::Max(bound, x);
+    }
     const V shifted = hn::MulAdd(x, hn::Set(d, 1.44269504088896341f), round_magic);
     const V n = hn::Sub(shifted, round_magic);
     V r = hn::MulAdd(n, hn::Set(d, -0.693359375f), x);
@@ -1099,7 +1105,9 @@ void WriteOutputs(const ForwardParams<T>& p, int64_t b, int64_t h, int64_t q0, s
   for (size_t i = 0; i < nq; ++i) {
     const int64_t qi = q0 + static_cast<int64_t>(i);
     T* out = p.out.row(b, h, qi);
-    const bool empty = s.max[i] == -std::numeric_limits<T>::infinity();
+    // A row that saw no visible key has m = −inf and l = 0. A NaN score leaves l NaN, and m −inf
+    // on targets whose Max drops NaN (the scalar one): that row is NaN, not empty.
+    const bool empty = s.max[i] == -std::numeric_limits<T>::infinity() && s.sum[i] == T{0};
     const double row_lse = empty ? -std::numeric_limits<double>::infinity()
                                  : static_cast<double>(s.max[i]) + std::log(static_cast<double>(s.sum[i]));
     const SinkJoin joined = JoinSink(p, h, row_lse);
