@@ -37,19 +37,6 @@ StorageType parse_storage(std::string_view name, std::string_view argument) {
       fmt::format("{}: expected float32, float16, bfloat16 or int8 (or f32, f16, bf16, i8), got '{}'", argument, name));
 }
 
-int64_t storage_bytes(StorageType type) {
-  switch (type) {
-    case StorageType::float32:
-      return 4;
-    case StorageType::float16:
-    case StorageType::bfloat16:
-      return 2;
-    case StorageType::int8:
-      return 1;
-  }
-  return 0;
-}
-
 uint16_t float16_from_float(float value) {
   const uint32_t bits = std::bit_cast<uint32_t>(value);
   const auto sign = static_cast<uint16_t>((bits >> 16) & 0x8000u);

@@ -40,14 +40,17 @@
 //
 // ---- Stored operands ------------------------------------------------------------------------------
 // Q, K and V may be stored as float16, bfloat16 or int8 with scales (StoredRows; the forward only).
-// Wherever a kernel reads a block of their rows, StageRows first converts those rows to float32 in
+// Wherever a tile reads a block of their rows, StageRows first converts those rows to float32 in
 // the worker's scratch (F16C's conversion or its emulation, a shift, or int8 widened and multiplied
 // by its scale), and the block is then used exactly as a float32 input's would be: every value is
 // the one to_float32 gives, and every later operation is the float32 kernel's, so the result is
-// bit-identical to the float32 kernel on the converted arrays, on every target. The conversion
-// costs a load and a store per element per use: nothing beside a tile's 2·Br multiply-adds per K
-// and V element, and in decode, where each element is used once, a pass over rows already in L1
-// while the memory is read at a half or a quarter of the bytes.
+// bit-identical to the float32 kernel on the converted arrays, on every target; the conversion's
+// load and store per element are nothing beside a tile's 2·Br multiply-adds per K and V element.
+// The few-query layout (decode), which uses each element once, converts it in registers as it
+// loads it (LoadRow, the same operations), so that it reads half or a quarter of the bytes at the
+// pace of memory; there int8 scales multiply the query or a dot product, and the weights, instead
+// of every element (KeyDots), and int8 results are held to the float64 reference's tolerance
+// rather than to bit-identity.
 //
 // ---- Accuracy -----------------------------------------------------------------------------------
 // Everything is computed in T (float32 or float64): the products, exp, the running sums. Sums over
@@ -152,8 +155,8 @@ using RowsView = StridedView4<T>;
 
 // Rows of Q, K or V stored narrower than float32 (float16, bfloat16, int8 with scales), or in the
 // pages of a KV cache: the kernels convert (or copy) them where they read them, a block of rows at
-// a time, into float32 scratch (StageRows), so that everything after the load is the float32
-// kernel's arithmetic. Neither narrower nor paged, the operand's RowsView<T> in Inputs is read.
+// a time into float32 scratch (StageRows) or a vector at a time in registers (LoadRow). Neither
+// narrower nor paged, the operand's RowsView<T> in Inputs is read.
 struct StoredRows {
   StorageType type = StorageType::float32;
   const uint8_t* data = nullptr;
@@ -510,48 +513,147 @@ void PrefetchRows(const fused::RowsView<const T>& x, const fused::StoredRows& st
   }
 }
 
-// Row t of a stored operand as `cols` float32 values: a copy for float32 (in a cache's pages),
-// F16C's conversion (or its emulation) for float16, a shift for bfloat16, and for int8 widening to
-// int32, conversion and one multiply by the scale, so every value is exactly what to_float32
-// (core/storage.hpp) gives.
+// One row of a stored operand as the kernels read it: a vector (LoadRow) or an element (RowAt) at
+// a time, converted in registers from its storage type S: F16C's conversion (or its emulation) for
+// float16, a shift for bfloat16, and for int8 widening to int32, conversion and one multiply by the
+// scale, so that every value is exactly what to_float32 (core/storage.hpp) gives. A row of T read
+// in place is a plain pointer with the same two functions.
+template <StorageType S>
+struct StoredRow {
+  const uint8_t* data = nullptr;
+  const float* scale = nullptr;  // int8: the row's scales, scale_step apart
+  int64_t scale_step = 0;
+};
+
+template <class D, class T = hn::TFromD<D>>
+HWY_INLINE hn::Vec<D> LoadRow(D d, const T* HWY_RESTRICT row, size_t c) {
+  return hn::LoadU(d, row + c);
+}
+
+template <class T>
+HWY_INLINE T RowAt(const T* HWY_RESTRICT row, size_t c) {
+  return row[c];
+}
+
+// The integers of an int8 row as float32, without their scales: for kernels that apply the scales
+// to fewer numbers than the row's elements (a query, a weight) instead.
+struct Int8Integers {
+  const int8_t* data = nullptr;
+};
+
+template <class D>
+HWY_INLINE hn::Vec<D> LoadRow(D d, const Int8Integers& row, size_t c) {
+  return hn::ConvertTo(d, hn::PromoteTo(hn::Rebind<int32_t, D>(), hn::LoadU(hn::Rebind<int8_t, D>(), row.data + c)));
+}
+
+HWY_INLINE float RowAt(const Int8Integers& row, size_t c) { return static_cast<float>(row.data[c]); }
+
+template <class D, StorageType S>
+HWY_INLINE hn::Vec<D> LoadRow(D d, const StoredRow<S>& row, size_t c) {
+  static_assert(std::is_same_v<hn::TFromD<D>, float>, "the API converts stored operands only to float32");
+  if constexpr (S == StorageType::float32) {
+    return hn::LoadU(d, reinterpret_cast<const float*>(row.data) + c);
+  } else if constexpr (S == StorageType::float16) {
+    return hn::PromoteTo(
+        d, hn::LoadU(hn::Rebind<hwy::float16_t, D>(), reinterpret_cast<const hwy::float16_t*>(row.data) + c));
+  } else if constexpr (S == StorageType::bfloat16) {
+    return hn::PromoteTo(
+        d, hn::LoadU(hn::Rebind<hwy::bfloat16_t, D>(), reinterpret_cast<const hwy::bfloat16_t*>(row.data) + c));
+  } else {
+    const hn::Vec<D> value = LoadRow(d, Int8Integers{reinterpret_cast<const int8_t*>(row.data)}, c);
+    const int64_t step = row.scale_step;
+    const hn::Vec<D> factor =
+        step == 0   ? hn::Set(d, row.scale[0])
+        : step == 1 ? hn::LoadU(d, row.scale + c)
+                    : LoadStrided(d, row.scale + static_cast<int64_t>(c) * step, step, hn::Lanes(d), 0.0f);
+    return hn::Mul(value, factor);
+  }
+}
+
+template <StorageType S>
+HWY_INLINE float RowAt(const StoredRow<S>& row, size_t c) {
+  if constexpr (S == StorageType::float32) {
+    return reinterpret_cast<const float*>(row.data)[c];
+  } else if constexpr (S == StorageType::float16) {
+    return float_from_float16(reinterpret_cast<const uint16_t*>(row.data)[c]);
+  } else if constexpr (S == StorageType::bfloat16) {
+    return float_from_bfloat16(reinterpret_cast<const uint16_t*>(row.data)[c]);
+  } else {
+    return static_cast<float>(reinterpret_cast<const int8_t*>(row.data)[c]) *
+           row.scale[static_cast<int64_t>(c) * row.scale_step];
+  }
+}
+
+// Rows t0, t0 + 1, … of a stored operand as StoredRow<S>: row(j) is row t0 + j, found through the
+// page table when the operand is paged, else at a fixed stride from the first.
+template <StorageType S>
+class StoredRowRange {
+ public:
+  StoredRowRange(const fused::StoredRows& x, int64_t b, int64_t h, int64_t t0)
+      : x_(x),
+        b_(b),
+        h_(h),
+        t0_(t0),
+        first_(x.row(b, h, t0)),
+        first_scale_(S == StorageType::int8 ? x.scale_row(b, h, t0) : nullptr) {}
+
+  StoredRow<S> row(size_t j) const {
+    constexpr auto kBytes = static_cast<size_t>(storage_bytes(S));
+    const int64_t t = t0_ + static_cast<int64_t>(j);
+    const bool paged = x_.pages != nullptr;
+    const uint8_t* data = paged ? x_.row(b_, h_, t) : first_ + j * static_cast<size_t>(x_.row_stride) * kBytes;
+    if constexpr (S != StorageType::int8) return {data};
+    const float* scale =
+        paged ? x_.scale_row(b_, h_, t) : first_scale_ + static_cast<int64_t>(j) * x_.scales.row_stride;
+    return {data, scale, x_.scales.col_stride};
+  }
+  // Row j's integers alone (int8).
+  struct Integers {
+    const StoredRowRange& rows;
+    Int8Integers row(size_t j) const { return {reinterpret_cast<const int8_t*>(rows.row(j).data)}; }
+  };
+
+ private:
+  const fused::StoredRows& x_;
+  int64_t b_, h_, t0_;
+  const uint8_t* first_;
+  const float* first_scale_;
+};
+
+// Calls f with rows [t0, …) of an operand as the kernels read them in place: a RowBlock<T> when it
+// is stored as T, else the StoredRowRange of its storage type (chosen here, once per call).
+template <class T, class F>
+HWY_INLINE void WithRowsInPlace(const fused::RowsView<const T>& x, const fused::StoredRows& stored, int64_t b,
+                                int64_t h, int64_t t0, F&& f) {
+  if constexpr (std::is_same_v<T, float>) {
+    if (stored) {
+      switch (stored.type) {
+        case StorageType::float32:
+          return f(StoredRowRange<StorageType::float32>(stored, b, h, t0));
+        case StorageType::float16:
+          return f(StoredRowRange<StorageType::float16>(stored, b, h, t0));
+        case StorageType::bfloat16:
+          return f(StoredRowRange<StorageType::bfloat16>(stored, b, h, t0));
+        case StorageType::int8:
+          return f(StoredRowRange<StorageType::int8>(stored, b, h, t0));
+      }
+    }
+  }
+  HWY_DASSERT(!stored);
+  f(RowsOf(x, b, h, t0));
+}
+
+// Row t of a stored operand as `cols` float32 values in `out`.
 template <class D, class T = hn::TFromD<D>>
 HWY_INLINE void ConvertRow(D d, const fused::StoredRows& x, int64_t b, int64_t h, int64_t t, size_t cols,
                            T* HWY_RESTRICT out) {
-  if constexpr (std::is_same_v<T, float>) {
+  WithRowsInPlace(fused::RowsView<const T>{}, x, b, h, t, [&](const auto& rows) {
+    const auto row = rows.row(0);
     const size_t N = hn::Lanes(d);
-    const uint8_t* row = x.row(b, h, t);
     size_t c = 0;
-    if (x.type == StorageType::float32) {
-      std::copy_n(reinterpret_cast<const float*>(row), cols, out);
-    } else if (x.type == StorageType::float16) {
-      const hn::Rebind<hwy::float16_t, D> dh;
-      const auto* src = reinterpret_cast<const hwy::float16_t*>(row);
-      for (; c + N <= cols; c += N) hn::StoreU(hn::PromoteTo(d, hn::LoadU(dh, src + c)), d, out + c);
-      for (; c < cols; ++c) out[c] = float_from_float16(src[c].bits);
-    } else if (x.type == StorageType::bfloat16) {
-      const hn::Rebind<hwy::bfloat16_t, D> dh;
-      const auto* src = reinterpret_cast<const hwy::bfloat16_t*>(row);
-      for (; c + N <= cols; c += N) hn::StoreU(hn::PromoteTo(d, hn::LoadU(dh, src + c)), d, out + c);
-      for (; c < cols; ++c) out[c] = float_from_bfloat16(src[c].bits);
-    } else {
-      const hn::Rebind<int8_t, D> d8;
-      const hn::Rebind<int32_t, D> d32;
-      const auto* src = reinterpret_cast<const int8_t*>(row);
-      const float* scale = x.scale_row(b, h, t);
-      const int64_t step = x.scales.col_stride;
-      for (; c + N <= cols; c += N) {
-        const hn::Vec<D> value = hn::ConvertTo(d, hn::PromoteTo(d32, hn::LoadU(d8, src + c)));
-        const hn::Vec<D> factor = step == 0   ? hn::Set(d, scale[0])
-                                  : step == 1 ? hn::LoadU(d, scale + c)
-                                              : LoadStrided(d, scale + static_cast<int64_t>(c) * step, step, N, 0.0f);
-        hn::StoreU(hn::Mul(value, factor), d, out + c);
-      }
-      for (; c < cols; ++c) out[c] = static_cast<float>(src[c]) * scale[static_cast<int64_t>(c) * step];
-    }
-  } else {
-    (void)d, (void)x, (void)b, (void)h, (void)t, (void)cols, (void)out;
-    HWY_ASSERT(false);  // the API converts stored operands only to float32
-  }
+    for (; c + N <= cols; c += N) hn::StoreU(LoadRow(d, row, c), d, out + c);
+    for (; c < cols; ++c) out[c] = RowAt(row, c);
+  });
 }
 
 // Rows [t0, t0 + n) of an operand as rows of T: in place when it is stored as T, else converted
@@ -723,9 +825,11 @@ struct ForwardScratch {
   Buffer<T> acc;        // [Dv][Br]       oᵀ, the unnormalised outputs, queries along vectors like Sᵀ
   Buffer<T> few;        // [8][Dv_pad]    o of AttendFewQueries, one row per query
   Buffer<T> few_block;  // [Dv_pad]       one key block's Σ p·v (AttendFewQueries, rows wider than the registers)
-  Buffer<T> max;        // [Br]           m, running max
-  Buffer<T> sum;        // [Br]           l, running sum
-  Buffer<T> corr;       // [Br]           exp(m_old − m_new) of the last key block
+  Buffer<T> q_scaled;   // [8][Dk]        AttendFewQueries' queries times an int8 K's per-channel scales
+  std::array<const float*, kFewQueries> q_scaled_by{};  // the scales each row of q_scaled holds
+  Buffer<T> max;                                        // [Br]           m, running max
+  Buffer<T> sum;                                        // [Br]           l, running sum
+  Buffer<T> corr;                                       // [Br]           exp(m_old − m_new) of the last key block
   // Rows of stored operands converted to T (StageRows); one element each when not stored.
   Buffer<T> q_stage;  // [Br][Dk]
   Buffer<T> k_stage;  // [Bc][Dk]
@@ -739,6 +843,7 @@ struct ForwardScratch {
         acc(Allocate<T>(dv * kQueryBlock)),
         few(Allocate<T>(kFewQueries * dv_pad)),
         few_block(Allocate<T>(dv_pad)),
+        q_scaled(Allocate<T>(in.k_stored.type == StorageType::int8 ? kFewQueries * dk : 0)),
         max(Allocate<T>(kQueryBlock)),
         sum(Allocate<T>(kQueryBlock)),
         corr(Allocate<T>(kQueryBlock)),
@@ -808,41 +913,41 @@ HWY_INLINE void OnlineSoftmaxStep(D d, const Inputs<T>& in, int64_t b, int64_t h
   }
 }
 
-// q·k for one query and one key, the key's row read once from start to end: four chains of
-// products summed lane-wise, added, then summed across the lanes; the last partial vector of
-// columns, if any, one column at a time.
-template <class D, class T = hn::TFromD<D>>
-HWY_INLINE T RowDot(D d, const T* HWY_RESTRICT q, const T* HWY_RESTRICT k, size_t cols) {
+// q·k for one query and one key, the key's row (a pointer or a StoredRow) read once from start to
+// end: four chains of products summed lane-wise, added, then summed across the lanes; the last
+// partial vector of columns, if any, one column at a time.
+template <class D, class Row, class T = hn::TFromD<D>>
+HWY_INLINE T RowDot(D d, const T* HWY_RESTRICT q, const Row& k, size_t cols) {
   const size_t N = hn::Lanes(d);
   hn::Vec<D> a0 = hn::Zero(d), a1 = hn::Zero(d), a2 = hn::Zero(d), a3 = hn::Zero(d);
   size_t c = 0;
   for (; c + 4 * N <= cols; c += 4 * N) {
-    a0 = hn::MulAdd(hn::LoadU(d, q + c), hn::LoadU(d, k + c), a0);
-    a1 = hn::MulAdd(hn::LoadU(d, q + c + N), hn::LoadU(d, k + c + N), a1);
-    a2 = hn::MulAdd(hn::LoadU(d, q + c + 2 * N), hn::LoadU(d, k + c + 2 * N), a2);
-    a3 = hn::MulAdd(hn::LoadU(d, q + c + 3 * N), hn::LoadU(d, k + c + 3 * N), a3);
+    a0 = hn::MulAdd(hn::LoadU(d, q + c), LoadRow(d, k, c), a0);
+    a1 = hn::MulAdd(hn::LoadU(d, q + c + N), LoadRow(d, k, c + N), a1);
+    a2 = hn::MulAdd(hn::LoadU(d, q + c + 2 * N), LoadRow(d, k, c + 2 * N), a2);
+    a3 = hn::MulAdd(hn::LoadU(d, q + c + 3 * N), LoadRow(d, k, c + 3 * N), a3);
   }
-  for (; c + N <= cols; c += N) a0 = hn::MulAdd(hn::LoadU(d, q + c), hn::LoadU(d, k + c), a0);
+  for (; c + N <= cols; c += N) a0 = hn::MulAdd(hn::LoadU(d, q + c), LoadRow(d, k, c), a0);
   T dot = hn::GetLane(hn::SumOfLanes(d, hn::Add(hn::Add(a0, a1), hn::Add(a2, a3))));
-  for (; c < cols; ++c) dot += q[c] * k[c];
+  for (; c < cols; ++c) dot += q[c] * RowAt(k, c);
   return dot;
 }
 
-// o_row[c, c + C·N) ← corr·o_row + Σ_j p[j]·v_j[c, c + C·N) over the block's nk keys: the block's
-// sum starts from zero in registers (blocked summation, as TileUpdate's) and the rescaling of the
-// older sum rides on the same multiply-add.
-template <size_t C, class D, class T = hn::TFromD<D>>
-HWY_INLINE void AccumulateWeightedColumns(D d, const RowBlock<T>& v, size_t nk, const T* HWY_RESTRICT p, T corr,
-                                          size_t c, T* HWY_RESTRICT o_row) {
+// o_row[c, c + C·N) ← corr·o_row + Σ_j p[j]·v_j[c, c + C·N) over the block's nk keys (v.row(j) a
+// pointer or a StoredRow): the block's sum starts from zero in registers (blocked summation, as
+// TileUpdate's) and the rescaling of the older sum rides on the same multiply-add.
+template <size_t C, class D, class Rows, class T = hn::TFromD<D>>
+HWY_INLINE void AccumulateWeightedColumns(D d, const Rows& v, size_t nk, const T* HWY_RESTRICT p, T corr, size_t c,
+                                          T* HWY_RESTRICT o_row) {
   const size_t N = hn::Lanes(d);
   hn::Vec<D> sum[C];
   HWY_UNROLL(8)
   for (size_t g = 0; g < C; ++g) sum[g] = hn::Zero(d);
   for (size_t j = 0; j < nk; ++j) {
-    const T* HWY_RESTRICT vj = v.row(j) + c;
+    const auto vj = v.row(j);
     const hn::Vec<D> pj = hn::Set(d, p[j]);
     HWY_UNROLL(8)
-    for (size_t g = 0; g < C; ++g) sum[g] = hn::MulAdd(pj, hn::LoadU(d, vj + g * N), sum[g]);
+    for (size_t g = 0; g < C; ++g) sum[g] = hn::MulAdd(pj, LoadRow(d, vj, c + g * N), sum[g]);
   }
   HWY_UNROLL(8)
   for (size_t g = 0; g < C; ++g) {
@@ -854,17 +959,31 @@ HWY_INLINE void AccumulateWeightedColumns(D d, const RowBlock<T>& v, size_t nk, 
 // AccumulateWeightedColumns over `vectors` column vectors, more than the registers hold, with the
 // block's sum kept in `block` (L1) instead: the same operations in the same order, so the same
 // result, but each V row is read once from start to end (see AttendFewQueries).
-template <class D, class T = hn::TFromD<D>>
-HWY_INLINE void AccumulateWeightedRowsThroughMemory(D d, const RowBlock<T>& v, size_t nk, const T* HWY_RESTRICT p,
-                                                    T corr, size_t vectors, T* HWY_RESTRICT block,
-                                                    T* HWY_RESTRICT o_row) {
+template <class D, class Rows, class T = hn::TFromD<D>>
+HWY_INLINE void AccumulateWeightedRowsThroughMemory(D d, const Rows& v, size_t nk, const T* HWY_RESTRICT p, T corr,
+                                                    size_t vectors, T* HWY_RESTRICT block, T* HWY_RESTRICT o_row) {
   const size_t N = hn::Lanes(d);
-  for (size_t j = 0; j < nk; ++j) {
-    const T* HWY_RESTRICT vj = v.row(j);
+  size_t j = 0;
+  // Converted rows are bound by the conversion, and two keys a pass halve the loads and stores of
+  // `block`; rows of T read in place are bound by memory, where two streams at once measured
+  // 0.9× one (Zen 3, d = 128).
+  constexpr bool kTwoKeys = !std::is_pointer_v<decltype(v.row(0))>;
+  for (; kTwoKeys && j + 2 <= nk; j += 2) {
+    const auto v0 = v.row(j);
+    const auto v1 = v.row(j + 1);
+    const hn::Vec<D> p0 = hn::Set(d, p[j]);
+    const hn::Vec<D> p1 = hn::Set(d, p[j + 1]);
+    for (size_t c = 0; c < vectors * N; c += N) {
+      const hn::Vec<D> sum = j == 0 ? hn::Zero(d) : hn::Load(d, block + c);
+      hn::Store(hn::MulAdd(p1, LoadRow(d, v1, c), hn::MulAdd(p0, LoadRow(d, v0, c), sum)), d, block + c);
+    }
+  }
+  for (; j < nk; ++j) {
+    const auto vj = v.row(j);
     const hn::Vec<D> pj = hn::Set(d, p[j]);
     for (size_t c = 0; c < vectors * N; c += N) {
       const hn::Vec<D> sum = j == 0 ? hn::Zero(d) : hn::Load(d, block + c);
-      hn::Store(hn::MulAdd(pj, hn::LoadU(d, vj + c), sum), d, block + c);
+      hn::Store(hn::MulAdd(pj, LoadRow(d, vj, c), sum), d, block + c);
     }
   }
   for (size_t c = 0; c < vectors * N; c += N) {
@@ -873,17 +992,17 @@ HWY_INLINE void AccumulateWeightedRowsThroughMemory(D d, const RowBlock<T>& v, s
 }
 
 // o_row ← corr·o_row + Σ_j p[j]·v_j over all `cols` columns: kGroup column vectors in registers
-// (or, with `whole_rows` and more whole vectors than that, all of them through `block`), then
-// single vectors, then the last partial vector one column at a time.
-template <class D, class T = hn::TFromD<D>>
-HWY_INLINE void AccumulateWeightedRows(D d, const RowBlock<T>& v, size_t nk, const T* HWY_RESTRICT p, T corr,
-                                       size_t cols, bool whole_rows, T* HWY_RESTRICT block, T* HWY_RESTRICT o_row) {
+// (or, with more whole vectors than that, all of them through `block`), then single vectors, then
+// the last partial vector one column at a time.
+template <class D, class Rows, class T = hn::TFromD<D>>
+HWY_INLINE void AccumulateWeightedRows(D d, const Rows& v, size_t nk, const T* HWY_RESTRICT p, T corr, size_t cols,
+                                       T* HWY_RESTRICT block, T* HWY_RESTRICT o_row) {
   // Eight accumulators: enough independent chains for two 4-cycle FMA pipes on every x86 target
   // (measured ≈ 1.05–1.1× decode on Zen 3 against 2·kTileVectors = 4 there).
   constexpr size_t kGroup = 8;
   const size_t N = hn::Lanes(d);
   size_t c = 0;
-  if (whole_rows && cols / N > kGroup) {
+  if (cols / N > kGroup) {
     AccumulateWeightedRowsThroughMemory(d, v, nk, p, corr, cols / N, block, o_row);
     c = cols / N * N;
   }
@@ -893,8 +1012,37 @@ HWY_INLINE void AccumulateWeightedRows(D d, const RowBlock<T>& v, size_t nk, con
   for (; c + N <= cols; c += N) AccumulateWeightedColumns<1>(d, v, nk, p, corr, c, o_row);
   for (; c < cols; ++c) {
     T sum = 0;
-    for (size_t j = 0; j < nk; ++j) sum += p[j] * v.row(j)[c];
+    for (size_t j = 0; j < nk; ++j) sum += p[j] * RowAt(v.row(j), c);
     o_row[c] = o_row[c] * corr + sum;
+  }
+}
+
+// p[j] = q·k_j for the nk keys of a block, q being query i of AttendFewQueries. An int8 key's
+// scales multiply the dot product (one scale per key) or the query (one per channel, kept in
+// s.q_scaled while the keys share them), not each element, which makes int8 decode bound by
+// memory rather than by a multiply per element (measured 1.8× on Zen 3): the scores then differ
+// from the float32 kernel's on to_float32's values by the rounding of those products, within the
+// same tolerance.
+template <class D, class Rows, class T = hn::TFromD<D>>
+HWY_INLINE void KeyDots(D d, const Rows& keys, size_t nk, const T* HWY_RESTRICT q, size_t i, size_t dk,
+                        ForwardScratch<T>& s, T* HWY_RESTRICT p) {
+  if constexpr (std::is_same_v<Rows, StoredRowRange<StorageType::int8>>) {
+    for (size_t j = 0; j < nk; ++j) {
+      const StoredRow<StorageType::int8> k = keys.row(j);
+      const Int8Integers integers{reinterpret_cast<const int8_t*>(k.data)};
+      if (k.scale_step == 0) {
+        p[j] = RowDot(d, q, integers, dk) * k.scale[0];
+        continue;
+      }
+      T* HWY_RESTRICT scaled = s.q_scaled.get() + i * dk;
+      if (s.q_scaled_by[i] != k.scale) {
+        for (size_t c = 0; c < dk; ++c) scaled[c] = q[c] * k.scale[static_cast<int64_t>(c) * k.scale_step];
+        s.q_scaled_by[i] = k.scale;
+      }
+      p[j] = RowDot(d, scaled, integers, dk);
+    }
+  } else {
+    for (size_t j = 0; j < nk; ++j) p[j] = RowDot(d, q, keys.row(j), dk);
   }
 }
 
@@ -910,10 +1058,10 @@ HWY_INLINE void AccumulateWeightedRows(D d, const RowBlock<T>& v, size_t nk, con
 // no software prefetch. The hardware prefetchers keep far more lines in flight on one sequential
 // stream per operand than software prefetches can, and they lose the stream on the short strided
 // runs of reading four rows at once or a row in register-sized pieces (measured on Zen 3, d = 128:
-// 1.16× one thread and 1.11× two over that, with every line prefetched 64 keys ahead). The rows
-// that StageRows converts are asked for ahead, kFewQueriesPrefetchBytes of K, since converting
-// them holds their loads back; their dot products are RowDot's too, so that a stored operand's
-// result stays bit-identical to the float32 kernel's on the converted values.
+// 1.16× one thread and 1.11× two over that, with every line prefetched 64 keys ahead). Stored rows
+// (float16, bfloat16, int8, paged) are read the same way, converted in registers, and asked for
+// ahead, kFewQueriesPrefetchBytes of K, since converting them holds their loads back (without it,
+// int8 measured 0.9×).
 template <class D, class T = hn::TFromD<D>>
 void AttendFewQueries(D d, const Inputs<T>& in, int64_t b, int64_t h, int64_t q0, size_t nq, int64_t key_begin,
                       int64_t key_end, int64_t prefetch_end, ForwardScratch<T>& s) {
@@ -926,6 +1074,7 @@ void AttendFewQueries(D d, const Inputs<T>& in, int64_t b, int64_t h, int64_t q0
   const size_t key_bytes = in.k_stored ? in.k_stored.element_bytes() : sizeof(T);
   const auto prefetch_keys = static_cast<int64_t>(RoundUp(kFewQueriesPrefetchBytes / (dk * key_bytes) + 1, N));
   const RowBlock<T> queries = StageRows(d, in.q, in.q_stored, b, h, q0, nq, dk, s.q_stage.get());
+  s.q_scaled_by.fill(nullptr);
   for (int64_t j0 = key_begin; j0 < key_end; j0 += static_cast<int64_t>(N)) {
     const size_t nk = ToSize(std::min<int64_t>(static_cast<int64_t>(N), key_end - j0));
     const int64_t ahead = j0 + prefetch_keys;
@@ -934,12 +1083,10 @@ void AttendFewQueries(D d, const Inputs<T>& in, int64_t b, int64_t h, int64_t q0
       if (in.k_stored) PrefetchRows(in.k, in.k_stored, b, hk, ahead, n_ahead, dk);
       if (in.v_stored) PrefetchRows(in.v, in.v_stored, b, hk, ahead, n_ahead, dv);
     }
-    const RowBlock<T> keys = StageRows(d, in.k, in.k_stored, b, hk, j0, nk, dk, s.k_stage.get());
-    const RowBlock<T> values = StageRows(d, in.v, in.v_stored, b, hk, j0, nk, dv, s.v_stage.get());
     for (size_t i = 0; i < nq; ++i) {
       const int64_t qi = q0 + static_cast<int64_t>(i);
       const T* HWY_RESTRICT q = queries.row(i);
-      for (size_t j = 0; j < nk; ++j) p[j] = RowDot(d, q, keys.row(j), dk);
+      WithRowsInPlace(in.k, in.k_stored, b, hk, j0, [&](const auto& keys) { KeyDots(d, keys, nk, q, i, dk, s, p); });
       const LaneRun run{.i = qi, .j = j0, .di = 0, .dj = 1, .count = nk};
       const hn::Vec<D> scores = hn::IfThenElse(hn::FirstN(d, nk), Scores(d, in, b, h, run, hn::LoadU(d, p)), neg_inf);
       const T old_max = s.max[i];
@@ -951,7 +1098,17 @@ void AttendFewQueries(D d, const Inputs<T>& in, int64_t b, int64_t h, int64_t q0
       hn::StoreU(weights, d, p);
       s.sum[i] = s.sum[i] * corr + hn::GetLane(hn::SumOfLanes(d, weights));
       s.max[i] = new_max;
-      AccumulateWeightedRows(d, values, nk, p, corr, dv, !in.v_stored, s.few_block.get(), s.few.get() + i * s.few_row);
+      WithRowsInPlace(in.v, in.v_stored, b, hk, j0, [&](const auto& values) {
+        if constexpr (std::is_same_v<std::decay_t<decltype(values)>, StoredRowRange<StorageType::int8>>) {
+          if (in.v_stored.scales.col_stride == 0) {
+            for (size_t j = 0; j < nk; ++j) p[j] *= values.row(j).scale[0];
+            AccumulateWeightedRows(d, typename StoredRowRange<StorageType::int8>::Integers{values}, nk, p, corr, dv,
+                                   s.few_block.get(), s.few.get() + i * s.few_row);
+            return;
+          }
+        }
+        AccumulateWeightedRows(d, values, nk, p, corr, dv, s.few_block.get(), s.few.get() + i * s.few_row);
+      });
     }
   }
 }

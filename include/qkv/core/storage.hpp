@@ -21,7 +21,18 @@ std::string_view storage_name(StorageType type);
 // ValueError naming `argument` and the accepted names otherwise.
 StorageType parse_storage(std::string_view name, std::string_view argument);
 // Bytes of one element.
-int64_t storage_bytes(StorageType type);
+constexpr int64_t storage_bytes(StorageType type) {
+  switch (type) {
+    case StorageType::float32:
+      return 4;
+    case StorageType::float16:
+    case StorageType::bfloat16:
+      return 2;
+    case StorageType::int8:
+      return 1;
+  }
+  return 0;
+}
 
 // Conversions, rounding to nearest even; NaN stays NaN and values past the largest finite one
 // become infinities, as the hardware conversions (F16C, AVX512_BF16) do.
