@@ -500,19 +500,6 @@ void PackTransposed(const RowBlock<T>& rows, size_t n, size_t cols, size_t ld, T
   for (size_t c = 0; c < cols; ++c) std::fill(out + c * ld + n, out + (c + 1) * ld, T{0});
 }
 
-// Asks for rows [t0, t0 + n) of an operand (as stored) to be brought into the caches, so that
-// reading them later overlaps the work in between: one prefetch per cache line.
-template <class T>
-void PrefetchRows(const fused::RowsView<const T>& x, const fused::StoredRows& stored, int64_t b, int64_t h, int64_t t0,
-                  int64_t n, size_t cols) {
-  constexpr size_t kLine = 64;
-  const size_t bytes = cols * (stored ? stored.element_bytes() : sizeof(T));
-  for (int64_t t = t0; t < t0 + n; ++t) {
-    const auto* row = stored ? stored.row(b, h, t) : reinterpret_cast<const uint8_t*>(x.row(b, h, t));
-    for (size_t c = 0; c < bytes; c += kLine) hwy::Prefetch(row + c);
-  }
-}
-
 // One row of a stored operand as the kernels read it: a vector (LoadRow) or an element (RowAt) at
 // a time, converted in registers from its storage type S: F16C's conversion (or its emulation) for
 // float16, a shift for bfloat16, and for int8 widening to int32, conversion and one multiply by the
@@ -547,6 +534,16 @@ HWY_INLINE hn::Vec<D> LoadRow(D d, const Int8Integers& row, size_t c) {
 }
 
 HWY_INLINE float RowAt(const Int8Integers& row, size_t c) { return static_cast<float>(row.data[c]); }
+
+template <class T>
+const T* RowAddress(const T* row) {
+  return row;
+}
+
+template <StorageType S>
+const uint8_t* RowAddress(const StoredRow<S>& row) {
+  return row.data;
+}
 
 template <class D, StorageType S>
 HWY_INLINE hn::Vec<D> LoadRow(D d, const StoredRow<S>& row, size_t c) {
@@ -584,8 +581,9 @@ HWY_INLINE float RowAt(const StoredRow<S>& row, size_t c) {
   }
 }
 
-// Rows t0, t0 + 1, … of a stored operand as StoredRow<S>: row(j) is row t0 + j, found through the
-// page table when the operand is paged, else at a fixed stride from the first.
+// Rows t0, t0 + 1, … of a stored operand as StoredRow<S>: row(j) is row t0 + j, at a fixed stride
+// from the first while it lies in the first's page (or always, unpaged), else found through the
+// page table (whose divisions by the page size would otherwise cost more than a narrow row's work).
 template <StorageType S>
 class StoredRowRange {
  public:
@@ -595,16 +593,18 @@ class StoredRowRange {
         h_(h),
         t0_(t0),
         first_(x.row(b, h, t0)),
-        first_scale_(S == StorageType::int8 ? x.scale_row(b, h, t0) : nullptr) {}
+        first_scale_(S == StorageType::int8 ? x.scale_row(b, h, t0) : nullptr),
+        rows_in_first_page_(x.pages != nullptr ? ToSize(x.page_tokens - t0 % x.page_tokens)
+                                               : std::numeric_limits<size_t>::max()) {}
 
   StoredRow<S> row(size_t j) const {
     constexpr auto kBytes = static_cast<size_t>(storage_bytes(S));
+    const bool strided = j < rows_in_first_page_;
     const int64_t t = t0_ + static_cast<int64_t>(j);
-    const bool paged = x_.pages != nullptr;
-    const uint8_t* data = paged ? x_.row(b_, h_, t) : first_ + j * static_cast<size_t>(x_.row_stride) * kBytes;
+    const uint8_t* data = strided ? first_ + j * static_cast<size_t>(x_.row_stride) * kBytes : x_.row(b_, h_, t);
     if constexpr (S != StorageType::int8) return {data};
     const float* scale =
-        paged ? x_.scale_row(b_, h_, t) : first_scale_ + static_cast<int64_t>(j) * x_.scales.row_stride;
+        strided ? first_scale_ + static_cast<int64_t>(j) * x_.scales.row_stride : x_.scale_row(b_, h_, t);
     return {data, scale, x_.scales.col_stride};
   }
   // Row j's integers alone (int8).
@@ -618,6 +618,7 @@ class StoredRowRange {
   int64_t b_, h_, t0_;
   const uint8_t* first_;
   const float* first_scale_;
+  size_t rows_in_first_page_;
 };
 
 // Calls f with rows [t0, …) of an operand as the kernels read them in place: a RowBlock<T> when it
@@ -641,6 +642,21 @@ HWY_INLINE void WithRowsInPlace(const fused::RowsView<const T>& x, const fused::
   }
   HWY_DASSERT(!stored);
   f(RowsOf(x, b, h, t0));
+}
+
+// Asks for rows [t0, t0 + n) of an operand (as stored) to be brought into the caches, so that
+// reading them later overlaps the work in between: one prefetch per cache line.
+template <class T>
+void PrefetchRows(const fused::RowsView<const T>& x, const fused::StoredRows& stored, int64_t b, int64_t h, int64_t t0,
+                  int64_t n, size_t cols) {
+  constexpr size_t kLine = 64;
+  const size_t bytes = cols * (stored ? stored.element_bytes() : sizeof(T));
+  WithRowsInPlace(x, stored, b, h, t0, [&](const auto& rows) {
+    for (size_t j = 0; j < ToSize(n); ++j) {
+      const auto* row = reinterpret_cast<const uint8_t*>(RowAddress(rows.row(j)));
+      for (size_t c = 0; c < bytes; c += kLine) hwy::Prefetch(row + c);
+    }
+  });
 }
 
 // Row t of a stored operand as `cols` float32 values in `out`.

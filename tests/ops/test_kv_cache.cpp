@@ -91,6 +91,67 @@ TEST(KvCache, AttendMatchesTheFusedKernelOnItsContentsBitForBit) {
   }
 }
 
+// x [H, T, D] as [1, H, T, D] in float64.
+Tensor<double> batch_of_one(const Tensor<float>& x) {
+  const Shape& s = x.shape();
+  const Tensor<double> d = cast<double>(x);
+  return Tensor<double>({1, s[0], s[1], s[2]}, std::vector<double>(d.data(), d.data() + d.numel()));
+}
+
+TEST(KvCache, DecodeOfOutAloneReadsThePagesInPlace) {
+  // Out without lse (inference) takes the few-query layout, which reads the pages in place a block
+  // of keys at a time wherever the pages end (pages of 13 tokens end inside blocks). float32:
+  // bit-identical to the kernel on the contents copied out. The narrower types split the keys into
+  // chunks of a size set by their bytes per row (so the partial sums merge in another order than a
+  // float32 copy's), and int8's scales multiply queries and weights: within the float64 reference's
+  // tolerance.
+  for (const StorageType type : kAllTypes) {
+    for (const int64_t page_tokens : {int64_t{13}, int64_t{48}}) {
+      SCOPED_TRACE(fmt::format("{}, pages of {} tokens", storage_name(type), page_tokens));
+      KvCache cache({.kv_heads = 2, .dk = 40, .dv = 24, .type = type, .page_tokens = page_tokens, .pages = 200});
+      const int64_t id = cache.add_sequence();
+      Rng rng(static_cast<uint64_t>(page_tokens) * 7 + static_cast<uint64_t>(type));
+      for (const int64_t n : {1, 300, 7, 900}) {
+        cache.append(id, random_rows({2, n, 40}, rng, 2.0).cview(), random_rows({2, n, 24}, rng).cview());
+      }
+      const Tensor<float> k = cache.keys(id), v = cache.values(id);
+      for (const int64_t tq : {1, 5}) {
+        const Tensor<float> q = random_rows({4, tq, 40}, rng);
+        const KvAttendOptions options[] = {
+            {.causal = true}, {.scale = 0.3, .window = AttentionWindow{.left = 333, .right = 0}, .softcap = 20.0}};
+        for (const KvAttendOptions& o : options) {
+          SCOPED_TRACE(fmt::format("Tq={}{}", tq, o.window ? ", window and softcap" : ""));
+          on_every_target([&] {
+            Tensor<float> got({4, tq, 24});
+            cache.attend(id, q.cview(), {.out = got.view(), .weights = {}, .lse = {}}, o);
+            if (type == StorageType::float32) {
+              Tensor<float> want({4, tq, 24});
+              const AttentionParams<float> copied{.q = q.cview(),
+                                                  .k = k.cview(),
+                                                  .v = v.cview(),
+                                                  .scale = o.scale,
+                                                  .mask = {.causal = o.causal, .window = o.window},
+                                                  .softcap = o.softcap};
+              attention_forward<float>(copied, {.out = want.view(), .weights = {}, .lse = {}}, AttentionImpl::fused);
+              EXPECT_TRUE(bit_identical(cast<double>(got), cast<double>(want)));
+              return;
+            }
+            testing::AttentionProblem p{.q = batch_of_one(q), .k = batch_of_one(k), .v = batch_of_one(v)};
+            p.causal = o.causal;
+            p.scale = o.scale;
+            p.window = o.window;
+            p.softcap = o.softcap;
+            const testing::Forward exact = testing::reference_forward(p);
+            const testing::AttentionYardsticks y = testing::attention_yardsticks(p, testing::random_dout(p, 3));
+            EXPECT_TRUE(testing::all_close("out", batch_of_one(got), exact.out,
+                                           testing::attention_tolerance(y, testing::NaiveResult::out, exact.out)));
+          });
+        }
+      }
+    }
+  }
+}
+
 TEST(KvCache, StoresWhatWasAppendedInItsType) {
   Rng rng(5);
   const Tensor<float> k = random_rows({3, 200, 16}, rng, 4.0), v = random_rows({3, 200, 8}, rng);
