@@ -22,6 +22,9 @@ import numpy as np
 
 QKV = os.path.abspath(os.environ["QKV_BIN"]) if os.environ.get("QKV_BIN") else None
 EXIT_BAD_INPUT = 2
+# How much slower than a release build on the machine's best SIMD target these runs may be (a
+# sanitizer build, or a slower target forced with QKV_SIMD_TARGET): every time limit is scaled by it.
+TIME_SCALE = float(os.environ.get("QKV_TEST_TIME_SCALE", "1"))
 
 
 class Suite:
@@ -54,8 +57,8 @@ class Suite:
     def run(self, args, env=None, preexec=None):
         environment = dict(os.environ, **self.env)
         environment.update(env or {})
-        return subprocess.run([QKV, *args], cwd=self.workdir, capture_output=True, text=True, timeout=self.timeout,
-                              env=environment, preexec_fn=preexec)
+        return subprocess.run([QKV, *args], cwd=self.workdir, capture_output=True, text=True,
+                              timeout=self.timeout * TIME_SCALE, env=environment, preexec_fn=preexec)
 
     def fail(self, name, problem, result=None):
         self.failures.append(name)
@@ -130,7 +133,7 @@ class ExperimentSuite(Suite):
     env = {"OMP_NUM_THREADS": "1", "NO_COLOR": "1"}
     # The promise of --quick: under a minute on 2 cores in a release build; the asan test preset
     # says how much slower its build is.
-    quick_limit_s = 60 * float(os.environ.get("QKV_TEST_TIME_SCALE", "1"))
+    quick_limit_s = 60 * TIME_SCALE
 
     def timed(self, args, env=None):
         """(the finished process, its wall time in seconds)."""
@@ -354,7 +357,7 @@ class ExperimentSuite(Suite):
                 break
         proc.send_signal(signal.SIGINT)
         try:
-            _, rest = proc.communicate(timeout=30)
+            _, rest = proc.communicate(timeout=30 * TIME_SCALE)
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.communicate()
