@@ -842,10 +842,11 @@ struct ForwardScratch {
   Buffer<T> few;        // [8][Dv_pad]    o of AttendFewQueries, one row per query
   Buffer<T> few_block;  // [Dv_pad]       one key block's Σ p·v (AttendFewQueries, rows wider than the registers)
   Buffer<T> q_scaled;   // [8][Dk]        AttendFewQueries' queries times an int8 K's per-channel scales
-  std::array<const float*, kFewQueries> q_scaled_by{};  // the scales each row of q_scaled holds
-  Buffer<T> max;                                        // [Br]           m, running max
-  Buffer<T> sum;                                        // [Br]           l, running sum
-  Buffer<T> corr;                                       // [Br]           exp(m_old − m_new) of the last key block
+  Buffer<T> max;        // [Br]           m, running max
+  Buffer<T> sum;        // [Br]           l, running sum
+  Buffer<T> corr;       // [Br]           exp(m_old − m_new) of the last key block
+  // The scales each row of q_scaled holds (null: none yet).
+  std::array<const float*, kFewQueries> q_scaled_by{};
   // Rows of stored operands converted to T (StageRows); one element each when not stored.
   Buffer<T> q_stage;  // [Br][Dk]
   Buffer<T> k_stage;  // [Bc][Dk]
