@@ -584,6 +584,7 @@ HWY_INLINE float RowAt(const StoredRow<S>& row, size_t c) {
 // Rows t0, t0 + 1, … of a stored operand as StoredRow<S>: row(j) is row t0 + j, at a fixed stride
 // from the first while it lies in the first's page (or always, unpaged), else found through the
 // page table (whose divisions by the page size would otherwise cost more than a narrow row's work).
+// Row t0 must exist: its address is found when the range is made.
 template <StorageType S>
 class StoredRowRange {
  public:
@@ -645,10 +646,12 @@ HWY_INLINE void WithRowsInPlace(const fused::RowsView<const T>& x, const fused::
 }
 
 // Asks for rows [t0, t0 + n) of an operand (as stored) to be brought into the caches, so that
-// reading them later overlaps the work in between: one prefetch per cache line.
+// reading them later overlaps the work in between: one prefetch per cache line. Nothing when n ≤ 0
+// (row t0 may then not exist, nor its page).
 template <class T>
 void PrefetchRows(const fused::RowsView<const T>& x, const fused::StoredRows& stored, int64_t b, int64_t h, int64_t t0,
                   int64_t n, size_t cols) {
+  if (n <= 0) return;
   constexpr size_t kLine = 64;
   const size_t bytes = cols * (stored ? stored.element_bytes() : sizeof(T));
   WithRowsInPlace(x, stored, b, h, t0, [&](const auto& rows) {
