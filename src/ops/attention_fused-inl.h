@@ -1066,6 +1066,22 @@ HWY_INLINE void KeyDots(D d, const Rows& keys, size_t nk, const T* HWY_RESTRICT 
   }
 }
 
+// o_row ← corr·o_row + Σ_j p[j]·v_j for the nk values of a block (AccumulateWeightedRows). An int8
+// value's scale, one per token, multiplies its weight p[j] (in place) rather than each element, as
+// KeyDots does for keys; scales per channel multiply each element.
+template <class D, class Rows, class T = hn::TFromD<D>>
+HWY_INLINE void ValueSums(D d, const Rows& values, size_t nk, T* HWY_RESTRICT p, T corr, size_t dv,
+                          ForwardScratch<T>& s, T* HWY_RESTRICT o_row) {
+  if constexpr (std::is_same_v<Rows, StoredRowRange<StorageType::int8>>) {
+    if (values.row(0).scale_step == 0) {
+      for (size_t j = 0; j < nk; ++j) p[j] *= values.row(j).scale[0];
+      AccumulateWeightedRows(d, typename Rows::Integers{values}, nk, p, corr, dv, s.few_block.get(), o_row);
+      return;
+    }
+  }
+  AccumulateWeightedRows(d, values, nk, p, corr, dv, s.few_block.get(), o_row);
+}
+
 // The forward for nq ≤ kFewQueries queries (decode): with a single query, lanes along queries
 // would leave all but one lane idle, so here the lanes run along keys instead. A block is one
 // vector of N keys: each score is a dot product along d (RowDot), the block's scores form one
@@ -1119,15 +1135,7 @@ void AttendFewQueries(D d, const Inputs<T>& in, int64_t b, int64_t h, int64_t q0
       s.sum[i] = s.sum[i] * corr + hn::GetLane(hn::SumOfLanes(d, weights));
       s.max[i] = new_max;
       WithRowsInPlace(in.v, in.v_stored, b, hk, j0, [&](const auto& values) {
-        if constexpr (std::is_same_v<std::decay_t<decltype(values)>, StoredRowRange<StorageType::int8>>) {
-          if (in.v_stored.scales.col_stride == 0) {
-            for (size_t j = 0; j < nk; ++j) p[j] *= values.row(j).scale[0];
-            AccumulateWeightedRows(d, typename StoredRowRange<StorageType::int8>::Integers{values}, nk, p, corr, dv,
-                                   s.few_block.get(), s.few.get() + i * s.few_row);
-            return;
-          }
-        }
-        AccumulateWeightedRows(d, values, nk, p, corr, dv, s.few_block.get(), s.few.get() + i * s.few_row);
+        ValueSums(d, values, nk, p, corr, dv, s, s.few.get() + i * s.few_row);
       });
     }
   }
