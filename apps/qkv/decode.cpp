@@ -97,9 +97,9 @@ void run_decode(const DecodeOptions& o) {
     throw ShapeError(
         fmt::format("--v: expected [{}, {}, Dv] (Hkv and Tk of --k), got shape {}", kv_heads, tk, v.shape().str()));
   }
-  check_stored_finite(q, "--q");
-  check_stored_finite(k, "--k");
-  check_stored_finite(v, "--v");
+  check_finite(q.view(), "--q");
+  check_finite(k.view(), "--k");
+  check_finite(v.view(), "--v");
   std::optional<Tensor<float>> sinks;
   if (!o.sinks.empty()) {
     sinks = load_float32(o.sinks, "--sinks");

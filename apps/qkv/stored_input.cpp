@@ -2,7 +2,6 @@
 
 #include <fmt/format.h>
 
-#include <algorithm>
 #include <utility>
 #include <vector>
 
@@ -97,21 +96,6 @@ StoredArray read_stored(const std::string& path, const std::string& scales, bool
                                  array.shape_str()));
   }
   return a;
-}
-
-void check_stored_finite(const StoredArray& array, std::string_view arg) {
-  if (array.type == StorageType::float32) {
-    check_finite(std::get<Tensor<float>>(array.values).cview(), arg);
-    return;
-  }
-  if (array.type == StorageType::int8) return;
-  // An all-ones exponent is an infinity or a NaN; only a refusal pays for the conversion that
-  // names the first one.
-  const uint16_t exponent = array.type == StorageType::float16 ? 0x7C00 : 0x7F80;
-  const Tensor<uint16_t>& bits = std::get<Tensor<uint16_t>>(array.values);
-  const bool finite = std::none_of(bits.data(), bits.data() + bits.numel(),
-                                   [exponent](uint16_t b) { return (b & exponent) == exponent; });
-  if (!finite) check_finite(to_float32(array.view()).cview(), arg);
 }
 
 }  // namespace qkv::cli

@@ -37,8 +37,4 @@ struct StoredOption {
 // scales for any type but int8, and int8 where the operand cannot take it.
 StoredArray read_stored(const std::string& path, const std::string& scales, bool bfloat16, const StoredOption& option);
 
-// Refuses non-finite elements of a float32, float16 or bfloat16 operand, naming the first as
-// check_finite does (int8 values are always finite; their scales are checked on reading).
-void check_stored_finite(const StoredArray& array, std::string_view arg);
-
 }  // namespace qkv::cli

@@ -110,6 +110,26 @@ int64_t strided_offset(const Shape& shape, const Strides& strides, int64_t flat)
 
 }  // namespace
 
+void check_finite(const StoredView& view, std::string_view name, std::string_view remedy) {
+  if (view.type == StorageType::int8) return;
+  if (view.type == StorageType::float32) {
+    check_finite(TensorView<const float>{static_cast<const float*>(view.data), view.shape, view.strides}, name,
+                 NonFinite::refused, remedy);
+    return;
+  }
+  // An all-ones exponent is an infinity or a NaN; only a refusal pays for the conversion that
+  // names the first one.
+  const uint16_t exponent = view.type == StorageType::float16 ? 0x7C00 : 0x7F80;
+  const TensorView<const uint16_t> bits =
+      as_rank4(TensorView<const uint16_t>{static_cast<const uint16_t*>(view.data), view.shape, view.strides});
+  bool bad = false;
+  for (int64_t a = 0; a < bits.shape[0]; ++a)
+    for (int64_t b = 0; b < bits.shape[1]; ++b)
+      for (int64_t c = 0; c < bits.shape[2]; ++c)
+        for (int64_t d = 0; d < bits.shape[3]; ++d) bad |= (bits(a, b, c, d) & exponent) == exponent;
+  if (bad) check_finite(to_float32(view).cview(), name, NonFinite::refused, remedy);
+}
+
 Tensor<float> to_float32(const StoredView& view) {
   Tensor<float> out(view.shape);
   if (view.type == StorageType::int8 && !view.scales) {

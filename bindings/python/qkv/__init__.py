@@ -9,19 +9,25 @@
 Shapes follow one vocabulary: B batch, H heads, Tq queries, Tk keys, Dk and Dv feature widths;
 q [B, H, Tq, Dk], k [B, Hkv, Tk, Dk], v [B, Hkv, Tk, Dv] (B, or B and H, may be left out; Hkv
 divides H, and is H but for grouped-query attention).
-float32 runs the fused kernel, float64 the float64 reference. qkv.torch adapts all of it to
-PyTorch tensors and autograd. Errors are ValueError (qkv.Error, qkv.ShapeError), MemoryError
+float32 runs the fused kernel, float64 the float64 reference; float16, bfloat16 (bits in uint16,
+bf16=True) and int8 (with k_scales, v_scales; quantize_int8) operands run it too, with float32
+outputs, and qkv.KvCache keeps a decoder's keys and values in those types. qkv.torch adapts all
+of it to PyTorch tensors and autograd. Errors are ValueError (qkv.Error, qkv.ShapeError), MemoryError
 (qkv.ResourceError) and OSError (qkv.FileError).
 """
 
 from __future__ import annotations
 
+import functools
 import os
 from typing import Optional, Sequence, Tuple, Union
+
+import numpy as np
 
 from ._qkv import (
     Error,
     FileError,
+    KvCache,
     ResourceError,
     SelfAttention,
     ShapeError,
@@ -44,6 +50,7 @@ from ._qkv import (
     simd_targets,
     use_simd_target,
 )
+from . import _qkv
 from ._batch import _backward, _forward
 
 # Any number of batch dims before the heads, as torch takes them (qkv/_batch.py).
@@ -52,11 +59,36 @@ additive_attention = _forward(additive_attention)
 attention_backward = _backward(attention_backward, weight_count=0)
 additive_attention_backward = _backward(additive_attention_backward, weight_count=3)
 
+
+
+# The conversions work on qkv's tensors of rank 4 at most; past that, the leading dims are one.
+@functools.wraps(_qkv.quantize_int8)
+def quantize_int8(x, group: str = "channel"):
+    x = np.asarray(x)
+    if x.ndim <= 4:
+        return _qkv.quantize_int8(x, group)
+    values, scales = _qkv.quantize_int8(x.reshape((-1, *x.shape[-2:])), group)
+    lead = (1,) * (x.ndim - 2) if group == "tensor" else x.shape[:-2]
+    return values.reshape(x.shape), scales.reshape((*lead, *scales.shape[-2:]))
+
+
+@functools.wraps(_qkv.to_bfloat16)
+def to_bfloat16(x):
+    x = np.asarray(x)
+    return _qkv.to_bfloat16(x.reshape(-1)).reshape(x.shape) if x.ndim > 4 else _qkv.to_bfloat16(x)
+
+
+@functools.wraps(_qkv.from_bfloat16)
+def from_bfloat16(bits):
+    bits = np.asarray(bits)
+    return _qkv.from_bfloat16(bits.reshape(-1)).reshape(bits.shape) if bits.ndim > 4 else _qkv.from_bfloat16(bits)
+
+
 __all__ = [
-    "Error", "FileError", "Heatmap", "ResourceError", "SelfAttention", "ShapeError", "__version__",
+    "Error", "FileError", "Heatmap", "KvCache", "ResourceError", "SelfAttention", "ShapeError", "__version__",
     "additive_attention", "additive_attention_backward", "alibi_slopes", "attention", "attention_backward",
-    "cpu_summary", "default_scale", "explore", "get_num_threads", "heatmap", "set_num_threads", "simd_target",
-    "simd_targets", "use_simd_target",
+    "cpu_summary", "default_scale", "explore", "from_bfloat16", "get_num_threads", "heatmap", "quantize_int8",
+    "set_num_threads", "simd_target", "simd_targets", "to_bfloat16", "use_simd_target",
 ]
 
 # Notebooks show a heatmap as SVG (sharp, with a tooltip per cell) while it stays small; beyond

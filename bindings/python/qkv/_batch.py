@@ -38,6 +38,17 @@ class _Batch:
     def restore(self, array):
         return array.reshape((*self.dims, *array.shape[1:]))
 
+    def flatten_scales(self, scales, name: str):
+        """An int8 operand's scales, whose batch dims may be 1 where they broadcast, flattened as the operand."""
+        scales = np.asarray(scales)
+        n = len(self.dims)
+        own = tuple(scales.shape[:n])
+        if scales.ndim != n + 3 or any(o not in (1, d) for o, d in zip(own, self.dims)):
+            raise ShapeError(f"{name}: expected the batch dims {_dims(self.dims)} of q (or 1s), then [Hkv, Tk or 1, "
+                             f"D or 1], got shape {_dims(scales.shape)}")
+        rest = tuple(scales.shape[n:])
+        return np.broadcast_to(scales, (*self.dims, *rest)).reshape((self.count, *rest))
+
     def flatten_mask(self, mask, scores):
         """(the mask as the kernels take it, its batch dims as given or None when they were left as they are,
         whether it was copied to every batch entry)."""
@@ -100,6 +111,9 @@ def _prepare(q, k, v, kw):
     for name, meaning, trailing in (("dout", "[H, Tq, Dv]", 3), ("out", "[H, Tq, Dv]", 3), ("lse", "[H, Tq]", 2)):
         if kw.get(name) is not None:
             kw[name] = batch.flatten(kw[name], name, meaning, trailing)
+    for name in ("k_scales", "v_scales"):
+        if kw.get(name) is not None:
+            kw[name] = batch.flatten_scales(kw[name], name)
     mask_info = None
     if kw.get("mask") is not None:
         mask = np.asarray(kw["mask"])

@@ -32,6 +32,8 @@ from . import attention as _batched_attention, attention_backward as _batched_at
 __all__ = ["SelfAttention", "scaled_dot_product_attention"]
 
 _CAUSAL_ALIGNMENTS = ("top_left", "bottom_right")
+# The dtypes qkv reads as stored (float32 arithmetic, float32 results, cast back to the operand's dtype).
+_NARROW = (torch.float16, torch.bfloat16)
 
 
 def _array(tensor: torch.Tensor, name: str) -> np.ndarray:
@@ -44,15 +46,24 @@ def _array(tensor: torch.Tensor, name: str) -> np.ndarray:
     if tensor.dtype == torch.bool:
         # DLPack in torch 1.13 has no bool; the bytes are the same 0/1 that qkv reads.
         tensor = tensor.view(torch.uint8)
+    if tensor.dtype == torch.bfloat16:
+        # numpy has no bfloat16: its bits as uint16, which qkv.attention reads as bfloat16 with bf16=True.
+        return np.from_dlpack(tensor.view(torch.int16)).view(np.uint16)
     return np.from_dlpack(tensor)
 
 
+def _float32_array(tensor: Optional[torch.Tensor], name: str) -> Optional[np.ndarray]:
+    """A mask, ALiBi's slopes or the sinks: float16 and bfloat16 ones widened to float32, which qkv takes with
+    operands of any dtype (a bfloat16 mask's bits would read as an integer mask)."""
+    if tensor is None:
+        return None
+    if isinstance(tensor, torch.Tensor) and tensor.dtype in _NARROW:
+        tensor = tensor.float()
+    return _array(tensor, name)
+
+
 def _mask_array(mask: Optional[torch.Tensor]) -> Optional[np.ndarray]:
-    return None if mask is None else _array(mask, "attn_mask")
-
-
-def _optional_array(tensor: Optional[torch.Tensor], name: str) -> Optional[np.ndarray]:
-    return None if tensor is None else _array(tensor, name)
+    return _float32_array(mask, "attn_mask")
 
 
 def _offsets(values, name: str):
@@ -78,14 +89,23 @@ def _options(window=None, softcap=None, cu_seqlens_q=None, cu_seqlens_k=None, dr
             "cu_seqlens_k": _offsets(cu_seqlens_k, "cu_seqlens_k"), "dropout": dropout, "seed": seed}
 
 
+def _bf16(*operands) -> bool:
+    return any(isinstance(x, torch.Tensor) and x.dtype == torch.bfloat16 for x in operands)
+
+
+def _as_dtype_of(gradient: Optional[torch.Tensor], tensor: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    return gradient if gradient is None or tensor is None else gradient.to(tensor.dtype)
+
+
 def _forward(q, k, v, attn_mask, causal, scale: Optional[float], sinks=None, alibi=None,
              options: Optional[dict] = None) -> Tuple[torch.Tensor, torch.Tensor]:
-    """(out, lse); causal is qkv.attention's (False, True, "bottom-right" or "top-left"), options
-    what _options returns."""
+    """(out, lse), float32 for float16 and bfloat16 operands too; causal is qkv.attention's (False,
+    True, "bottom-right" or "top-left"), options what _options returns."""
     try:
         out, lse = _batched_attention(_array(q, "query"), _array(k, "key"), _array(v, "value"), scale=scale,
-                                      causal=causal, mask=_mask_array(attn_mask), alibi=_optional_array(alibi, "alibi"),
-                                      sinks=_optional_array(sinks, "sinks"), return_lse=True, **(options or {}))
+                                      causal=causal, mask=_mask_array(attn_mask), alibi=_float32_array(alibi, "alibi"),
+                                      sinks=_float32_array(sinks, "sinks"), return_lse=True, bf16=_bf16(q, k, v),
+                                      **(options or {}))
     except (_qkv.Error, _qkv.ResourceError) as e:
         raise _renamed(e) from None
     return torch.from_numpy(out), torch.from_numpy(lse)
@@ -93,13 +113,17 @@ def _forward(q, k, v, attn_mask, causal, scale: Optional[float], sinks=None, ali
 
 def _backward(q, k, v, attn_mask, causal, scale, out, lse, dout, sinks=None, alibi=None,
               options: Optional[dict] = None):
-    """(dq, dk, dv, dmask, dsinks), dmask None unless attn_mask is a float bias, dsinks None without sinks."""
+    """(dq, dk, dv, dmask, dsinks), float32 for float16 and bfloat16 operands too (out is the float32
+    one); dmask None unless attn_mask is a float bias, dsinks None without sinks."""
+    if dout.dtype in _NARROW:
+        dout = dout.float()
     try:
         grads = _batched_attention_backward(_array(q, "query"), _array(k, "key"), _array(v, "value"),
                                             _array(dout, "dout"), out=_array(out, "out"), lse=_array(lse, "lse"),
                                             scale=scale, causal=causal, mask=_mask_array(attn_mask),
-                                            alibi=_optional_array(alibi, "alibi"),
-                                            sinks=_optional_array(sinks, "sinks"), **(options or {}))
+                                            alibi=_float32_array(alibi, "alibi"),
+                                            sinks=_float32_array(sinks, "sinks"), bf16=_bf16(q, k, v),
+                                            **(options or {}))
     except (_qkv.Error, _qkv.ResourceError) as e:
         raise _renamed(e) from None
     grads = [torch.from_numpy(g) for g in grads]
@@ -111,7 +135,8 @@ def _backward(q, k, v, attn_mask, causal, scale, out, lse, dout, sinks=None, ali
 class _Attention(torch.autograd.Function):
     """(out, lse) of qkv's attention; the backward reads the saved out and lse, and replays the
     dropout mask from the seed in options. Gradients reach q, k, v, a float attn_mask and the sinks;
-    alibi's slopes are constants."""
+    alibi's slopes are constants. With float16 or bfloat16 operands, out has q's dtype and each
+    gradient its tensor's, from float32 ones; the float32 out is kept for the backward."""
 
     @staticmethod
     def forward(ctx, q, k, v, attn_mask, causal, scale, sinks, alibi, options):
@@ -119,7 +144,7 @@ class _Attention(torch.autograd.Function):
         ctx.save_for_backward(q, k, v, attn_mask, sinks, alibi, out, lse)
         ctx.causal, ctx.scale, ctx.options = causal, scale, options
         ctx.mark_non_differentiable(lse)
-        return out, lse
+        return out.to(q.dtype), lse
 
     @staticmethod
     @torch.autograd.function.once_differentiable
@@ -131,7 +156,8 @@ class _Attention(torch.autograd.Function):
             dmask = None
         if not ctx.needs_input_grad[6]:
             dsinks = None
-        return dq, dk, dv, dmask, None, None, dsinks, None, None
+        return (_as_dtype_of(dq, q), _as_dtype_of(dk, k), _as_dtype_of(dv, v), _as_dtype_of(dmask, attn_mask), None,
+                None, _as_dtype_of(dsinks, sinks), None, None)
 
 
 def _attention(q, k, v, attn_mask, causal, scale, sinks=None, alibi=None, options=None):
@@ -213,7 +239,10 @@ def scaled_dot_product_attention(query: torch.Tensor, key: torch.Tensor, value: 
     """torch.nn.functional.scaled_dot_product_attention, computed by qkv and differentiable.
 
     query [B, H, Tq, E], key [B, Hkv, Tk, E], value [B, Hkv, Tk, Ev] -> [B, H, Tq, Ev], float32
-    (the fused kernel) or float64 (the float64 reference); B, or B and H, may be left out. Hkv may
+    (the fused kernel) or float64 (the float64 reference); B, or B and H, may be left out.
+    float16 and bfloat16 tensors (each of query, key and value in its own, or float32) run the
+    fused kernel on them as stored, with float32 arithmetic: the result has query's dtype, each
+    gradient its tensor's. Dropout and packed sequences are refused with them. Hkv may
     be any divisor of H (grouped-query attention, as PyTorch's enable_gqa=True): query head h
     reads key/value head h // (H // Hkv), and key.grad, value.grad have key's and value's shapes.
     attn_mask: broadcastable to [B, H, Tq, Tk]; bool (True = may attend) or a float bias added to
@@ -265,7 +294,8 @@ def scaled_dot_product_attention(query: torch.Tensor, key: torch.Tensor, value: 
         # calls drop different weights, as PyTorch's own dropout does.
         seed = int(torch.randint(0, 2**63 - 1, (), dtype=torch.int64))
     extras = (window, softcap, alibi, sinks, seed, cu_seqlens_q, cu_seqlens_k)
-    if causal == "top-left" or dropout_p != 0.0 or any(x is not None for x in extras):
+    narrow = any(isinstance(x, torch.Tensor) and x.dtype in _NARROW for x in (query, key, value))
+    if causal == "top-left" or dropout_p != 0.0 or narrow or any(x is not None for x in extras):
         options = _options(window, softcap, cu_seqlens_q, cu_seqlens_k, dropout_p, 0 if seed is None else seed)
         return _attention(query, key, value, attn_mask, causal, scale, sinks, alibi, options)[0]
     return _attention_forward(query, key, value, attn_mask, causal, scale)[0]

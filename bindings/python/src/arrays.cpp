@@ -117,6 +117,57 @@ TensorView<const T> Inputs::floats(const py::object& operand, std::string_view n
   return view;
 }
 
+StoredView Inputs::stored(const py::object& operand, std::string_view name, const py::object& scales,
+                          std::string_view scales_name, bool bfloat16_bits, bool allow_nonfinite) {
+  py::array array = as_array(operand);
+  const char kind = array.dtype().kind();
+  const auto itemsize = array.itemsize();
+  const std::string accepted =
+      fmt::format("float32, float16, uint16 (bfloat16 bits, with bf16=True){}", scales_name.empty() ? "" : " or int8");
+  const bool int8 = kind == 'i' && itemsize == 1 && !scales_name.empty();
+  if (!int8 && !scales.is_none()) {
+    throw ValueError(fmt::format("{}: expected none for {} of dtype {} (only int8 has scales), got an array",
+                                 scales_name, name, dtype_str(array)));
+  }
+  check_rank_fits(array, name);
+  StoredView view;
+  if (kind == 'f' && itemsize == 4) {
+    view = StoredView::float32(floats<float>(array, name, "", true));
+  } else if (kind == 'f' && itemsize == 2) {
+    // Bits in native byte order, which viewing a '>f2' array as uint16 would not give.
+    if (!array.dtype().equal(py::dtype("float16"))) array = array.attr("astype")("float16");
+    view = StoredView::float16(view_as<uint16_t>(hold(readable<uint16_t>(array.view("uint16")))));
+  } else if (kind == 'u' && itemsize == 2) {
+    if (!bfloat16_bits) {
+      throw ShapeError(
+          fmt::format("{}: expected bf16=True with a uint16 array (the bits of bfloat16; numpy has no bfloat16 dtype), "
+                      "got bf16=False",
+                      name));
+    }
+    view = StoredView::bfloat16(view_as<uint16_t>(hold(readable<uint16_t>(array))));
+  } else if (int8) {
+    if (scales.is_none()) {
+      throw ValueError(
+          fmt::format("{}: expected the scales of int8 {} (value = scale * stored), got none", scales_name, name));
+    }
+    py::array scale_array = as_array(scales);
+    if (scale_array.dtype().kind() != 'f' || (scale_array.itemsize() != 4 && scale_array.itemsize() != 8)) {
+      throw ShapeError(
+          fmt::format("{}: expected dtype float32 or float64, got {}", scales_name, dtype_str(scale_array)));
+    }
+    if (scale_array.itemsize() == 8) scale_array = scale_array.attr("astype")("float32");
+    const TensorView<const float> scale_view = floats<float>(scale_array, scales_name, "", true);
+    view = StoredView::int8(view_as<int8_t>(hold(readable<int8_t>(array))), scale_view);
+    // The op checks these too, under its own names (k.scales).
+    broadcast_to(scale_view, view.shape, scales_name);
+    check_finite(scale_view, scales_name);
+  } else {
+    throw ShapeError(fmt::format("{}: expected dtype {}, got {}", name, accepted, dtype_str(array)));
+  }
+  if (!allow_nonfinite) check_finite(view, name, "pass allow_nonfinite=True to accept them");
+  return view;
+}
+
 template <class T>
 AttentionMask<T> Inputs::mask(const py::object& mask, bool causal, bool allow_nonfinite) {
   AttentionMask<T> result;
@@ -241,6 +292,8 @@ AttentionImpl impl_of(std::string_view impl) {
 QKV_PYTHON_INSTANTIATE(float)
 QKV_PYTHON_INSTANTIATE(double)
 #undef QKV_PYTHON_INSTANTIATE
+template py::array_t<uint16_t> new_array(const Shape&, std::string_view, bool);
+template py::array_t<int8_t> new_array(const Shape&, std::string_view, bool);
 
 // window=: None or (left, right), each an int, -1 for unbounded (the op checks the values).
 std::optional<AttentionWindow> window_of(const py::object& window) {

@@ -16,6 +16,7 @@
 #include <string_view>
 #include <vector>
 
+#include "qkv/core/storage.hpp"
 #include "qkv/core/tensor.hpp"
 #include "qkv/ops/attention.hpp"
 
@@ -39,6 +40,14 @@ class Inputs {
   template <class T>
   TensorView<const T> floats(const py::object& operand, std::string_view name, std::string_view of_dtype_of,
                              bool allow_nonfinite, NonFinite rule = NonFinite::refused);
+
+  // An operand in its storage type (qkv/core/storage.hpp), read in place as floats() reads arrays:
+  // float32, float16, uint16 as bfloat16 bits (only when `bfloat16_bits`: numpy has no bfloat16
+  // dtype, so a uint16 array alone is ambiguous), int8 (only with `scales`, float32 or float64
+  // rounded to float32, which the op checks against the operand's shape). `scales_name` names the
+  // scales' argument in errors ("k_scales"); empty where int8 is not taken. Refuses other dtypes.
+  StoredView stored(const py::object& operand, std::string_view name, const py::object& scales,
+                    std::string_view scales_name, bool bfloat16_bits, bool allow_nonfinite);
 
   // A mask: bool or integer arrays (nonzero = may attend) as `allowed`, float arrays of T's dtype
   // as `bias` (−inf masks a key; float32 is widened for float64 operands, the other way is refused).

@@ -32,14 +32,16 @@ AttentionImpl impl_for(std::string_view impl, Precision precision) {
   return chosen;
 }
 
-// The [B, H, T, D] reading of q, k and v, checked here only so that the outputs can be shaped; the
-// op checks everything else.
-template <class T>
+// The [B, H, T, D] reading of q's, k's and v's shapes, checked here only so that the outputs can be
+// shaped; the op checks everything else.
 struct Dims {
   Shape q_shape;
   int64_t tq, tk, dv;
-  Dims(TensorView<const T> q, TensorView<const T> k, TensorView<const T> v)
-      : q_shape(q.shape), tq(as_bhtd(q, "q").shape[2]), tk(as_bhtd(k, "k").shape[2]), dv(as_bhtd(v, "v").shape[3]) {}
+  static int64_t dim(const Shape& shape, std::string_view name, int axis) {
+    return as_bhtd(make_view<const float>(nullptr, shape), name).shape[axis];
+  }
+  Dims(const Shape& q, const Shape& k, const Shape& v)
+      : q_shape(q), tq(dim(q, "q", 2)), tk(dim(k, "k", 2)), dv(dim(v, "v", 3)) {}
   int leading() const { return q_shape.rank() - 2; }
 };
 
@@ -49,8 +51,8 @@ struct ForwardArrays {
   py::array_t<T> out;
   std::optional<py::array_t<T>> lse, weights;
 
-  ForwardArrays(TensorView<const T> q, TensorView<const T> k, TensorView<const T> v, const ForwardRequest& r) {
-    const Dims<T> dims(q, k, v);
+  ForwardArrays(const Shape& q, const Shape& k, const Shape& v, const ForwardRequest& r) {
+    const Dims dims(q, k, v);
     out = new_array<T>(leading_dims_with(dims.q_shape, dims.leading(), {dims.tq, dims.dv}), "out");
     if (r.return_lse) lse = new_array<T>(leading_dims_with(dims.q_shape, dims.leading(), {dims.tq}), "lse");
     if (r.return_weights) {
@@ -76,27 +78,71 @@ struct ForwardArrays {
   }
 };
 
-template <class T>
-py::object attention_as(const py::object& q, const py::object& k, const py::object& v, const ForwardRequest& r) {
+void refuse_fused_weights(const ForwardRequest& r) {
   if (r.return_weights && impl_of(r.impl) == AttentionImpl::fused) {
     throw ValueError(
         "return_weights: impl=\"fused\" never materialises the Tq×Tk weights; use impl=\"auto\" or "
         "\"reference\" to have them returned");
   }
-  Inputs in;
-  const AttentionParams<T> p = attention_params<T>(in, q, k, v, r);
-  const AttentionImpl impl = impl_for(r.impl, sizeof(T) == 4 ? Precision::float32 : Precision::float64);
-  ForwardArrays<T> arrays(p.q, p.k, p.v, r);
+}
+
+// Whether q, k and v take the stored path (float32 out of float16, bfloat16 or int8 operands):
+// when one of them has such a dtype, or scales or bf16=True say so.
+bool stored_operands(const py::object& q, const py::object& k, const py::object& v, const ForwardRequest& r) {
+  if (r.bf16 || !r.k_scales.is_none() || !r.v_scales.is_none()) return true;
+  for (const py::object& operand : {q, k, v}) {
+    const py::dtype dtype = py::array::ensure(operand).dtype();
+    if (dtype.kind() == 'u' || (dtype.kind() == 'f' && dtype.itemsize() == 2) ||
+        (dtype.kind() == 'i' && dtype.itemsize() == 1)) {
+      return true;
+    }
+  }
+  return false;
+}
+
+StoredAttentionParams stored_params(Inputs& in, const py::object& q, const py::object& k, const py::object& v,
+                                    const ForwardRequest& r) {
+  if (r.dropout.p != 0) {
+    throw ValueError(
+        fmt::format("dropout: expected 0 with float16, bfloat16 or int8 operands (dropout is taken with float32 "
+                    "and float64 ones), got {}",
+                    r.dropout.p));
+  }
+  StoredAttentionParams p{.q = in.stored(q, "q", py::none(), "", r.bf16, r.allow_nonfinite),
+                          .k = in.stored(k, "k", r.k_scales, "k_scales", r.bf16, r.allow_nonfinite),
+                          .v = in.stored(v, "v", r.v_scales, "v_scales", r.bf16, r.allow_nonfinite),
+                          .scale = r.scale,
+                          .mask = mask_of<float>(in, r),
+                          .softcap = r.softcap};
+  if (r.bf16 && p.q.type != StorageType::bfloat16 && p.k.type != StorageType::bfloat16 &&
+      p.v.type != StorageType::bfloat16) {
+    throw ValueError("bf16: True says which uint16 arrays hold bfloat16 bits, but none of q, k, v is uint16");
+  }
+  set_head_options<float>(in, r, Dims::dim(p.q.shape, "q", 1), p.mask, p.sinks);
+  return p;
+}
+
+template <class T, class Params>
+py::object forward_of(Inputs&, const Params& p, const ForwardRequest& r, AttentionImpl impl) {
+  ForwardArrays<T> arrays(p.q.shape, p.k.shape, p.v.shape, r);
   const AttentionOutputs<T> outputs = arrays.views();
   run_without_gil([&] { attention_forward(p, outputs, impl); });
   return arrays.result();
+}
+
+template <class T>
+py::object attention_as(const py::object& q, const py::object& k, const py::object& v, const ForwardRequest& r) {
+  Inputs in;
+  const AttentionParams<T> p = attention_params<T>(in, q, k, v, r);
+  return forward_of<T>(in, p, r, impl_for(r.impl, sizeof(T) == 4 ? Precision::float32 : Precision::float64));
 }
 
 py::object attention(const py::object& q, const py::object& k, const py::object& v, std::optional<double> scale,
                      const py::object& causal, const py::object& mask, const std::string& impl, bool return_lse,
                      bool return_weights, bool allow_nonfinite, const py::object& window, std::optional<double> softcap,
                      const py::object& alibi, const py::object& sinks, const py::object& cu_seqlens_q,
-                     const py::object& cu_seqlens_k, double dropout, const py::object& seed) {
+                     const py::object& cu_seqlens_k, double dropout, const py::object& seed, const py::object& k_scales,
+                     const py::object& v_scales, bool bf16) {
   const ForwardRequest r{.scale = scale,
                          .causality = causality_of(causal),
                          .window = window_of(window),
@@ -110,28 +156,34 @@ py::object attention(const py::object& q, const py::object& k, const py::object&
                          .sinks = sinks,
                          .cu_seqlens_q = cu_seqlens_q,
                          .cu_seqlens_k = cu_seqlens_k,
-                         .dropout = {dropout, seed_of(seed)}};
+                         .dropout = {dropout, seed_of(seed)},
+                         .k_scales = k_scales,
+                         .v_scales = v_scales,
+                         .bf16 = bf16};
+  refuse_fused_weights(r);
+  if (stored_operands(q, k, v, r)) {
+    Inputs in;
+    const StoredAttentionParams p = stored_params(in, q, k, v, r);
+    return forward_of<float>(in, p, r, impl_of(r.impl));
+  }
   if (precision_of(q, "q") == Precision::float32) return attention_as<float>(q, k, v, r);
   return attention_as<double>(q, k, v, r);
 }
 
-template <class T>
-py::tuple attention_backward_as(const py::object& q, const py::object& k, const py::object& v, const py::object& dout,
-                                const py::object& out, const py::object& lse, const ForwardRequest& r) {
+template <class T, class Params>
+py::tuple backward_of(Inputs& in, const Params& p, const py::object& dout, const py::object& out, const py::object& lse,
+                      const ForwardRequest& r, AttentionImpl impl) {
   if (out.is_none() != lse.is_none()) {
     throw ValueError(
         fmt::format("out, lse: expected both (what attention(..., return_lse=True) returns) or neither, "
                     "got only {}",
                     out.is_none() ? "lse" : "out"));
   }
-  Inputs in;
-  const AttentionParams<T> p = attention_params<T>(in, q, k, v, r);
   const TensorView<const T> dout_view = in.floats<T>(dout, "dout", "q", r.allow_nonfinite);
   std::optional<AttentionSaved<T>> saved;
   if (!out.is_none()) {
     saved = AttentionSaved<T>{in.floats<T>(out, "out", "q", r.allow_nonfinite), in.floats<T>(lse, "lse", "q", true)};
   }
-  const AttentionImpl impl = impl_for(r.impl, sizeof(T) == 4 ? Precision::float32 : Precision::float64);
   auto dq = new_array<T>(p.q.shape, "dq", true);
   auto dk = new_array<T>(p.k.shape, "dk", true);
   auto dv = new_array<T>(p.v.shape, "dv", true);
@@ -153,12 +205,22 @@ py::tuple attention_backward_as(const py::object& q, const py::object& k, const 
   return py::tuple(results);
 }
 
+template <class T>
+py::tuple attention_backward_as(const py::object& q, const py::object& k, const py::object& v, const py::object& dout,
+                                const py::object& out, const py::object& lse, const ForwardRequest& r) {
+  Inputs in;
+  const AttentionParams<T> p = attention_params<T>(in, q, k, v, r);
+  return backward_of<T>(in, p, dout, out, lse, r,
+                        impl_for(r.impl, sizeof(T) == 4 ? Precision::float32 : Precision::float64));
+}
+
 py::tuple attention_backward(const py::object& q, const py::object& k, const py::object& v, const py::object& dout,
                              const py::object& out, const py::object& lse, std::optional<double> scale,
                              const py::object& causal, const py::object& mask, const std::string& impl,
                              bool allow_nonfinite, const py::object& window, std::optional<double> softcap,
                              const py::object& alibi, const py::object& sinks, const py::object& cu_seqlens_q,
-                             const py::object& cu_seqlens_k, double dropout, const py::object& seed) {
+                             const py::object& cu_seqlens_k, double dropout, const py::object& seed,
+                             const py::object& k_scales, const py::object& v_scales, bool bf16) {
   const ForwardRequest r{.scale = scale,
                          .causality = causality_of(causal),
                          .window = window_of(window),
@@ -170,7 +232,15 @@ py::tuple attention_backward(const py::object& q, const py::object& k, const py:
                          .sinks = sinks,
                          .cu_seqlens_q = cu_seqlens_q,
                          .cu_seqlens_k = cu_seqlens_k,
-                         .dropout = {dropout, seed_of(seed)}};
+                         .dropout = {dropout, seed_of(seed)},
+                         .k_scales = k_scales,
+                         .v_scales = v_scales,
+                         .bf16 = bf16};
+  if (stored_operands(q, k, v, r)) {
+    Inputs in;
+    const StoredAttentionParams p = stored_params(in, q, k, v, r);
+    return backward_of<float>(in, p, dout, out, lse, r, impl_of(r.impl));
+  }
   if (precision_of(q, "q") == Precision::float32) return attention_backward_as<float>(q, k, v, dout, out, lse, r);
   return attention_backward_as<double>(q, k, v, dout, out, lse, r);
 }
@@ -193,7 +263,7 @@ py::object additive_as(const py::object& q, const py::object& k, const py::objec
                        const py::object& w_k, const py::object& w, const ForwardRequest& r) {
   Inputs in;
   const AdditiveAttentionParams<T> p = additive_params<T>(in, q, k, v, w_q, w_k, w, r);
-  ForwardArrays<T> arrays(p.q, p.k, p.v, r);
+  ForwardArrays<T> arrays(p.q.shape, p.k.shape, p.v.shape, r);
   const AttentionOutputs<T> outputs = arrays.views();
   run_without_gil([&] { additive_attention_forward(p, outputs); });
   return arrays.result();
@@ -265,7 +335,7 @@ double time_fused_forward(const py::object& q, const py::object& k, const py::ob
   const ForwardRequest r{.impl = "fused", .return_lse = true};
   Inputs in;
   const AttentionParams<float> p = attention_params<float>(in, q, k, v, r);
-  ForwardArrays<float> arrays(p.q, p.k, p.v, r);
+  ForwardArrays<float> arrays(p.q.shape, p.k.shape, p.v.shape, r);
   const AttentionOutputs<float> outputs = arrays.views();
   double seconds = 0;
   run_without_gil([&] {
@@ -324,8 +394,14 @@ Arguments:
     allow_nonfinite: accept NaN and infinities in q, k, v, the bias, alibi and sinks (refused
         otherwise).
 
-dtype: float32 or float64, the same for q, k and v; the outputs have it too. Other dtypes are
-refused (convert with .astype). alibi and sinks take q's dtype (float32 too for float64 q), or
+dtype: float32 or float64, the same for q, k and v; the outputs have it too. Or operands stored
+narrower, each in its own dtype, with float32 outputs: float16 (q, k, v), bfloat16 (q, k, v, as
+its bits in a uint16 array, with bf16=True; to_bfloat16 makes them) and int8 (k and v, with
+k_scales and v_scales: value = scale * stored, float32 scales broadcasting to the operand, e.g.
+[..., Hkv, 1, Dk] per channel for k and [..., Hkv, Tk, 1] per token for v; quantize_int8 makes
+both). Scores, softmax and out accumulate in float32; the fused kernel converts K and V a tile at
+a time where it reads them, never copying them whole. The stored path takes every option above but
+cu_seqlens_q/cu_seqlens_k and dropout. Other dtypes are refused (convert with .astype). alibi and sinks take q's dtype (float32 too for float64 q), or
 are lists of numbers. C-contiguous arrays, and strided views whose last dim is contiguous, are
 read in place; anything else is copied once.
 
@@ -350,6 +426,9 @@ mask), plus:
     out, lse: what attention(..., return_lse=True) returned, so that the fused kernel recomputes
         the probabilities tile by tile instead of running the forward again. Both or neither.
     impl: "auto" (fused for float32, the float64 reference for float64), "fused" or "reference".
+
+With float16, bfloat16 or int8 operands (k_scales, v_scales and bf16 as in attention()), the
+gradients are float32, those of the values the operands stand for.
 
 Deterministic: bit-identical results for any number of threads.)";
 
@@ -379,12 +458,12 @@ void add_attention(py::module_& m) {
         "causal"_a = false, "mask"_a = py::none(), "impl"_a = "auto", "return_lse"_a = false,
         "return_weights"_a = false, "allow_nonfinite"_a = false, "window"_a = py::none(), "softcap"_a = py::none(),
         "alibi"_a = py::none(), "sinks"_a = py::none(), "cu_seqlens_q"_a = py::none(), "cu_seqlens_k"_a = py::none(),
-        "dropout"_a = 0.0, "seed"_a = 0);
+        "dropout"_a = 0.0, "seed"_a = 0, "k_scales"_a = py::none(), "v_scales"_a = py::none(), "bf16"_a = false);
   m.def("attention_backward", &attention_backward, kAttentionBackwardDoc, "q"_a, "k"_a, "v"_a, "dout"_a, py::kw_only(),
         "out"_a = py::none(), "lse"_a = py::none(), "scale"_a = py::none(), "causal"_a = false, "mask"_a = py::none(),
         "impl"_a = "auto", "allow_nonfinite"_a = false, "window"_a = py::none(), "softcap"_a = py::none(),
         "alibi"_a = py::none(), "sinks"_a = py::none(), "cu_seqlens_q"_a = py::none(), "cu_seqlens_k"_a = py::none(),
-        "dropout"_a = 0.0, "seed"_a = 0);
+        "dropout"_a = 0.0, "seed"_a = 0, "k_scales"_a = py::none(), "v_scales"_a = py::none(), "bf16"_a = false);
   m.def("additive_attention", &additive_attention, kAdditiveDoc, "q"_a, "k"_a, "v"_a, "w_q"_a, "w_k"_a, "w"_a,
         py::kw_only(), "causal"_a = false, "mask"_a = py::none(), "return_lse"_a = false, "return_weights"_a = false,
         "allow_nonfinite"_a = false, "window"_a = py::none(), "cu_seqlens_q"_a = py::none(),

@@ -49,10 +49,10 @@ AttentionMask<T> mask_of(Inputs& in, const ForwardRequest& r) {
 
 namespace {
 
-// alibi="auto": the standard slopes for q's heads, as an array that `in` keeps alive.
+// alibi="auto": the standard slopes for `heads` heads, as an array that `in` keeps alive.
 template <class T>
-TensorView<const T> standard_alibi_slopes(Inputs& in, TensorView<const T> q) {
-  const std::vector<double> slopes = alibi_slopes(as_bhtd(q, "q").shape[1]);
+TensorView<const T> standard_alibi_slopes(Inputs& in, int64_t heads) {
+  const std::vector<double> slopes = alibi_slopes(heads);
   py::array_t<T> array(static_cast<py::ssize_t>(slopes.size()));
   std::copy(slopes.begin(), slopes.end(), array.mutable_data());
   return in.floats<T>(array, "alibi", "q", true);
@@ -61,24 +61,30 @@ TensorView<const T> standard_alibi_slopes(Inputs& in, TensorView<const T> q) {
 }  // namespace
 
 template <class T>
-AttentionParams<T> attention_params(Inputs& in, const py::object& q, const py::object& k, const py::object& v,
-                                    const ForwardRequest& r) {
-  AttentionParams<T> p{in.floats<T>(q, "q", "", r.allow_nonfinite), in.floats<T>(k, "k", "q", r.allow_nonfinite),
-                       in.floats<T>(v, "v", "q", r.allow_nonfinite), r.scale, mask_of<T>(in, r)};
-  p.softcap = r.softcap;
+void set_head_options(Inputs& in, const ForwardRequest& r, int64_t heads, AttentionMask<T>& mask,
+                      std::optional<TensorView<const T>>& sinks) {
   if (py::isinstance<py::str>(r.alibi)) {
     if (r.alibi.cast<std::string>() != "auto") {
       throw ValueError(
           fmt::format("alibi: expected None, \"auto\" or [H] slopes, got {}", py::repr(r.alibi).cast<std::string>()));
     }
-    p.mask.alibi_slopes = standard_alibi_slopes<T>(in, p.q);
+    mask.alibi_slopes = standard_alibi_slopes<T>(in, heads);
   } else if (!r.alibi.is_none()) {
     const TensorView<const T> slopes = in.per_head<T>(r.alibi, "alibi", r.allow_nonfinite);
     // The op would name its own field, alibi_slopes.
-    check_shape("alibi", slopes.shape, Shape{as_bhtd(p.q, "q").shape[1]});
-    p.mask.alibi_slopes = slopes;
+    check_shape("alibi", slopes.shape, Shape{heads});
+    mask.alibi_slopes = slopes;
   }
-  if (!r.sinks.is_none()) p.sinks = in.per_head<T>(r.sinks, "sinks", r.allow_nonfinite);
+  if (!r.sinks.is_none()) sinks = in.per_head<T>(r.sinks, "sinks", r.allow_nonfinite);
+}
+
+template <class T>
+AttentionParams<T> attention_params(Inputs& in, const py::object& q, const py::object& k, const py::object& v,
+                                    const ForwardRequest& r) {
+  AttentionParams<T> p{in.floats<T>(q, "q", "", r.allow_nonfinite), in.floats<T>(k, "k", "q", r.allow_nonfinite),
+                       in.floats<T>(v, "v", "q", r.allow_nonfinite), r.scale, mask_of<T>(in, r)};
+  p.softcap = r.softcap;
+  set_head_options<T>(in, r, as_bhtd(p.q, "q").shape[1], p.mask, p.sinks);
   // p = 0 is exactly no dropout, so the op may be handed it always (and checks it).
   p.dropout = r.dropout;
   return p;
@@ -86,6 +92,8 @@ AttentionParams<T> attention_params(Inputs& in, const py::object& q, const py::o
 
 template AttentionMask<float> mask_of(Inputs&, const ForwardRequest&);
 template AttentionMask<double> mask_of(Inputs&, const ForwardRequest&);
+template void set_head_options(Inputs&, const ForwardRequest&, int64_t, AttentionMask<float>&,
+                               std::optional<TensorView<const float>>&);
 template AttentionParams<float> attention_params(Inputs&, const py::object&, const py::object&, const py::object&,
                                                  const ForwardRequest&);
 template AttentionParams<double> attention_params(Inputs&, const py::object&, const py::object&, const py::object&,

@@ -39,12 +39,21 @@ struct ForwardRequest {
   py::object sinks = py::none();                                    // None or [H]
   py::object cu_seqlens_q = py::none(), cu_seqlens_k = py::none();  // None or [N+1] offsets
   AttentionDropout dropout = {};
+  // Operands stored narrower than float32 (stored.hpp): int8 k's and v's scales, and whether
+  // uint16 operands hold bfloat16 bits.
+  py::object k_scales = py::none(), v_scales = py::none();
+  bool bf16 = false;
 };
 
 // The mask with causality's alignment and the window, which the dot-product and the additive
 // attention share.
 template <class T>
 AttentionMask<T> mask_of(Inputs& in, const ForwardRequest& r);
+
+// alibi= and sinks= for `heads` query heads, into the mask's slopes and `sinks`.
+template <class T>
+void set_head_options(Inputs& in, const ForwardRequest& r, int64_t heads, AttentionMask<T>& mask,
+                      std::optional<TensorView<const T>>& sinks);
 
 // q, k, v and the request as the op takes them, viewed (or copied once) into arrays that `in` keeps.
 template <class T>

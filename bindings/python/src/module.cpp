@@ -29,6 +29,7 @@ PYBIND11_MODULE(_qkv, m) {
   qkv::python::add_self_attention(m);
   qkv::python::add_heatmap(m);
   qkv::python::add_explorer(m);
+  qkv::python::add_stored(m);
 
   m.def("default_scale", &qkv::default_scale, "dk"_a, "The scale attention() uses when none is given: 1/sqrt(dk).");
   m.def("get_num_threads", &qkv::max_workers, "The number of threads qkv's kernels use (OpenMP's).");

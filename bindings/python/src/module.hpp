@@ -9,5 +9,6 @@ void add_attention(pybind11::module_& m);       // attention.cpp
 void add_self_attention(pybind11::module_& m);  // self_attention.cpp
 void add_heatmap(pybind11::module_& m);         // heatmap.cpp
 void add_explorer(pybind11::module_& m);        // explorer.cpp
+void add_stored(pybind11::module_& m);          // stored.cpp
 
 }  // namespace qkv::python
