@@ -32,6 +32,7 @@
 #include "qkv/ops/attention.hpp"
 #include "qkv/ops/attention_visible.hpp"
 #include "qkv/viz/heatmap.hpp"
+#include "stored_input.hpp"
 
 namespace qkv::cli {
 namespace {
@@ -44,7 +45,10 @@ K and V head h / (H / Hkv); Hkv = 1 is multi-query). --mask broadcasts to [..., 
 Out is [..., Tq, Dv], --weights [..., Tq, Tk] (rows sum to 1), --lse [..., Tq].
 Inputs may be float32 or float64 .npy files. When Q, K or V is float64, the run is float64 end to
 end (the other inputs are widened, the outputs are float64); else it is float32 (a float64 mask or
-dOut is rounded). --score additive runs in float32 only.
+dOut is rounded). Q, K and V may also be stored narrower, each in its own type, and run in float32
+on the values they stand for: float16 '<f2'; bfloat16 as its bits in a '<u2' file, with --dtype
+bf16; int8 '|i1' (K and V) with float32 scales that broadcast to it (--k-scales [..., 1, Dk] per
+channel, --v-scales [..., Tk, 1] per token; qkv quantize makes both). See also qkv decode. --score additive runs in float32 only.
 Every input and output is a file: - is not standard input or output (write ./- for a file named -).
 Inputs are .npy files (C or Fortran order, either byte order), or arrays of an .npz archive that
 np.savez wrote: --q arrays.npz:q reads its array q (arrays.npz alone, its only array).
@@ -98,6 +102,8 @@ enum class Score { dot, additive };
 // The options both subcommands take: operands, mask and scoring, as given on the command line.
 struct InputOptions {
   std::string q, k, v, mask;
+  std::string k_scales, v_scales;  // of int8 K and V
+  std::string dtype;               // bf16: the '<u2' inputs hold bfloat16 bits
   double scale = 0.0;
   const CLI::Option* scale_option = nullptr;  // tells whether --scale was given
   std::string causal;                         // "" (not causal), bottom-right or top-left
@@ -149,6 +155,12 @@ void add_input_options(CLI::App& cmd, InputOptions& o) {
   cmd.add_option("--q", o.q, "queries Q.npy [..., Tq, Dk]")->type_name("FILE")->required();
   cmd.add_option("--k", o.k, "keys K.npy [..., Tk, Dk]")->type_name("FILE")->required();
   cmd.add_option("--v", o.v, "values V.npy [..., Tk, Dv]")->type_name("FILE")->required();
+  cmd.add_option("--k-scales", o.k_scales, "for an int8 --k: its float32 scales, broadcasting to it (.npy)")
+      ->type_name("FILE");
+  cmd.add_option("--v-scales", o.v_scales, "for an int8 --v: its float32 scales, broadcasting to it (.npy)")
+      ->type_name("FILE");
+  cmd.add_option("--dtype", o.dtype, "bf16: the '<u2' inputs among --q, --k, --v hold bfloat16 bits")
+      ->check(CLI::IsMember({"bf16"}));
   o.scale_option = cmd.add_option("--scale", o.scale, "multiplies q.k before the mask is added (default 1/sqrt(Dk))");
   cmd.add_option("--causal", o.causal,
                  "causal mask, bottom-right aligned when given alone (query i sees key j <= i + Tk - Tq) or "
@@ -219,6 +231,8 @@ RingRunOptions ring_options(const InputOptions& o) {
       {"--dropout", o.dropout_option && o.dropout_option->count() > 0},
       {"--score additive", o.score == "additive"},
       {"--impl reference", o.impl == "reference"},
+      {"float16, bfloat16 or int8 inputs (--k-scales, --v-scales, --dtype)",
+       !o.k_scales.empty() || !o.v_scales.empty() || !o.dtype.empty()},
   };
   for (const auto& [option, given] : refused) {
     if (given) throw ValueError(fmt::format("--distributed: ring attention does not take {}", option));
@@ -487,10 +501,32 @@ void check_input_options(const InputOptions& o) {
   }
 }
 
+// An operand as read: a float32 or float64 file as it is; one stored narrower (float16, bfloat16,
+// int8 with scales) as the float32 values it stands for. The fused forward on those values is the
+// one it runs on the stored operands (bit for bit outside the few-query layout), and converting
+// costs O(T·d) beside attention's O(T²·d); qkv decode is the command that reads them in place.
+NpyArray read_operand(const std::string& path, const std::string& scales, const InputOptions& o,
+                      const StoredOption& option, bool& bfloat16_read) {
+  NpyArray array = read_input(path, option.arg, stored_dtypes(option));
+  if ((array.dtype == DType::float32 || array.dtype == DType::float64) && scales.empty()) return array;
+  const StoredArray stored = stored_of(std::move(array), scales, !o.dtype.empty(), option);
+  bfloat16_read = bfloat16_read || stored.type == StorageType::bfloat16;
+  const Tensor<float> values = to_float32(stored.view());
+  NpyArray converted;
+  converted.shape.assign(values.shape().dims().begin(), values.shape().dims().end());
+  converted.values = std::vector<float>(values.data(), values.data() + values.numel());
+  return converted;
+}
+
 InputArrays read_inputs(const InputOptions& o) {
-  return {.q = read_input(o.q, "--q", kFloatDtypes),
-          .k = read_input(o.k, "--k", kFloatDtypes),
-          .v = read_input(o.v, "--v", kFloatDtypes)};
+  bool bfloat16_read = false;
+  InputArrays in{.q = read_operand(o.q, "", o, {.arg = "--q", .scales_arg = "", .int8_allowed = false}, bfloat16_read),
+                 .k = read_operand(o.k, o.k_scales, o, {.arg = "--k", .scales_arg = "--k-scales"}, bfloat16_read),
+                 .v = read_operand(o.v, o.v_scales, o, {.arg = "--v", .scales_arg = "--v-scales"}, bfloat16_read)};
+  if (!o.dtype.empty() && !bfloat16_read) {
+    throw ValueError("--dtype: bf16 says which '<u2' files hold bfloat16 bits, but none of --q, --k, --v is '<u2'");
+  }
+  return in;
 }
 
 // Dot-product attention runs in float64 when Q, K or V is float64, as numpy would promote them;

@@ -53,10 +53,17 @@ StoredView StoredArray::view() const {
   throw ValueError("unreachable storage type");
 }
 
+std::string stored_dtypes(const StoredOption& option) {
+  return fmt::format("float32, float64, float16 '<f2', bfloat16 bits '<u2' (with --dtype bf16){}",
+                     option.int8_allowed ? " or int8 '|i1'" : "");
+}
+
 StoredArray read_stored(const std::string& path, const std::string& scales, bool bfloat16, const StoredOption& option) {
-  const std::string accepted = fmt::format("float32, float16 '<f2', bfloat16 bits '<u2' (with --dtype bf16){}",
-                                           option.int8_allowed ? " or int8 '|i1'" : "");
-  NpyArray array = read_input(path, option.arg, accepted);
+  return stored_of(read_input(path, option.arg, stored_dtypes(option)), scales, bfloat16, option);
+}
+
+StoredArray stored_of(NpyArray array, const std::string& scales, bool bfloat16, const StoredOption& option) {
+  const std::string accepted = stored_dtypes(option);
   StoredArray a;
   if (array.dtype == DType::int8) {
     if (!option.int8_allowed) {

@@ -1,6 +1,6 @@
 #pragma once
 // Operands stored narrower than float32, read from .npy files for the commands that take them
-// (qkv decode, qkv dequantize). float16 is numpy's '<f2'; bfloat16, which numpy has no dtype for,
+// (qkv decode, qkv attend, qkv dequantize). float16 is numpy's '<f2'; bfloat16, which numpy has no dtype for,
 // is its bits as '<u2', read as bfloat16 only when the caller says so (a '<u2' file alone is
 // ambiguous); int8 is '|i1' with its float32 scales in a second file, broadcasting to its shape.
 
@@ -11,6 +11,7 @@
 
 #include "qkv/core/storage.hpp"
 #include "qkv/core/tensor.hpp"
+#include "qkv/io/npy.hpp"
 
 namespace qkv::cli {
 
@@ -36,5 +37,9 @@ struct StoredOption {
 // is finite). Refuses, naming the option, every other dtype, a '<u2' file without `bfloat16`,
 // scales for any type but int8, and int8 where the operand cannot take it.
 StoredArray read_stored(const std::string& path, const std::string& scales, bool bfloat16, const StoredOption& option);
+// The same for an array already read.
+StoredArray stored_of(NpyArray array, const std::string& scales, bool bfloat16, const StoredOption& option);
+// The dtypes `option`'s operand may have, as messages list them.
+std::string stored_dtypes(const StoredOption& option);
 
 }  // namespace qkv::cli
