@@ -54,8 +54,9 @@ StoredView StoredArray::view() const {
 }
 
 std::string stored_dtypes(const StoredOption& option) {
-  return fmt::format("float32, float64, float16 '<f2', bfloat16 bits '<u2' (with --dtype bf16){}",
-                     option.int8_allowed ? " or int8 '|i1'" : "");
+  if (!option.int8_allowed) return "float32, float64, float16 or uint16 (bfloat16 bits, with --dtype bf16)";
+  return fmt::format("float32, float64, float16, uint16 (bfloat16 bits, with --dtype bf16) or int8 (with {})",
+                     option.scales_arg);
 }
 
 StoredArray read_stored(const std::string& path, const std::string& scales, bool bfloat16, const StoredOption& option) {
@@ -68,7 +69,7 @@ StoredArray stored_of(NpyArray array, const std::string& scales, bool bfloat16, 
   if (array.dtype == DType::int8) {
     if (!option.int8_allowed) {
       throw ValueError(
-          fmt::format("{}: expected {}, got int8 (only K and V are stored as int8)", option.arg, accepted));
+          fmt::format("{}: expected dtype {}, got int8 (only K and V are stored as int8)", option.arg, accepted));
     }
     if (scales.empty()) {
       throw ValueError(fmt::format("{}: expected the scales of int8 {} (value = scale · stored), got none",
@@ -99,8 +100,8 @@ StoredArray stored_of(NpyArray array, const std::string& scales, bool bfloat16, 
   } else if (array.dtype == DType::float32 || array.dtype == DType::float64) {
     a.values = to_float32(std::move(array), option.arg);
   } else {
-    throw ShapeError(fmt::format("{}: expected {}, got {} (shape {})", option.arg, accepted, dtype_name(array.dtype),
-                                 array.shape_str()));
+    throw ShapeError(fmt::format("{}: expected dtype {}, got {} (shape {})", option.arg, accepted,
+                                 dtype_name(array.dtype), array.shape_str()));
   }
   return a;
 }

@@ -169,7 +169,7 @@ def main():
                  "--mask:", "i2", "--mask takes bool, uint8, int32 or int64 (nonzero = may attend) or float32/float64")
         t.save("q_u8.npy", np.ones((B, H, Tq, Dk), dtype=np.uint8))
         t.refuse("uint8 Q", ["attend", "--q", "q_u8.npy", "--k", "k.npy", "--v", "v.npy", "-o", "o.npy"],
-                 "--q:", "expected float32, float64, float16", "got uint8")
+                 "--q:", "expected dtype float32, float64, float16", "got uint8")
 
         # ---- Options that do not fit together.
         t.refuse("--score additive without --wq", [*attend, "--score", "additive", "--wk", "wk.npy", "--ww", "ww.npy",

@@ -33,10 +33,10 @@ def refusals(q, k, v):
     inf_k[0, 1, 0] = np.inf
     return [
         ("bool q", lambda: qkv.attention(q.astype(bool), k, v), qkv.ShapeError,
-         "q: expected dtype float32 or float64, got bool"),
+         r"q: expected dtype float32, float64, float16 or uint16 \(bfloat16 bits, with bf16=True\), got bool"),
         ("int q", lambda: qkv.attention(q.astype(np.int64), k, v), qkv.ShapeError,
-         "q: expected dtype float32 or float64, got int64"),
-        ("string q", lambda: qkv.attention("q", k, v), qkv.ShapeError, "q: expected dtype float32 or float64"),
+         r"q: expected dtype float32, float64, float16 or uint16 \(bfloat16 bits, with bf16=True\), got int64"),
+        ("string q", lambda: qkv.attention("q", k, v), qkv.ShapeError, "q: expected dtype float32, float64"),
         ("0-d q", lambda: qkv.attention(np.float32(1), k, v), qkv.ShapeError,
          r"q: expected rank 2 or more \(\[\.\.\., Tq, Dk\]\), got shape \[\]"),
         ("rank-1 q", lambda: qkv.attention(q[0, 0], k, v), qkv.ShapeError, "q: expected rank 2 or more"),
@@ -184,7 +184,7 @@ def test_messages_read_as_the_cli_does(rng, tmp_path):
 
     cli = cli_error(tmp_path, {"q": q.astype(np.int64), "k": k, "v": v})
     python = python_error(lambda: qkv.attention(q.astype(np.int64), k, v))
-    assert cli.replace("--q", "q").startswith(python)
+    assert cli.replace("--q", "q").replace("--dtype bf16", "bf16=True").startswith(python)
 
 
 def test_no_copy_of_a_broadcast_input(rng):

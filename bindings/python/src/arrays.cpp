@@ -87,11 +87,11 @@ bool on_main_thread() {
 
 }  // namespace
 
-Precision precision_of(const py::object& operand, std::string_view name) {
+Precision precision_of(const py::object& operand, std::string_view name, std::string_view accepted) {
   const py::array array = as_array(operand);
   if (is_float(array, 4)) return Precision::float32;
   if (is_float(array, 8)) return Precision::float64;
-  throw ShapeError(fmt::format("{}: expected dtype float32 or float64, got {}", name, dtype_str(array)));
+  throw ShapeError(fmt::format("{}: expected dtype {}, got {}", name, accepted, dtype_str(array)));
 }
 
 py::array Inputs::hold(py::array array) {

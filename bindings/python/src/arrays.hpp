@@ -28,8 +28,9 @@ namespace py = pybind11;
 enum class Precision { float32, float64 };
 
 // The precision of operand `name` (the first float operand, q): float32 or float64; anything else
-// is a ShapeError naming the argument, the dtypes taken and the dtype given.
-Precision precision_of(const py::object& operand, std::string_view name);
+// is a ShapeError naming the argument, the dtypes `accepted` and the dtype given.
+Precision precision_of(const py::object& operand, std::string_view name,
+                       std::string_view accepted = "float32 or float64");
 
 // Keeps the arrays that back the views handed to a kernel, copies included.
 class Inputs {

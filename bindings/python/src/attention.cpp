@@ -10,6 +10,7 @@
 #include <chrono>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "arrays.hpp"
@@ -85,6 +86,9 @@ void refuse_fused_weights(const ForwardRequest& r) {
         "\"reference\" to have them returned");
   }
 }
+
+// What q of attention() may be, as its refusals list them.
+constexpr std::string_view kAttentionDtypes = "float32, float64, float16 or uint16 (bfloat16 bits, with bf16=True)";
 
 // Whether q, k and v take the stored path (float32 out of float16, bfloat16 or int8 operands):
 // when one of them has such a dtype, or scales or bf16=True say so.
@@ -166,7 +170,7 @@ py::object attention(const py::object& q, const py::object& k, const py::object&
     const StoredAttentionParams p = stored_params(in, q, k, v, r);
     return forward_of<float>(in, p, r, impl_of(r.impl));
   }
-  if (precision_of(q, "q") == Precision::float32) return attention_as<float>(q, k, v, r);
+  if (precision_of(q, "q", kAttentionDtypes) == Precision::float32) return attention_as<float>(q, k, v, r);
   return attention_as<double>(q, k, v, r);
 }
 
@@ -241,7 +245,9 @@ py::tuple attention_backward(const py::object& q, const py::object& k, const py:
     const StoredAttentionParams p = stored_params(in, q, k, v, r);
     return backward_of<float>(in, p, dout, out, lse, r, impl_of(r.impl));
   }
-  if (precision_of(q, "q") == Precision::float32) return attention_backward_as<float>(q, k, v, dout, out, lse, r);
+  if (precision_of(q, "q", kAttentionDtypes) == Precision::float32) {
+    return attention_backward_as<float>(q, k, v, dout, out, lse, r);
+  }
   return attention_backward_as<double>(q, k, v, dout, out, lse, r);
 }
 
