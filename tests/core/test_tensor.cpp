@@ -6,7 +6,9 @@
 #include <cstdint>
 
 #include "qkv/core/error.hpp"
+#include "qkv/core/parallel.hpp"
 #include "qkv/core/rng.hpp"
+#include "qkv/core/storage.hpp"
 #include "qkv/core/tensor.hpp"
 #include "testing.hpp"
 
@@ -159,6 +161,55 @@ TEST(CheckFinite, MinusInfinityIsABiasMaskingAKey) {
   bias[2] = INFINITY;
   EXPECT_THROW(check_finite(bias.cview(), "mask", NonFinite::minus_infinity_allowed), ValueError);
   EXPECT_THROW(check_finite(bias.cview(), "mask"), ValueError);
+}
+
+TEST(CheckFinite, FindsTheOneNonFiniteValueOfALongArrayOnAnyThreadCount) {
+  // Long enough to be split over the threads, with its one NaN in the last block.
+  Tensor<float> x(Shape{3, 100003});
+  x[x.numel() - 2] = std::nanf("");
+  const int all = max_workers();
+  for (const int workers : {1, 2, 3}) {
+    set_max_workers(workers);
+    EXPECT_THROW(check_finite(x.cview(), "x"), ValueError) << workers << " workers";
+  }
+  set_max_workers(all);
+  x[x.numel() - 2] = 0;
+  EXPECT_NO_THROW(check_finite(x.cview(), "x"));
+}
+
+TEST(CheckFinite, StoredOperandsAreCheckedOnTheirBits) {
+  // float16's and bfloat16's largest finite values pass; an all-ones exponent (inf, NaN) anywhere
+  // in a contiguous or a strided view is refused and named as its float32 value would be.
+  for (const StorageType type : {StorageType::float16, StorageType::bfloat16}) {
+    const bool half = type == StorageType::float16;
+    const uint16_t largest = half ? 0x7BFF : 0x7F7F, infinity = half ? 0x7C00 : 0x7F80, nan = half ? 0x7E00 : 0x7FC0;
+    Tensor<uint16_t> bits(Shape{2, 70001, 2});
+    for (int64_t i = 0; i < bits.numel(); ++i) bits[i] = i % 2 == 0 ? largest : static_cast<uint16_t>(largest | 0x8000);
+    const auto stored = [&](TensorView<const uint16_t> view) {
+      return half ? StoredView::float16(view) : StoredView::bfloat16(view);
+    };
+    EXPECT_NO_THROW(check_finite(stored(bits.cview()), "k"));
+    const TensorView<const uint16_t> column{bits.data(), Shape{2, 70001}, Strides{70001 * 2, 2}};
+    for (const int64_t at : {int64_t{0}, int64_t{2 * 70001 - 2}, bits.numel() - 1}) {
+      bits[at] = at % 2 == 0 ? nan : infinity;
+      EXPECT_THROW(check_finite(stored(bits.cview()), "k"), ValueError) << storage_name(type) << " at " << at;
+      if (at % 2 == 0) {
+        EXPECT_THROW(check_finite(stored(column), "k"), ValueError) << storage_name(type) << " at " << at;
+      } else {
+        EXPECT_NO_THROW(check_finite(stored(column), "k")) << "the view skips " << at;
+      }
+      bits[at] = largest;
+    }
+    bits[5] = static_cast<uint16_t>(infinity | 0x8000);
+    try {
+      check_finite(stored(bits.cview()), "k", "pass allow_nonfinite=True to accept them");
+      FAIL() << "no error";
+    } catch (const ValueError& e) {
+      EXPECT_STREQ(e.what(),
+                   "k: expected finite values, got 1 non-finite value (the first: -inf at [0, 2, 1]); pass "
+                   "allow_nonfinite=True to accept them");
+    }
+  }
 }
 
 }  // namespace
