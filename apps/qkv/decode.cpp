@@ -3,13 +3,17 @@
 // as stored, the fused kernel converting a tile at a time; or, with --cache TYPE, first appended to
 // a paged KvCache of that type a page at a time and attended there, as a decoder that keeps its
 // cache in that type would (the cache stores what it is given in its own type: int8 K/V given to
-// an int8 cache are dequantised and quantised again, with the cache's own scales).
+// an int8 cache are dequantised and quantised again, with the cache's own scales). With
+// --cache-file the cache outlives the run: K and V are the tokens to append to the sequence the file
+// holds (all of them when the file does not exist yet), and the cache is written back with the
+// outputs.
 
 #include <fmt/format.h>
 #include <CLI/CLI.hpp>
 
 #include <algorithm>
 #include <cmath>
+#include <filesystem>
 #include <memory>
 #include <optional>
 #include <string>
@@ -17,6 +21,7 @@
 
 #include "cli_io.hpp"
 #include "commands.hpp"
+#include "kv_cache_file.hpp"
 #include "qkv/core/error.hpp"
 #include "qkv/core/storage.hpp"
 #include "qkv/ops/attention.hpp"
@@ -27,7 +32,7 @@ namespace qkv::cli {
 namespace {
 
 struct DecodeOptions {
-  std::string q, k, v, k_scales, v_scales, dtype, cache, window, sinks, out, lse;
+  std::string q, k, v, k_scales, v_scales, dtype, cache, cache_file, window, sinks, out, lse;
   int64_t page_tokens = 256;
   CLI::Option* page_tokens_option = nullptr;
   double scale = 0;
@@ -56,12 +61,48 @@ TensorView<const float> token_rows(TensorView<const float> x, int64_t start, int
   return {x.data + start * x.shape[2], Shape{x.shape[0], n, x.shape[2]}, x.strides};
 }
 
+// An empty cache of one sequence, its pages added as tokens come.
+KvCache new_cache(int64_t kv_heads, int64_t dk, int64_t dv, StorageType type, int64_t page_tokens) {
+  KvCache c(
+      KvCacheShape{.kv_heads = kv_heads, .dk = dk, .dv = dv, .type = type, .page_tokens = page_tokens, .pages = 1});
+  c.add_sequence();
+  return c;
+}
+
+// A cache read from --cache-file against the run: one sequence, the inputs' heads and dims, the
+// type of --cache and the pages of --page-tokens when given.
+void check_stored_cache(const KvCache& c, const DecodeOptions& o, int64_t kv_heads, int64_t dk, int64_t dv,
+                        StorageType type) {
+  const KvCacheShape& s = c.shape();
+  const KvCacheState state = c.state();
+  if (state.sequences.size() != 1 || !state.sequences[0].live) {
+    throw IoError(fmt::format("--cache-file: {}: expected a cache of one sequence (as qkv decode writes), got {}",
+                              o.cache_file, state.sequences.size()));
+  }
+  if (s.type != type) {
+    throw ValueError(fmt::format("--cache: expected {} (the type of --cache-file {}), got {}", storage_name(s.type),
+                                 o.cache_file, storage_name(type)));
+  }
+  if (o.page_tokens_option->count() > 0 && o.page_tokens != s.page_tokens) {
+    throw ValueError(fmt::format("--page-tokens: expected {} (the pages of --cache-file {}), got {}", s.page_tokens,
+                                 o.cache_file, o.page_tokens));
+  }
+  if (s.kv_heads != kv_heads || s.dk != dk || s.dv != dv) {
+    throw ShapeError(fmt::format(
+        "--k, --v: expected Hkv = {}, Dk = {}, Dv = {} (those of --cache-file {}), got Hkv = {}, Dk = {}, Dv = {}",
+        s.kv_heads, s.dk, s.dv, o.cache_file, kv_heads, dk, dv));
+  }
+}
+
 void run_decode(const DecodeOptions& o) {
   if (!o.dtype.empty() && o.dtype != "bf16") {
     throw ValueError(fmt::format("--dtype: expected bf16 (what a '<u2' input holds), got {}", o.dtype));
   }
   std::optional<StorageType> cache;
   if (!o.cache.empty()) cache = parse_storage(o.cache, "--cache");
+  if (!cache && !o.cache_file.empty()) {
+    throw ValueError("--cache-file: expected --cache TYPE with it (the type the cache stores), got none");
+  }
   if (!cache && o.page_tokens_option->count() > 0) {
     throw ValueError("--page-tokens: expected --cache with it (it sizes the cache's pages), got none");
   }
@@ -77,6 +118,16 @@ void run_decode(const DecodeOptions& o) {
   OutputFiles files;
   files.plan("-o", o.out);
   if (!o.lse.empty()) files.plan("--lse", o.lse);
+  // Read before it is planned as an output, which checks that it can be replaced.
+  std::optional<KvCache> stored_cache;
+  if (!o.cache_file.empty() && std::filesystem::exists(o.cache_file)) {
+    try {
+      stored_cache = read_kv_cache_file(o.cache_file);
+    } catch (const IoError& e) {
+      throw IoError(fmt::format("--cache-file: {}", e.what()));
+    }
+  }
+  if (!o.cache_file.empty()) files.plan("--cache-file", o.cache_file);
 
   const bool bf16 = !o.dtype.empty();
   const StoredArray q = read_stored(o.q, "", bf16, {.arg = "--q", .scales_arg = "", .int8_allowed = false});
@@ -128,14 +179,13 @@ void run_decode(const DecodeOptions& o) {
       attention_forward(p, outputs, AttentionImpl::fused);
       return;
     }
-    const int64_t page = o.page_tokens;
-    KvCache c(KvCacheShape{.kv_heads = kv_heads,
-                           .dk = dk,
-                           .dv = dv,
-                           .type = *cache,
-                           .page_tokens = page,
-                           .pages = std::max<int64_t>(1, (tk + page - 1) / page)});
-    const int64_t id = c.add_sequence();
+    KvCache c = stored_cache ? std::move(*stored_cache) : new_cache(kv_heads, dk, dv, *cache, o.page_tokens);
+    if (stored_cache) check_stored_cache(c, o, kv_heads, dk, dv, *cache);
+    const int64_t id = 0;
+    const int64_t page = c.shape().page_tokens;
+    const int64_t pages_needed = (c.length(id) + tk + page - 1) / page;
+    const int64_t held = (c.length(id) + page - 1) / page;
+    c.add_pages(std::max<int64_t>(0, pages_needed - held - c.free_pages()));
     std::optional<Tensor<float>> k_copy, v_copy, q_copy;
     const TensorView<const float> k32 = float32_values(k, k_copy), v32 = float32_values(v, v_copy);
     for (int64_t start = 0; start < tk; start += page) {
@@ -145,6 +195,7 @@ void run_decode(const DecodeOptions& o) {
     c.attend(
         id, float32_values(q, q_copy), outputs,
         KvAttendOptions{.scale = scale, .causal = !o.full, .window = window, .softcap = softcap, .sinks = sink_view});
+    if (!o.cache_file.empty()) files.set("--cache-file", encode_kv_cache_file(c));
   });
   files.set("-o", std::move(out));
   if (lse) files.set("--lse", std::move(*lse));
@@ -165,7 +216,10 @@ Storage: float32 or float64 (rounded to float32); float16 '<f2'; bfloat16 as its
 as bfloat16 only with --dtype bf16; int8 '|i1' (K and V only) with float32 scales that broadcast to it
 (--k-scales [Hkv, 1, Dk] per channel, --v-scales [Hkv, Tk, 1] per token; qkv quantize makes both).
 Without --cache the fused kernel reads K and V as stored. With --cache TYPE (f32, f16, bf16, int8) they
-are appended to a paged KV cache of that type, --page-tokens per page, and attended there.
+are appended to a paged KV cache of that type, --page-tokens per page, and attended there. With
+--cache-file F as well, the cache outlives the run: F is read when it exists, --k and --v are the new
+tokens appended to it (Tk of them; all of the sequence's when F is new), the queries are the last Tq
+tokens of the sequence after them, and F is written back with -o, all or nothing.
 Out is [H, Tq, Dv] and --lse [H, Tq], float32.)");
   cmd->add_option("--q", o->q, "the new queries, [H, Tq, Dk]: float32, float16 or bfloat16 (.npy)")->required();
   cmd->add_option("--k", o->k, "the keys, [Hkv, Tk, Dk], any storage type (.npy)")->required();
@@ -174,6 +228,8 @@ Out is [H, Tq, Dv] and --lse [H, Tq], float32.)");
   cmd->add_option("--v-scales", o->v_scales, "for an int8 --v: its float32 scales (.npy)");
   cmd->add_option("--dtype", o->dtype, "bf16: the '<u2' inputs hold bfloat16 bits");
   cmd->add_option("--cache", o->cache, "attend through a paged KV cache of this type: f32, f16, bf16 or int8");
+  cmd->add_option("--cache-file", o->cache_file,
+                  "keep the --cache in this file across runs: --k, --v are then the tokens to append to it");
   o->page_tokens_option = cmd->add_option("--page-tokens", o->page_tokens, "tokens per page of --cache (256)");
   o->scale_option = cmd->add_option("--scale", o->scale, "the scores' scale (1/sqrt(Dk))");
   cmd->add_flag("--full", o->full, "every query sees every key (no causal mask)");

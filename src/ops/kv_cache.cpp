@@ -6,6 +6,9 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <string>
+#include <tuple>
+#include <utility>
 
 #include "attention_problem.hpp"
 #include "qkv/core/error.hpp"
@@ -113,6 +116,113 @@ void KvCache::store_value(int64_t page, int64_t head, int64_t row, const float* 
   v_scales_[static_cast<size_t>((page * shape_.kv_heads + head) * shape_.page_tokens + row)] = scale;
   auto* q = reinterpret_cast<int8_t*>(v_pool_.data()) + at;
   for (int64_t c = 0; c < dv; ++c) q[c] = quantize(v[c], scale);
+}
+
+void KvCache::add_pages(int64_t count) {
+  if (count < 0) throw ValueError(fmt::format("count: expected at least 0 pages, got {}", count));
+  const int64_t pages = shape_.pages + count;
+  const auto elements = [&](int64_t d) { return static_cast<size_t>(pages * shape_.kv_heads * head_elements(d)); };
+  const auto bytes = static_cast<size_t>(storage_bytes(shape_.type));
+  k_pool_.resize(elements(shape_.dk) * bytes);
+  v_pool_.resize(elements(shape_.dv) * bytes);
+  if (shape_.type == StorageType::int8) {
+    k_scales_.resize(static_cast<size_t>(pages * shape_.kv_heads * shape_.dk));
+    v_scales_.resize(static_cast<size_t>(pages * shape_.kv_heads * shape_.page_tokens));
+  }
+  // The new pages go under the free ones, which keep their order.
+  std::vector<int64_t> added;
+  for (int64_t page = pages - 1; page >= shape_.pages; --page) added.push_back(page);
+  free_.insert(free_.begin(), added.begin(), added.end());
+  shape_.pages = pages;
+}
+
+KvCacheState KvCache::state() const {
+  return {.shape = shape_,
+          .k_pool = k_pool_,
+          .v_pool = v_pool_,
+          .k_scales = k_scales_,
+          .v_scales = v_scales_,
+          .free_pages = free_,
+          .sequences = sequences_};
+}
+
+namespace {
+
+void expect_size(std::string_view field, size_t size, size_t expected, std::string_view meaning) {
+  if (size != expected) {
+    throw ValueError(fmt::format("{}: expected {} ({}), got {}", field, expected, meaning, size));
+  }
+}
+
+}  // namespace
+
+KvCache KvCache::from_state(KvCacheState state) {
+  KvCache cache(state.shape);
+  const KvCacheShape& sh = cache.shape_;
+  const auto bytes = static_cast<size_t>(storage_bytes(sh.type));
+  const std::string type(storage_name(sh.type));
+  expect_size("k_pool", state.k_pool.size(), cache.k_pool_.size(),
+              fmt::format("bytes of [pages, Hkv, page_tokens, Dk] {}", type));
+  expect_size("v_pool", state.v_pool.size(), cache.v_pool_.size(),
+              fmt::format("bytes of [pages, Hkv, page_tokens, Dv] {}", type));
+  expect_size("k_scales", state.k_scales.size(), cache.k_scales_.size(), "[pages, Hkv, Dk] for int8, else none");
+  expect_size("v_scales", state.v_scales.size(), cache.v_scales_.size(),
+              "[pages, Hkv, page_tokens] for int8, else none");
+  std::vector<uint8_t> held(static_cast<size_t>(sh.pages), 0);
+  const auto hold = [&](int64_t page, std::string_view where) {
+    if (page < 0 || page >= sh.pages) {
+      throw ValueError(fmt::format("{}: expected pages 0 to {}, got page {}", where, sh.pages - 1, page));
+    }
+    if (held[static_cast<size_t>(page)]++ != 0) {
+      throw ValueError(fmt::format("{}: page {} is held twice (by a sequence or the free list)", where, page));
+    }
+  };
+  for (const int64_t page : state.free_pages) hold(page, "free_pages");
+  for (size_t id = 0; id < state.sequences.size(); ++id) {
+    const KvCacheSequence& s = state.sequences[id];
+    const std::string where = fmt::format("sequences[{}]", id);
+    const int64_t pages = s.live ? (s.length + sh.page_tokens - 1) / sh.page_tokens : 0;
+    if (s.length < 0 || (!s.live && s.length != 0) || static_cast<int64_t>(s.pages.size()) != pages) {
+      throw ValueError(fmt::format("{}: expected {} pages for {} tokens of {} per page{}, got {} pages", where, pages,
+                                   s.length, sh.page_tokens, s.live ? "" : " (removed)", s.pages.size()));
+    }
+    for (const int64_t page : s.pages) hold(page, where);
+  }
+  const auto unheld = std::find(held.begin(), held.end(), 0);
+  if (unheld != held.end()) {
+    throw ValueError(fmt::format("free_pages: page {} is held by no sequence and is not free", unheld - held.begin()));
+  }
+  if (sh.type == StorageType::int8) {
+    for (const auto& [field, scales] :
+         {std::pair{"k_scales", &state.k_scales}, std::pair{"v_scales", &state.v_scales}}) {
+      const auto bad =
+          std::find_if(scales->begin(), scales->end(), [](float x) { return !(x >= 0.0f) || std::isinf(x); });
+      if (bad != scales->end()) {
+        throw ValueError(
+            fmt::format("{}: expected finite scales of at least 0, got {} at {}", field, *bad, bad - scales->begin()));
+      }
+    }
+  } else {
+    for (const auto& [field, pool, d] :
+         {std::tuple{"k_pool", &state.k_pool, sh.dk}, std::tuple{"v_pool", &state.v_pool, sh.dv}}) {
+      const int64_t rows = static_cast<int64_t>(pool->size() / bytes) / d;
+      const Shape shape{rows, d};
+      const TensorView<const uint16_t> bits{reinterpret_cast<const uint16_t*>(pool->data()), shape,
+                                            contiguous_strides(shape)};
+      check_finite(sh.type == StorageType::float32 ? StoredView::float32({reinterpret_cast<const float*>(pool->data()),
+                                                                          shape, contiguous_strides(shape)})
+                   : sh.type == StorageType::float16 ? StoredView::float16(bits)
+                                                     : StoredView::bfloat16(bits),
+                   field);
+    }
+  }
+  cache.k_pool_ = std::move(state.k_pool);
+  cache.v_pool_ = std::move(state.v_pool);
+  cache.k_scales_ = std::move(state.k_scales);
+  cache.v_scales_ = std::move(state.v_scales);
+  cache.free_ = std::move(state.free_pages);
+  cache.sequences_ = std::move(state.sequences);
+  return cache;
 }
 
 void KvCache::append(int64_t id, TensorView<const float> k, TensorView<const float> v) {

@@ -124,6 +124,45 @@ def checks(s):
     s.succeed("--full: every key", ["decode", "--q", "q.npy", "--k", "k.npy", "--v", "v.npy", "--full", *outputs],
               matches(q, k, v, full=True))
 
+    # A cache file kept across runs: a prompt of 40 tokens, then 20, then 1, is the cache of all 61
+    # built in one run, bit for bit, in every type; the file grows its pool as the sequence does.
+    for name, cut in (("k", k), ("v", v)):
+        for part, (a, b) in enumerate(((0, 40), (40, 60), (60, tk))):
+            s.save(f"{name}_part{part}.npy", cut[:, a:b])
+    for cache in ("f32", "f16", "bf16", "int8"):
+        whole = ["decode", "--q", "q.npy", "--k", "k.npy", "--v", "v.npy", "--cache", cache, "--page-tokens", "16",
+                 "-o", "whole.npy", "--lse", "whole_lse.npy"]
+        s.succeed(f"{cache} cache of all 61 tokens in one run", whole)
+        state = f"state_{cache}.qkvc"
+        for part in range(3):
+            pages = ["--page-tokens", "16"] if part == 0 else []
+            run = ["decode", "--q", "q.npy", "--k", f"k_part{part}.npy", "--v", f"v_part{part}.npy", "--cache", cache,
+                   *pages, "--cache-file", state, *outputs]
+            same = (lambda _: None if np.array_equal(load("out.npy"), load("whole.npy")) and
+                    np.array_equal(load("lse.npy"), load("whole_lse.npy")) else "differs from the one-run cache")
+            s.succeed(f"{cache} cache file, run {part + 1} of 3", run, same if part == 2 else None)
+    s.save("v_part2_wide.npy", np.zeros((hkv, 1, d + 1), np.float32))
+    more = ["decode", "--q", "q.npy", "-o", "out.npy"]
+    new_token = ["--k", "k_part2.npy", "--v", "v_part2.npy"]
+    s.refuse("another type than the cache file's", [*more, *new_token, "--cache", "f16", "--cache-file",
+                                                    "state_int8.qkvc"], "--cache", "int8")
+    s.refuse("other pages than the cache file's", [*more, *new_token, "--cache", "int8", "--page-tokens", "8",
+                                                   "--cache-file", "state_int8.qkvc"], "--page-tokens", "16")
+    s.refuse("values of another Dv than the cache file's",
+             [*more, "--k", "k_part2.npy", "--v", "v_part2_wide.npy", "--cache", "int8", "--cache-file",
+              "state_int8.qkvc"], "--v", "Dv = 16")
+    s.refuse("--cache-file without --cache", [*more, *new_token, "--cache-file", "state_int8.qkvc"],
+             "--cache-file", "--cache")
+    with open(s.path("state_int8.qkvc"), "rb") as f:
+        corrupt = bytearray(f.read())
+    corrupt[100] ^= 0x40
+    with open(s.path("corrupt.qkvc"), "wb") as f:
+        f.write(bytes(corrupt))
+    s.refuse("a corrupt cache file", [*more, *new_token, "--cache", "int8", "--cache-file", "corrupt.qkvc"],
+             "--cache-file", "checksum")
+    for f in ("out.npy", "lse.npy"):
+        os.remove(s.path(f))
+
     # Refusals.
     base = ["decode", "--q", "q.npy", "-o", "out.npy"]
     nan_scales = load("k8s.npy").copy()
@@ -138,8 +177,6 @@ def checks(s):
     s.save("scales_short.npy", np.ones((hkv, tk - 1, 1), np.float32))
     s.save("k3.npy", np.zeros((3, tk, d), np.float32))
     s.save("v3.npy", np.zeros((3, tk, d), np.float32))
-    for f in ("out.npy", "lse.npy"):
-        os.remove(s.path(f))
     s.refuse("int8 K without its scales", [*base, "--k", "k8.npy", "--v", "v.npy"], "--k-scales", "int8")
     s.refuse("scales for a float16 K", [*base, "--k", "k16.npy", "--k-scales", "k8s.npy", "--v", "v.npy"],
              "--k-scales", "only int8")

@@ -6,6 +6,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <functional>
 #include <limits>
 #include <string>
 #include <vector>
@@ -260,6 +261,69 @@ TEST(KvCache, BadCallsAreRefusedAndChangeNothing) {
   EXPECT_EQ(cache.free_pages(), 0);
   expect_refused<ValueError>([] { KvCache({.kv_heads = 0, .dk = 1, .dv = 1, .pages = 1}); },
                              "KvCacheShape.kv_heads: expected at least 1, got 0");
+}
+
+TEST(KvCache, ItsStateMakesTheSameCacheAndGrowsIt) {
+  for (const StorageType type : kAllTypes) {
+    SCOPED_TRACE(storage_name(type));
+    KvCache cache({.kv_heads = 2, .dk = 24, .dv = 8, .type = type, .page_tokens = 16, .pages = 12});
+    const int64_t a = cache.add_sequence(), gone = cache.add_sequence(), b = cache.add_sequence();
+    Rng rng(11 + static_cast<uint64_t>(type));
+    for (const int64_t n : {5, 30, 1}) {
+      for (const int64_t id : {a, gone, b}) {
+        cache.append(id, random_rows({2, n, 24}, rng, 3.0).cview(), random_rows({2, n, 8}, rng).cview());
+      }
+    }
+    cache.remove_sequence(gone);
+    KvCache copy = KvCache::from_state(cache.state());
+    EXPECT_EQ(copy.free_pages(), cache.free_pages());
+    EXPECT_THROW(copy.length(gone), ValueError);
+    // Both grow alike: the same pages handed out, the same int8 scales raised.
+    copy.add_pages(5);
+    EXPECT_EQ(copy.free_pages(), cache.free_pages() + 5);
+    EXPECT_EQ(copy.shape().pages, 17);
+    const Tensor<float> k = random_rows({2, 40, 24}, rng, 5.0), v = random_rows({2, 40, 8}, rng);
+    for (KvCache* c : {&cache, &copy}) c->append(b, k.cview(), v.cview());
+    const Tensor<float> q = random_rows({4, 3, 24}, rng);
+    EXPECT_TRUE(bit_identical(from_cache(copy, b, q, {}).out, from_cache(cache, b, q, {}).out));
+    EXPECT_TRUE(bit_identical(from_cache(copy, a, q, {}).lse, from_cache(cache, a, q, {}).lse));
+    // The added pages are used once the first ones run out.
+    copy.append(a, random_rows({2, 100, 24}, rng).cview(), random_rows({2, 100, 8}, rng).cview());
+    EXPECT_EQ(copy.length(a), 136);
+  }
+}
+
+TEST(KvCache, AStateThatDoesNotFitIsRefused) {
+  KvCache cache({.kv_heads = 1, .dk = 4, .dv = 4, .type = StorageType::float16, .page_tokens = 4, .pages = 4});
+  const int64_t id = cache.add_sequence();
+  Rng rng(3);
+  cache.append(id, random_rows({1, 6, 4}, rng).cview(), random_rows({1, 6, 4}, rng).cview());
+  const KvCacheState good = cache.state();
+  const auto refused = [&](const std::function<void(KvCacheState&)>& spoil, const std::string& message) {
+    KvCacheState state = good;
+    spoil(state);
+    expect_refused<ValueError>([&] { KvCache::from_state(state); }, message);
+  };
+  refused([](KvCacheState& s) { s.k_pool.pop_back(); },
+          "k_pool: expected 128 (bytes of [pages, Hkv, page_tokens, Dk] float16), got 127");
+  refused([](KvCacheState& s) { s.v_scales.push_back(1); }, "v_scales: expected 0");
+  refused([](KvCacheState& s) { s.free_pages.push_back(9); }, "free_pages: expected pages 0 to 3, got page 9");
+  refused([](KvCacheState& s) { s.free_pages.push_back(s.sequences[0].pages[0]); }, "is held twice");
+  refused([](KvCacheState& s) { s.free_pages.pop_back(); }, "is held by no sequence and is not free");
+  refused([](KvCacheState& s) { s.sequences[0].length = 9; }, "sequences[0]: expected 3 pages for 9 tokens");
+  refused([](KvCacheState& s) { s.sequences[0].length = -1; }, "sequences[0]: expected");
+  refused(
+      [](KvCacheState& s) {
+        reinterpret_cast<uint16_t*>(s.v_pool.data())[5] = 0x7C00;  // +inf
+      },
+      "v_pool: expected finite values");
+  refused([](KvCacheState& s) { s.shape.dk = 0; }, "KvCacheShape.dk: expected at least 1, got 0");
+  KvCache int8({.kv_heads = 1, .dk = 4, .dv = 4, .type = StorageType::int8, .page_tokens = 4, .pages = 1});
+  KvCacheState scaled = int8.state();
+  scaled.k_scales[2] = -1;
+  expect_refused<ValueError>([&] { KvCache::from_state(scaled); },
+                             "k_scales: expected finite scales of at least 0, got -1 at 2");
+  expect_refused<ValueError>([&] { cache.add_pages(-1); }, "count: expected at least 0 pages, got -1");
 }
 
 }  // namespace

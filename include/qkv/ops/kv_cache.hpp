@@ -42,6 +42,24 @@ struct KvAttendOptions {
   std::optional<TensorView<const float>> sinks = std::nullopt;  // [H]
 };
 
+// One sequence of a cache: its pages in order, and how many tokens it holds.
+struct KvCacheSequence {
+  std::vector<int64_t> pages;
+  int64_t length = 0;
+  bool live = true;  // false once removed (no pages, and its id is not used again)
+};
+
+// Everything a KvCache holds, as plain arrays: what a file of it stores (qkv decode --cache-file).
+struct KvCacheState {
+  KvCacheShape shape;
+  // [pages][Hkv][page_tokens][D] elements of the storage type, as bytes; for int8 the scales,
+  // keys [pages][Hkv][Dk] and values [pages][Hkv][page_tokens] (empty for the other types).
+  std::vector<uint8_t> k_pool, v_pool;
+  std::vector<float> k_scales, v_scales;
+  std::vector<int64_t> free_pages;         // the next one handed out last
+  std::vector<KvCacheSequence> sequences;  // by id
+};
+
 class KvCache {
  public:
   explicit KvCache(const KvCacheShape& shape);
@@ -62,17 +80,23 @@ class KvCache {
   Tensor<float> keys(int64_t id) const;
   Tensor<float> values(int64_t id) const;
 
+  // Makes the pool `count` pages larger (count >= 0); what the sequences hold stays where it is.
+  void add_pages(int64_t count);
+
+  // The cache as plain arrays, and the cache of such arrays: from_state checks everything a file
+  // could get wrong (the shape, the arrays' sizes, every page in range and held exactly once, each
+  // sequence's pages against its length, finite values and scales of at least 0) and throws
+  // ValueError naming the field, what it expected and what it got.
+  KvCacheState state() const;
+  static KvCache from_state(KvCacheState state);
+
   // Attention of q [H, Tq, Dk] (H a multiple of Hkv) over the sequence: outputs.out [H, Tq, Dv]
   // and outputs.lse [H, Tq] when given; no weights.
   void attend(int64_t id, TensorView<const float> q, const AttentionOutputs<float>& outputs,
               const KvAttendOptions& options = {}) const;
 
  private:
-  struct Sequence {
-    std::vector<int64_t> pages;
-    int64_t length = 0;
-    bool live = true;
-  };
+  using Sequence = KvCacheSequence;
   const Sequence& sequence(int64_t id) const;
   int64_t head_elements(int64_t d) const { return shape_.page_tokens * d; }  // one head's rows in a page
   // Row `at` (in elements) of a float32, float16 or bfloat16 pool: d values of x, converted.
