@@ -118,7 +118,7 @@ void run_decode(const DecodeOptions& o) {
   OutputFiles files;
   files.plan("-o", o.out);
   if (!o.lse.empty()) files.plan("--lse", o.lse);
-  // Read before it is planned as an output, which checks that it can be replaced.
+  // An existing --cache-file is the cache to go on with; either way it is written back with -o.
   std::optional<KvCache> stored_cache;
   if (!o.cache_file.empty() && std::filesystem::exists(o.cache_file)) {
     try {
