@@ -21,9 +21,9 @@
 
 #include "cli_io.hpp"
 #include "commands.hpp"
-#include "kv_cache_file.hpp"
 #include "qkv/core/error.hpp"
 #include "qkv/core/storage.hpp"
+#include "qkv/io/kv_cache_file.hpp"
 #include "qkv/ops/attention.hpp"
 #include "qkv/ops/kv_cache.hpp"
 #include "stored_input.hpp"
@@ -122,9 +122,11 @@ void run_decode(const DecodeOptions& o) {
   std::optional<KvCache> stored_cache;
   if (!o.cache_file.empty() && std::filesystem::exists(o.cache_file)) {
     try {
-      stored_cache = read_kv_cache_file(o.cache_file);
+      stored_cache = KvCache::from_state(read_kv_cache_file(o.cache_file));
     } catch (const IoError& e) {
       throw IoError(fmt::format("--cache-file: {}", e.what()));
+    } catch (const Error& e) {
+      throw IoError(fmt::format("--cache-file: {}: {}", o.cache_file, e.what()));
     }
   }
   if (!o.cache_file.empty()) files.plan("--cache-file", o.cache_file);
@@ -195,7 +197,7 @@ void run_decode(const DecodeOptions& o) {
     c.attend(
         id, float32_values(q, q_copy), outputs,
         KvAttendOptions{.scale = scale, .causal = !o.full, .window = window, .softcap = softcap, .sinks = sink_view});
-    if (!o.cache_file.empty()) files.set("--cache-file", encode_kv_cache_file(c));
+    if (!o.cache_file.empty()) files.set("--cache-file", encode_kv_cache_file(c.state()));
   });
   files.set("-o", std::move(out));
   if (lse) files.set("--lse", std::move(*lse));

@@ -198,6 +198,34 @@ def test_kv_cache_decodes_as_attention_on_what_it_holds(rng, target, dtype):
     assert cache.free_pages == 12 - 1
 
 
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16", "int8"])
+def test_kv_cache_is_saved_and_loaded_whole(rng, tmp_path, dtype):
+    cache = qkv.KvCache(2, 8, 4, dtype=dtype, page_tokens=4, pages=6)
+    first, second = cache.add_sequence(), cache.add_sequence()
+    for seq, n in ((first, 9), (second, 5)):
+        cache.append(seq, randn(rng, (2, n, 8)), randn(rng, (2, n, 4)))
+    cache.remove_sequence(first)
+    path = tmp_path / "cache.qkvc"
+    cache.save(str(path))
+    loaded = qkv.KvCache.load(str(path))
+    assert loaded.shape == cache.shape and loaded.free_pages == cache.free_pages
+    with pytest.raises(ValueError, match="no sequence 0"):
+        loaded.length(first)
+    # Both go on alike: the same pages, the same int8 scales.
+    k, v, q = randn(rng, (2, 3, 8)), randn(rng, (2, 3, 4)), randn(rng, (4, 2, 8))
+    for c in (cache, loaded):
+        c.append(second, k, v)
+    assert np.array_equal(loaded.attend(second, q), cache.attend(second, q))
+    assert np.array_equal(loaded.keys(second), cache.keys(second))
+    corrupt = bytearray(path.read_bytes())
+    corrupt[60] ^= 1
+    path.write_bytes(bytes(corrupt))
+    with pytest.raises(OSError, match="cache.qkvc: checksum mismatch"):
+        qkv.KvCache.load(str(path))
+    with pytest.raises(OSError, match="cannot open"):
+        qkv.KvCache.load(str(tmp_path / "missing.qkvc"))
+
+
 def test_kv_cache_refusals(rng):
     cache = qkv.KvCache(2, 4, 4, dtype="f16", page_tokens=4, pages=2)
     seq = cache.add_sequence()

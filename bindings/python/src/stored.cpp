@@ -8,6 +8,7 @@
 #include <pybind11/stl.h>
 
 #include <algorithm>
+#include <memory>
 #include <mutex>
 #include <optional>
 #include <shared_mutex>
@@ -18,6 +19,7 @@
 #include "module.hpp"
 #include "qkv/core/error.hpp"
 #include "qkv/core/storage.hpp"
+#include "qkv/io/kv_cache_file.hpp"
 #include "qkv/ops/kv_cache.hpp"
 #include "qkv/ops/quantize.hpp"
 
@@ -91,6 +93,35 @@ class PyKvCache {
                             .type = parse_storage(dtype, "dtype"),
                             .page_tokens = page_tokens,
                             .pages = pages}) {}
+  explicit PyKvCache(KvCache cache) : cache_(std::move(cache)) {}
+
+  // The cache of a file that save() (or qkv decode --cache-file) wrote; what does not make a
+  // cache is refused as the file's error.
+  static std::unique_ptr<PyKvCache> load(const std::string& path) {
+    std::optional<KvCache> cache;
+    run_without_gil([&] {
+      KvCacheState state = read_kv_cache_file(path);
+      try {
+        cache = KvCache::from_state(std::move(state));
+      } catch (const IoError&) {
+        throw;
+      } catch (const Error& e) {
+        throw IoError(fmt::format("{}: {}", path, e.what()));
+      }
+    });
+    return std::make_unique<PyKvCache>(std::move(*cache));
+  }
+
+  void save(const std::string& path) {
+    run_without_gil([&] {
+      KvCacheState state;
+      {
+        std::shared_lock lock(mutex_);
+        state = cache_.state();
+      }
+      write_kv_cache_file(path, state);
+    });
+  }
 
   int64_t add_sequence() {
     std::unique_lock lock(mutex_);
@@ -194,7 +225,8 @@ at a time without moving what it holds, and gives its pages back when removed.
     out = cache.attend(seq, q)        # q [H, Tq, Dk], the last Tq tokens; out [H, Tq, Dv] float32
 
 int8 keys have one scale per channel and page, values one per token; a key whose channel outgrows
-its page's scale raises that scale and requantises the page's earlier keys of that channel.)";
+its page's scale raises that scale and requantises the page's earlier keys of that channel.
+save(path) and KvCache.load(path) keep a cache across runs, in the file qkv decode --cache-file reads.)";
 
 }  // namespace
 
@@ -207,6 +239,12 @@ void add_stored(py::module_& m) {
   py::class_<PyKvCache>(m, "KvCache", kKvCacheDoc)
       .def(py::init<int64_t, int64_t, int64_t, const std::string&, int64_t, int64_t>(), "kv_heads"_a, "dk"_a, "dv"_a,
            py::kw_only(), "dtype"_a = "float16", "page_tokens"_a = 256, "pages"_a)
+      .def_static("load", &PyKvCache::load, "path"_a,
+                  "The cache that save() (or qkv decode --cache-file) wrote to `path`: OSError (qkv.FileError) naming "
+                  "the file when it is not one, is corrupt or does not make a cache.")
+      .def("save", &PyKvCache::save, "path"_a,
+           "Writes the whole cache (every sequence, its pages and the free ones) to `path`, all or nothing: a kv_cache "
+           "model file, versioned and checksummed, its values in float32.")
       .def("add_sequence", &PyKvCache::add_sequence, "A new, empty sequence: its id.")
       .def("remove_sequence", &PyKvCache::remove_sequence, "id"_a,
            "Gives the sequence's pages back to the pool; its id is not used again.")

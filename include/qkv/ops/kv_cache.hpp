@@ -17,20 +17,12 @@
 #include <optional>
 #include <vector>
 
+#include "qkv/core/kv_cache_state.hpp"
 #include "qkv/core/storage.hpp"
 #include "qkv/core/tensor.hpp"
 #include "qkv/ops/attention.hpp"
 
 namespace qkv {
-
-struct KvCacheShape {
-  int64_t kv_heads = 1;  // Hkv
-  int64_t dk = 0;        // key dim, ≥ 1
-  int64_t dv = 0;        // value dim, ≥ 1
-  StorageType type = StorageType::float16;
-  int64_t page_tokens = 256;  // tokens per page, ≥ 1
-  int64_t pages = 0;          // the pool: at most pages · page_tokens tokens over all sequences
-};
 
 // What attend() adds to the queries' scores; the queries are the last Tq tokens of the sequence
 // (bottom-right aligned, as decoding appends them).
@@ -40,24 +32,6 @@ struct KvAttendOptions {
   std::optional<AttentionWindow> window = std::nullopt;
   std::optional<double> softcap = std::nullopt;
   std::optional<TensorView<const float>> sinks = std::nullopt;  // [H]
-};
-
-// One sequence of a cache: its pages in order, and how many tokens it holds.
-struct KvCacheSequence {
-  std::vector<int64_t> pages;
-  int64_t length = 0;
-  bool live = true;  // false once removed (no pages, and its id is not used again)
-};
-
-// Everything a KvCache holds, as plain arrays: what a file of it stores (qkv decode --cache-file).
-struct KvCacheState {
-  KvCacheShape shape;
-  // [pages][Hkv][page_tokens][D] elements of the storage type, as bytes; for int8 the scales,
-  // keys [pages][Hkv][Dk] and values [pages][Hkv][page_tokens] (empty for the other types).
-  std::vector<uint8_t> k_pool, v_pool;
-  std::vector<float> k_scales, v_scales;
-  std::vector<int64_t> free_pages;         // the next one handed out last
-  std::vector<KvCacheSequence> sequences;  // by id
 };
 
 class KvCache {

@@ -1,4 +1,4 @@
-#include "kv_cache_file.hpp"
+#include "qkv/io/kv_cache_file.hpp"
 
 #include <fmt/format.h>
 #include <fmt/ranges.h>
@@ -16,8 +16,9 @@
 #include "qkv/core/error.hpp"
 #include "qkv/core/storage.hpp"
 #include "qkv/io/model_file.hpp"
+#include "qkv/io/staged_files.hpp"
 
-namespace qkv::cli {
+namespace qkv {
 namespace {
 
 constexpr std::string_view kKind = "kv_cache";
@@ -109,8 +110,7 @@ const Tensor<float>& tensor_of_shape(const ModelFile& file, std::string_view nam
 
 }  // namespace
 
-std::string encode_kv_cache_file(const KvCache& cache) {
-  const KvCacheState state = cache.state();
+std::string encode_kv_cache_file(const KvCacheState& state) {
   const KvCacheShape& s = state.shape;
   ModelFile file;
   file.kind = kKind;
@@ -135,8 +135,9 @@ std::string encode_kv_cache_file(const KvCache& cache) {
   return encode_model_file(file);
 }
 
-KvCache read_kv_cache_file(const std::filesystem::path& path) {
-  const ModelFile file = read_model_file(path);
+namespace {
+
+KvCacheState state_of(const ModelFile& file) {
   file.check_kind(kKind);
   KvCacheState state;
   KvCacheShape& s = state.shape;
@@ -171,11 +172,19 @@ KvCache read_kv_cache_file(const std::filesystem::path& path) {
     state.k_scales.assign(ks.data(), ks.data() + ks.numel());
     state.v_scales.assign(vs.data(), vs.data() + vs.numel());
   }
-  try {
-    return KvCache::from_state(std::move(state));
-  } catch (const Error& e) {
-    throw IoError(fmt::format("{}: {}", file.source, e.what()));
-  }
+  return state;
 }
 
-}  // namespace qkv::cli
+}  // namespace
+
+KvCacheState decode_kv_cache_file(std::string_view bytes, std::string source) {
+  return state_of(decode_model_file(bytes, std::move(source)));
+}
+
+void write_kv_cache_file(const std::filesystem::path& path, const KvCacheState& state) {
+  write_file_atomically(path, encode_kv_cache_file(state));
+}
+
+KvCacheState read_kv_cache_file(const std::filesystem::path& path) { return state_of(read_model_file(path)); }
+
+}  // namespace qkv

@@ -1,0 +1,111 @@
+// KV cache files (include/qkv/io/kv_cache_file.hpp): a round trip keeps every byte of the cache in
+// every storage type; values the type cannot hold, missing entries and tensors of the wrong shape
+// are refused naming the file.
+
+#include <gtest/gtest.h>
+
+#include <cstdint>
+#include <functional>
+#include <string>
+
+#include "qkv/core/error.hpp"
+#include "qkv/core/rng.hpp"
+#include "qkv/io/kv_cache_file.hpp"
+#include "qkv/io/model_file.hpp"
+#include "qkv/ops/kv_cache.hpp"
+#include "testing.hpp"
+
+namespace qkv {
+namespace {
+
+KvCacheState some_state(StorageType type) {
+  KvCache cache({.kv_heads = 2, .dk = 5, .dv = 3, .type = type, .page_tokens = 4, .pages = 6});
+  const int64_t a = cache.add_sequence(), gone = cache.add_sequence(), b = cache.add_sequence();
+  Rng rng(5);
+  for (const int64_t id : {a, gone, b}) {
+    const int64_t n = 3 + id * 2;
+    cache.append(id, testing::cast<float>(testing::random_tensor<double>({2, n, 5}, rng, 4.0)).cview(),
+                 testing::cast<float>(testing::random_tensor<double>({2, n, 3}, rng)).cview());
+  }
+  cache.remove_sequence(gone);
+  return cache.state();
+}
+
+TEST(KvCacheFile, RoundTripKeepsEveryByte) {
+  for (const StorageType type :
+       {StorageType::float32, StorageType::float16, StorageType::bfloat16, StorageType::int8}) {
+    SCOPED_TRACE(storage_name(type));
+    const KvCacheState state = some_state(type);
+    const KvCacheState back = decode_kv_cache_file(encode_kv_cache_file(state), "c.qkvc");
+    EXPECT_EQ(back.shape.type, type);
+    EXPECT_EQ(back.shape.kv_heads, 2);
+    EXPECT_EQ(back.shape.dk, 5);
+    EXPECT_EQ(back.shape.dv, 3);
+    EXPECT_EQ(back.shape.page_tokens, 4);
+    EXPECT_EQ(back.shape.pages, 6);
+    EXPECT_EQ(back.k_pool, state.k_pool);
+    EXPECT_EQ(back.v_pool, state.v_pool);
+    EXPECT_EQ(back.k_scales, state.k_scales);
+    EXPECT_EQ(back.v_scales, state.v_scales);
+    EXPECT_EQ(back.free_pages, state.free_pages);
+    ASSERT_EQ(back.sequences.size(), 3U);
+    for (size_t id = 0; id < 3; ++id) {
+      EXPECT_EQ(back.sequences[id].live, state.sequences[id].live);
+      EXPECT_EQ(back.sequences[id].length, state.sequences[id].length);
+      EXPECT_EQ(back.sequences[id].pages, state.sequences[id].pages);
+    }
+    EXPECT_NO_THROW(KvCache::from_state(back));
+  }
+}
+
+void expect_refused(StorageType type, const std::function<void(ModelFile&)>& spoil, const std::string& message) {
+  ModelFile file = decode_model_file(encode_kv_cache_file(some_state(type)), "c.qkvc");
+  spoil(file);
+  try {
+    decode_kv_cache_file(encode_model_file(file), "c.qkvc");
+    FAIL() << "accepted; expected: " << message;
+  } catch (const IoError& e) {
+    EXPECT_NE(std::string(e.what()).find(message), std::string::npos) << e.what();
+  }
+}
+
+Tensor<float>& tensor(ModelFile& file, const std::string& name) {
+  for (auto& [n, t] : file.tensors) {
+    if (n == name) return t;
+  }
+  throw ValueError("no tensor " + name);
+}
+
+TEST(KvCacheFile, WhatTheCacheCannotHoldIsRefused) {
+  expect_refused(
+      StorageType::float16, [](ModelFile& f) { tensor(f, "k_pool")[7] = 0.1f; },
+      "c.qkvc: tensor \"k_pool\": value 0.1 at flat index 7 is not a float16 value");
+  expect_refused(
+      StorageType::bfloat16, [](ModelFile& f) { tensor(f, "v_pool")[0] = 1.0f + 1.0f / 1024; },
+      "is not a bfloat16 value");
+  expect_refused(
+      StorageType::int8, [](ModelFile& f) { tensor(f, "k_pool")[3] = 1.5f; }, "is not a int8 value");
+  expect_refused(
+      StorageType::int8, [](ModelFile& f) { tensor(f, "v_pool")[3] = 200.0f; }, "is not a int8 value");
+  expect_refused(
+      StorageType::int8,
+      [](ModelFile& f) {
+        tensor(f, "v_scales") = Tensor<float>(Shape{6, 2, 3});
+      },
+      "tensor \"v_scales\": expected shape [6, 2, 4], got [6, 2, 3]");
+  expect_refused(
+      StorageType::float32, [](ModelFile& f) { f.metadata.erase(f.metadata.begin() + 2); }, "no entry \"dk\"");
+  expect_refused(
+      StorageType::float32, [](ModelFile& f) { f.set("type", "int4"); }, "c.qkvc: entry type: expected float32");
+  expect_refused(
+      StorageType::float32, [](ModelFile& f) { f.set("free_pages", "1 x"); },
+      "entry \"free_pages\": expected integers separated by spaces, got \"1 x\"");
+  expect_refused(
+      StorageType::float32, [](ModelFile& f) { f.set("pages", "7"); },
+      "tensor \"k_pool\": expected shape [7, 2, 4, 5], got [6, 2, 4, 5]");
+  expect_refused(
+      StorageType::float32, [](ModelFile& f) { f.kind = "seq2seq"; }, "expected a kv_cache model");
+}
+
+}  // namespace
+}  // namespace qkv
