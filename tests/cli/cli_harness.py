@@ -45,6 +45,20 @@ class Suite:
         np.save(self.path(name), array)
         return name
 
+    def quantized(self, source, to, out, group="per-channel"):
+        """Runs `qkv quantize SOURCE --to TO -o OUT` (int8: its scales in OUT's name + "s", e.g. k8s.npy, grouped
+        by `group`) and returns the float32 values the new file stands for."""
+        scales = out.replace(".npy", "s.npy")
+        extra = ["--scales", scales, "--group", group] if to == "int8" else []
+        subprocess.run([QKV, "quantize", source, "--to", to, "-o", out, *extra], cwd=self.workdir, check=True,
+                       capture_output=True, timeout=30 * TIME_SCALE)
+        stored = np.load(self.path(out))
+        if to == "int8":
+            return stored.astype(np.float32) * np.load(self.path(scales))
+        if to == "bf16":
+            return (stored.astype(np.uint32) << 16).view(np.float32)
+        return stored.astype(np.float32)
+
     def files(self):
         found = {}
         for root, _, names in os.walk(self.workdir):

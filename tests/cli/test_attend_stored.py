@@ -9,13 +9,12 @@ Run: QKV_BIN=build/release/apps/qkv /usr/bin/python3 tests/cli/test_attend_store
 """
 
 import os
-import subprocess
 import sys
 
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from cli_harness import QKV, Suite, run_suite  # noqa: E402  (the harness sits beside this script)
+from cli_harness import Suite, run_suite  # noqa: E402  (the harness sits beside this script)
 
 # float32 accumulation over at most 29 keys of unit-size values, against float64.
 TOL = 2e-5
@@ -55,10 +54,6 @@ def gradients(q, k, v, dout, causal=False):
     return dq, fold(dk), fold(dv)
 
 
-def from_bfloat16(bits):
-    return (bits.astype(np.uint32) << 16).view(np.float32)
-
-
 def checks(s):
     rng = np.random.default_rng(23)
     b, h, hkv, tq, tk, d, dv = 2, 4, 2, 6, 29, 16, 8
@@ -70,16 +65,10 @@ def checks(s):
     for name, a in (("q", q), ("k", k), ("v", v), ("dout", dout), ("q16", q.astype(np.float16)),
                     ("k16", k.astype(np.float16)), ("v16", v.astype(np.float16))):
         s.save(f"{name}.npy", a)
-    made = [["quantize", "k.npy", "--to", "int8", "-o", "k8.npy", "--scales", "k8s.npy", "--group", "per-channel"],
-            ["quantize", "v.npy", "--to", "int8", "-o", "v8.npy", "--scales", "v8s.npy", "--group", "per-token"],
-            ["quantize", "q.npy", "--to", "bf16", "-o", "qb.npy"],
-            ["quantize", "v.npy", "--to", "bf16", "-o", "vb.npy"]]
-    for command in made:
-        subprocess.run([QKV, *command], cwd=s.workdir, check=True, capture_output=True, timeout=30)
+    k8 = s.quantized("k.npy", "int8", "k8.npy", "per-channel")
+    v8 = s.quantized("v.npy", "int8", "v8.npy", "per-token")
+    qb, vb = s.quantized("q.npy", "bf16", "qb.npy"), s.quantized("v.npy", "bf16", "vb.npy")
     load = lambda name: np.load(s.path(name))  # noqa: E731
-    k8 = load("k8.npy").astype(np.float32) * load("k8s.npy")
-    v8 = load("v8.npy").astype(np.float32) * load("v8s.npy")
-    qb, vb = from_bfloat16(load("qb.npy")), from_bfloat16(load("vb.npy"))
     q16, k16, v16 = (load(f"{n}16.npy").astype(np.float32) for n in ("q", "k", "v"))
     # The values as float32 files: the fused run on them is the one on the stored files.
     for name, a in (("k8f", k8), ("v8f", v8), ("qbf", qb), ("vbf", vb), ("q16f", q16), ("k16f", k16),
