@@ -1,6 +1,7 @@
 // libFuzzer target: the model-file reader on arbitrary bytes, as they come and with the trailing
 // CRC-32 rewritten to match them: a mutated file almost never keeps a valid checksum, and without
-// the second call the fuzzer would explore little past the checksum test.
+// the second call the fuzzer would explore little past the checksum test. Each input is read as a
+// KV cache file too (a model file of kind kv_cache), whose entries and tensors make a cache's state.
 
 #include <cstddef>
 #include <cstdint>
@@ -8,6 +9,7 @@
 #include <string_view>
 
 #include "qkv/core/error.hpp"
+#include "qkv/io/kv_cache_file.hpp"
 #include "qkv/io/model_file.hpp"
 
 namespace {
@@ -15,6 +17,10 @@ namespace {
 void decode(std::string_view bytes) {
   try {
     qkv::decode_model_file(bytes, "fuzz.qkvm");
+  } catch (const qkv::Error&) {
+  }
+  try {
+    qkv::decode_kv_cache_file(bytes, "fuzz.qkvc");
   } catch (const qkv::Error&) {
   }
 }
