@@ -74,10 +74,17 @@ KvCache new_cache(int64_t kv_heads, int64_t dk, int64_t dv, StorageType type, in
 void check_stored_cache(const KvCache& c, const DecodeOptions& o, int64_t kv_heads, int64_t dk, int64_t dv,
                         StorageType type) {
   const KvCacheShape& s = c.shape();
-  const KvCacheState state = c.state();
-  if (state.sequences.size() != 1 || !state.sequences[0].live) {
+  if (c.sequence_count() != 1) {
     throw IoError(fmt::format("--cache-file: {}: expected a cache of one sequence (as qkv decode writes), got {}",
-                              o.cache_file, state.sequences.size()));
+                              o.cache_file, c.sequence_count()));
+  }
+  try {
+    c.length(0);
+  } catch (const ValueError&) {
+    throw IoError(
+        fmt::format("--cache-file: {}: expected a cache of one sequence (as qkv decode writes), got one "
+                    "that was removed",
+                    o.cache_file));
   }
   if (s.type != type) {
     throw ValueError(fmt::format("--cache: expected {} (the type of --cache-file {}), got {}", storage_name(s.type),
@@ -139,7 +146,7 @@ void run_decode(const DecodeOptions& o) {
     throw ValueError("--dtype: bf16 says which '<u2' files hold bfloat16 bits, but none of --q, --k, --v is '<u2'");
   }
   expect_rank3(q, "--q", "[H, Tq, Dk]: the new queries");
-  expect_rank3(k, "--k", "[Hkv, Tk, Dk]: the keys of the sequence so far");
+  expect_rank3(k, "--k", "[Hkv, Tk, Dk]: the keys of the sequence, or with --cache-file of its new tokens");
   expect_rank3(v, "--v", "[Hkv, Tk, Dv]");
   const int64_t heads = q.shape()[0], tq = q.shape()[1], dk = q.shape()[2];
   const int64_t kv_heads = k.shape()[0], tk = k.shape()[1], dv = v.shape()[2];

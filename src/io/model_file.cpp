@@ -266,12 +266,12 @@ ModelFile decode_model_file(std::string_view bytes, std::string source) {
   Reader in(bytes.substr(kHeaderBytes, static_cast<size_t>(payload_length)), model.source);
   model.kind = in.get_string("kind");
   const auto entries = in.get<uint32_t>("entry count");
+  // A KV cache file has two entries a sequence: duplicates are found in a set, not by a search each.
+  std::set<std::string> keys;
   for (uint32_t e = 0; e < entries; ++e) {
     std::string key = in.get_string(fmt::format("entry {} key", e));
     std::string text = in.get_string(fmt::format("entry \"{}\" value", key));
-    for (const auto& [k, v] : model.metadata) {
-      if (k == key) throw IoError(fmt::format("{}: entry \"{}\" appears twice", model.source, key));
-    }
+    if (!keys.insert(key).second) throw IoError(fmt::format("{}: entry \"{}\" appears twice", model.source, key));
     model.metadata.emplace_back(std::move(key), std::move(text));
   }
   const auto count = in.get<uint32_t>("tensor count");

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <initializer_list>
 #include <limits>
 #include <string>
 #include <tuple>
@@ -12,6 +13,7 @@
 
 #include "attention_problem.hpp"
 #include "qkv/core/error.hpp"
+#include "qkv/core/memory.hpp"
 
 namespace qkv {
 namespace {
@@ -21,9 +23,22 @@ int8_t quantize(float x, float scale) {
   return static_cast<int8_t>(std::clamp(std::nearbyint(x / scale), -127.0f, 127.0f));
 }
 
-}  // namespace
+// The sizes of a cache's arrays, each checked against overflow and against the memory there is.
+struct PoolSizes {
+  size_t k_pool = 0, v_pool = 0, k_scales = 0, v_scales = 0;  // bytes, bytes, floats, floats
+};
 
-KvCache::KvCache(const KvCacheShape& shape) : shape_(shape) {
+int64_t checked_product(std::initializer_list<int64_t> factors, std::string_view what) {
+  int64_t product = 1;
+  for (const int64_t f : factors) {
+    if (__builtin_mul_overflow(product, f, &product)) {
+      throw ResourceError(fmt::format("{}: more elements than an int64 counts", what));
+    }
+  }
+  return product;
+}
+
+PoolSizes pool_sizes(const KvCacheShape& shape) {
   const auto at_least_one = [](int64_t value, const char* name) {
     if (value < 1) throw ValueError(fmt::format("KvCacheShape.{}: expected at least 1, got {}", name, value));
   };
@@ -33,13 +48,31 @@ KvCache::KvCache(const KvCacheShape& shape) : shape_(shape) {
   at_least_one(shape.page_tokens, "page_tokens");
   at_least_one(shape.pages, "pages");
   const int64_t bytes = storage_bytes(shape.type);
-  const auto elements = [&](int64_t d) { return static_cast<size_t>(shape.pages * shape.kv_heads * head_elements(d)); };
-  k_pool_.resize(elements(shape.dk) * static_cast<size_t>(bytes));
-  v_pool_.resize(elements(shape.dv) * static_cast<size_t>(bytes));
+  const auto pool = [&](int64_t d, std::string_view name) {
+    return checked_product({shape.pages, shape.kv_heads, shape.page_tokens, d, bytes},
+                           fmt::format("KvCacheShape: {} of {} pages", name, shape.pages));
+  };
+  PoolSizes sizes{.k_pool = static_cast<size_t>(pool(shape.dk, "the keys")),
+                  .v_pool = static_cast<size_t>(pool(shape.dv, "the values"))};
   if (shape.type == StorageType::int8) {
-    k_scales_.resize(static_cast<size_t>(shape.pages * shape.kv_heads * shape.dk));
-    v_scales_.resize(static_cast<size_t>(shape.pages * shape.kv_heads * shape.page_tokens));
+    sizes.k_scales = static_cast<size_t>(checked_product({shape.pages, shape.kv_heads, shape.dk}, "KvCacheShape"));
+    sizes.v_scales =
+        static_cast<size_t>(checked_product({shape.pages, shape.kv_heads, shape.page_tokens}, "KvCacheShape"));
   }
+  check_allocation_fits(static_cast<double>(sizes.k_pool) + static_cast<double>(sizes.v_pool) +
+                            4.0 * static_cast<double>(sizes.k_scales + sizes.v_scales),
+                        "the KV cache's pages");
+  return sizes;
+}
+
+}  // namespace
+
+KvCache::KvCache(const KvCacheShape& shape) : shape_(shape) {
+  const PoolSizes sizes = pool_sizes(shape);
+  k_pool_.resize(sizes.k_pool);
+  v_pool_.resize(sizes.v_pool);
+  k_scales_.resize(sizes.k_scales);
+  v_scales_.resize(sizes.v_scales);
   for (int64_t page = shape.pages - 1; page >= 0; --page) free_.push_back(page);
 }
 
@@ -120,14 +153,26 @@ void KvCache::store_value(int64_t page, int64_t head, int64_t row, const float* 
 
 void KvCache::add_pages(int64_t count) {
   if (count < 0) throw ValueError(fmt::format("count: expected at least 0 pages, got {}", count));
-  const int64_t pages = shape_.pages + count;
-  const auto elements = [&](int64_t d) { return static_cast<size_t>(pages * shape_.kv_heads * head_elements(d)); };
-  const auto bytes = static_cast<size_t>(storage_bytes(shape_.type));
-  k_pool_.resize(elements(shape_.dk) * bytes);
-  v_pool_.resize(elements(shape_.dv) * bytes);
-  if (shape_.type == StorageType::int8) {
-    k_scales_.resize(static_cast<size_t>(pages * shape_.kv_heads * shape_.dk));
-    v_scales_.resize(static_cast<size_t>(pages * shape_.kv_heads * shape_.page_tokens));
+  int64_t pages = 0;
+  if (__builtin_add_overflow(shape_.pages, count, &pages)) {
+    throw ResourceError(fmt::format("count: {} pages more than {} is more than an int64 counts", count, shape_.pages));
+  }
+  KvCacheShape grown = shape_;
+  grown.pages = pages;
+  const PoolSizes sizes = pool_sizes(grown);
+  // All four grow or none: a pool left longer than the others would make a state from_state refuses.
+  const PoolSizes before{k_pool_.size(), v_pool_.size(), k_scales_.size(), v_scales_.size()};
+  try {
+    k_pool_.resize(sizes.k_pool);
+    v_pool_.resize(sizes.v_pool);
+    k_scales_.resize(sizes.k_scales);
+    v_scales_.resize(sizes.v_scales);
+  } catch (...) {
+    k_pool_.resize(before.k_pool);
+    v_pool_.resize(before.v_pool);
+    k_scales_.resize(before.k_scales);
+    v_scales_.resize(before.v_scales);
+    throw;
   }
   // The new pages go under the free ones, which keep their order.
   std::vector<int64_t> added;
@@ -135,6 +180,8 @@ void KvCache::add_pages(int64_t count) {
   free_.insert(free_.begin(), added.begin(), added.end());
   shape_.pages = pages;
 }
+
+KvCache::KvCache(const KvCacheShape& shape, Unallocated) : shape_(shape) {}
 
 KvCacheState KvCache::state() const {
   return {.shape = shape_,
@@ -157,17 +204,17 @@ void expect_size(std::string_view field, size_t size, size_t expected, std::stri
 }  // namespace
 
 KvCache KvCache::from_state(KvCacheState state) {
-  KvCache cache(state.shape);
-  const KvCacheShape& sh = cache.shape_;
+  // The sizes are checked before anything is allocated, so that a state cannot ask for more.
+  const KvCacheShape& sh = state.shape;
+  const PoolSizes sizes = pool_sizes(sh);
   const auto bytes = static_cast<size_t>(storage_bytes(sh.type));
   const std::string type(storage_name(sh.type));
-  expect_size("k_pool", state.k_pool.size(), cache.k_pool_.size(),
+  expect_size("k_pool", state.k_pool.size(), sizes.k_pool,
               fmt::format("bytes of [pages, Hkv, page_tokens, Dk] {}", type));
-  expect_size("v_pool", state.v_pool.size(), cache.v_pool_.size(),
+  expect_size("v_pool", state.v_pool.size(), sizes.v_pool,
               fmt::format("bytes of [pages, Hkv, page_tokens, Dv] {}", type));
-  expect_size("k_scales", state.k_scales.size(), cache.k_scales_.size(), "[pages, Hkv, Dk] for int8, else none");
-  expect_size("v_scales", state.v_scales.size(), cache.v_scales_.size(),
-              "[pages, Hkv, page_tokens] for int8, else none");
+  expect_size("k_scales", state.k_scales.size(), sizes.k_scales, "[pages, Hkv, Dk] for int8, else none");
+  expect_size("v_scales", state.v_scales.size(), sizes.v_scales, "[pages, Hkv, page_tokens] for int8, else none");
   std::vector<uint8_t> held(static_cast<size_t>(sh.pages), 0);
   const auto hold = [&](int64_t page, std::string_view where) {
     if (page < 0 || page >= sh.pages) {
@@ -181,7 +228,7 @@ KvCache KvCache::from_state(KvCacheState state) {
   for (size_t id = 0; id < state.sequences.size(); ++id) {
     const KvCacheSequence& s = state.sequences[id];
     const std::string where = fmt::format("sequences[{}]", id);
-    const int64_t pages = s.live ? (s.length + sh.page_tokens - 1) / sh.page_tokens : 0;
+    const int64_t pages = s.live && s.length > 0 ? s.length / sh.page_tokens + (s.length % sh.page_tokens != 0) : 0;
     if (s.length < 0 || (!s.live && s.length != 0) || static_cast<int64_t>(s.pages.size()) != pages) {
       throw ValueError(fmt::format("{}: expected {} pages for {} tokens of {} per page{}, got {} pages", where, pages,
                                    s.length, sh.page_tokens, s.live ? "" : " (removed)", s.pages.size()));
@@ -216,6 +263,7 @@ KvCache KvCache::from_state(KvCacheState state) {
                    field);
     }
   }
+  KvCache cache(sh, Unallocated{});
   cache.k_pool_ = std::move(state.k_pool);
   cache.v_pool_ = std::move(state.v_pool);
   cache.k_scales_ = std::move(state.k_scales);

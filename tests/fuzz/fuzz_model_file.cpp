@@ -1,7 +1,8 @@
 // libFuzzer target: the model-file reader on arbitrary bytes, as they come and with the trailing
 // CRC-32 rewritten to match them: a mutated file almost never keeps a valid checksum, and without
 // the second call the fuzzer would explore little past the checksum test. Each input is read as a
-// KV cache file too (a model file of kind kv_cache), whose entries and tensors make a cache's state.
+// KV cache file too (a model file of kind kv_cache), whose entries and tensors make a cache's state,
+// which KvCache::from_state then checks.
 
 #include <cstddef>
 #include <cstdint>
@@ -11,6 +12,7 @@
 #include "qkv/core/error.hpp"
 #include "qkv/io/kv_cache_file.hpp"
 #include "qkv/io/model_file.hpp"
+#include "qkv/ops/kv_cache.hpp"
 
 namespace {
 
@@ -20,7 +22,7 @@ void decode(std::string_view bytes) {
   } catch (const qkv::Error&) {
   }
   try {
-    qkv::decode_kv_cache_file(bytes, "fuzz.qkvc");
+    qkv::KvCache::from_state(qkv::decode_kv_cache_file(bytes, "fuzz.qkvc"));
   } catch (const qkv::Error&) {
   }
 }

@@ -324,6 +324,25 @@ TEST(KvCache, AStateThatDoesNotFitIsRefused) {
   expect_refused<ValueError>([&] { KvCache::from_state(scaled); },
                              "k_scales: expected finite scales of at least 0, got -1 at 2");
   expect_refused<ValueError>([&] { cache.add_pages(-1); }, "count: expected at least 0 pages, got -1");
+  // Sizes past int64 or past the memory are refused before anything is allocated.
+  refused([](KvCacheState& s) { s.sequences[0].length = std::numeric_limits<int64_t>::max(); },
+          "sequences[0]: expected 2305843009213693952 pages");
+  expect_refused<ResourceError>(
+      [] {
+        KvCache({.kv_heads = 1,
+                 .dk = 1,
+                 .dv = 1,
+                 .type = StorageType::float32,
+                 .page_tokens = (int64_t{1} << 62) + 1,
+                 .pages = 4});
+      },
+      "more elements than an int64 counts");
+  expect_refused<ResourceError>([&] { cache.add_pages(std::numeric_limits<int64_t>::max()); }, "int64");
+  expect_refused<ResourceError>([&] { cache.add_pages(int64_t{1} << 50); }, "the KV cache's pages");
+  EXPECT_EQ(cache.shape().pages, 4);
+  KvCacheState huge = good;
+  huge.shape.pages = int64_t{1} << 45;
+  expect_refused<ResourceError>([&] { KvCache::from_state(huge); }, "the KV cache's pages");
 }
 
 }  // namespace

@@ -272,3 +272,25 @@ def test_torch_half_tensors():
             assert tensor.grad.dtype == dtype
             error = (tensor.grad.double() - reference.grad).abs().max()
             assert error <= 4 * step * reference.grad.abs().max(), (dtype, error)
+
+
+def test_batch_dims_take_scales_of_fewer_dims_and_inputs_numpy_cannot_read(rng):
+    q, k, v = randn(rng, (2, 3, 4, 5, 8)), randn(rng, (2, 3, 2, 9, 8)), randn(rng, (2, 3, 2, 9, 8))
+    kq, ks = qkv.quantize_int8(k, "tensor")
+    shared = np.full((2, 1, 8), float(ks.max()), np.float32)  # [Hkv, 1, Dk], as every batch entry's
+    out = qkv.attention(q, kq, v, k_scales=shared)
+    expected = qkv.attention(q.astype(np.float64), (kq * shared).astype(np.float64), v.astype(np.float64))
+    np.testing.assert_allclose(out, expected, atol=1e-5)
+    with pytest.raises(ValueError, match="dout: expected dtype float32 \\(the dtype of attention's outputs"):
+        qkv.attention_backward(q[0, 0], k[0, 0].astype(np.float16), v[0, 0], np.ones((4, 5, 8), np.float16))
+    cache = qkv.KvCache(2, 8, 8, pages=2)
+    bad = randn(rng, (2, 1, 8))
+    bad[1, 0, 3] = np.nan
+    # No remedy is offered: append has no allow_nonfinite.
+    with pytest.raises(ValueError, match=r"k: expected finite values, got 1 non-finite value \(the first: nan at "
+                                         r"\[1, 0, 3\]\)$"):
+        cache.append(cache.add_sequence(), bad, randn(rng, (2, 1, 8)))
+    torch = pytest.importorskip("torch")
+    # A bfloat16 tensor is no array to numpy (qkv.torch hands over its bits): refused by name.
+    with pytest.raises(ValueError, match="k: expected an array numpy can read, got a Tensor"):
+        qkv.attention(q[0, 0], torch.zeros(2, 9, 8, dtype=torch.bfloat16), v[0, 0])

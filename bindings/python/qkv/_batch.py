@@ -42,10 +42,13 @@ class _Batch:
         """An int8 operand's scales, whose batch dims may be 1 where they broadcast, flattened as the operand."""
         scales = np.asarray(scales)
         n = len(self.dims)
+        if scales.ndim < n + 3:
+            # Broadcast from the right, as the kernels read scales of fewer dims.
+            scales = scales.reshape((1,) * (n + 3 - scales.ndim) + scales.shape)
         own = tuple(scales.shape[:n])
         if scales.ndim != n + 3 or any(o not in (1, d) for o, d in zip(own, self.dims)):
             raise ShapeError(f"{name}: expected the batch dims {_dims(self.dims)} of q (or 1s), then [Hkv, Tk or 1, "
-                             f"D or 1], got shape {_dims(scales.shape)}")
+                             f"D or 1], got shape {_dims(np.shape(scales))}")
         rest = tuple(scales.shape[n:])
         return np.broadcast_to(scales, (*self.dims, *rest)).reshape((self.count, *rest))
 

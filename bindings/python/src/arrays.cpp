@@ -51,7 +51,16 @@ TensorView<const T> view_as(const py::array& array) {
   return view;
 }
 
-py::array as_array(const py::object& operand) { return py::array::ensure(operand); }
+// The operand as a numpy array; what numpy cannot make one of (a ragged list, a tensor of a dtype
+// numpy lacks) is a ShapeError naming the argument, not a null array.
+py::array as_array(const py::object& operand, std::string_view name) {
+  py::array array = py::array::ensure(operand);
+  if (!array) {
+    throw ShapeError(fmt::format("{}: expected an array numpy can read, got a {}", name,
+                                 py::str(py::type::of(operand).attr("__name__")).cast<std::string>()));
+  }
+  return array;
+}
 
 // `array` as a C-contiguous, aligned array of T that the kernels can read: itself when it is one,
 // else a copy. (pybind11's array_t::ensure asks numpy for C order, not for alignment: a misaligned
@@ -88,7 +97,7 @@ bool on_main_thread() {
 }  // namespace
 
 Precision precision_of(const py::object& operand, std::string_view name, std::string_view accepted) {
-  const py::array array = as_array(operand);
+  const py::array array = as_array(operand, name);
   if (is_float(array, 4)) return Precision::float32;
   if (is_float(array, 8)) return Precision::float64;
   throw ShapeError(fmt::format("{}: expected dtype {}, got {}", name, accepted, dtype_str(array)));
@@ -102,7 +111,7 @@ py::array Inputs::hold(py::array array) {
 template <class T>
 TensorView<const T> Inputs::floats(const py::object& operand, std::string_view name, std::string_view of_dtype_of,
                                    bool allow_nonfinite, NonFinite rule) {
-  py::array array = as_array(operand);
+  py::array array = as_array(operand, name);
   const std::string_view wanted = sizeof(T) == 4 ? "float32" : "float64";
   if (!is_float(array, sizeof(T))) {
     if (of_dtype_of.empty()) {
@@ -119,7 +128,7 @@ TensorView<const T> Inputs::floats(const py::object& operand, std::string_view n
 
 StoredView Inputs::stored(const py::object& operand, std::string_view name, const py::object& scales,
                           std::string_view scales_name, bool bfloat16_bits, bool allow_nonfinite) {
-  py::array array = as_array(operand);
+  py::array array = as_array(operand, name);
   const char kind = array.dtype().kind();
   const auto itemsize = array.itemsize();
   const std::string accepted =
@@ -150,7 +159,7 @@ StoredView Inputs::stored(const py::object& operand, std::string_view name, cons
       throw ValueError(
           fmt::format("{}: expected the scales of int8 {} (value = scale * stored), got none", scales_name, name));
     }
-    py::array scale_array = as_array(scales);
+    py::array scale_array = as_array(scales, scales_name);
     if (scale_array.dtype().kind() != 'f' || (scale_array.itemsize() != 4 && scale_array.itemsize() != 8)) {
       throw ShapeError(
           fmt::format("{}: expected dtype float32 or float64, got {}", scales_name, dtype_str(scale_array)));
@@ -173,7 +182,7 @@ AttentionMask<T> Inputs::mask(const py::object& mask, bool causal, bool allow_no
   AttentionMask<T> result;
   result.causal = causal;
   if (mask.is_none()) return result;
-  py::array array = as_array(mask);
+  py::array array = as_array(mask, "mask");
   check_rank_fits(array, "mask");
   const char kind = array.dtype().kind();
   if (kind == 'b' || kind == 'i' || kind == 'u') {
@@ -201,7 +210,7 @@ AttentionMask<T> Inputs::mask(const py::object& mask, bool causal, bool allow_no
 
 template <class T>
 TensorView<const T> Inputs::per_head(const py::object& values, std::string_view name, bool allow_nonfinite) {
-  py::array array = as_array(values);
+  py::array array = as_array(values, name);
   const char kind = array.dtype().kind();
   // A list of Python floats is float64 to numpy, which a float32 caller did not choose.
   const bool numbers = !py::isinstance<py::array>(values) && (kind == 'f' || kind == 'i' || kind == 'u');
@@ -212,7 +221,7 @@ TensorView<const T> Inputs::per_head(const py::object& values, std::string_view 
 }
 
 TensorView<const int64_t> Inputs::offsets(const py::object& values, std::string_view name) {
-  py::array array = as_array(values);
+  py::array array = as_array(values, name);
   const char kind = array.dtype().kind();
   // numpy reads an empty list as float64; it is no less a list of offsets (of the wrong shape).
   const bool numbers = !py::isinstance<py::array>(values) && (kind == 'i' || kind == 'u' || array.size() == 0);

@@ -95,7 +95,9 @@ constexpr std::string_view kAttentionDtypes = "float32, float64, float16 or uint
 bool stored_operands(const py::object& q, const py::object& k, const py::object& v, const ForwardRequest& r) {
   if (r.bf16 || !r.k_scales.is_none() || !r.v_scales.is_none()) return true;
   for (const py::object& operand : {q, k, v}) {
-    const py::dtype dtype = py::array::ensure(operand).dtype();
+    const py::array array = py::array::ensure(operand);
+    if (!array) continue;  // not an array: refused, by name, where its dtype is read
+    const py::dtype dtype = array.dtype();
     if (dtype.kind() == 'u' || (dtype.kind() == 'f' && dtype.itemsize() == 2) ||
         (dtype.kind() == 'i' && dtype.itemsize() == 1)) {
       return true;
@@ -174,19 +176,22 @@ py::object attention(const py::object& q, const py::object& k, const py::object&
   return attention_as<double>(q, k, v, r);
 }
 
+// `dtype_of` names what dout, out and lse take their dtype from: q's, or the float32 outputs of
+// stored operands.
 template <class T, class Params>
 py::tuple backward_of(Inputs& in, const Params& p, const py::object& dout, const py::object& out, const py::object& lse,
-                      const ForwardRequest& r, AttentionImpl impl) {
+                      const ForwardRequest& r, AttentionImpl impl, std::string_view dtype_of) {
   if (out.is_none() != lse.is_none()) {
     throw ValueError(
         fmt::format("out, lse: expected both (what attention(..., return_lse=True) returns) or neither, "
                     "got only {}",
                     out.is_none() ? "lse" : "out"));
   }
-  const TensorView<const T> dout_view = in.floats<T>(dout, "dout", "q", r.allow_nonfinite);
+  const TensorView<const T> dout_view = in.floats<T>(dout, "dout", dtype_of, r.allow_nonfinite);
   std::optional<AttentionSaved<T>> saved;
   if (!out.is_none()) {
-    saved = AttentionSaved<T>{in.floats<T>(out, "out", "q", r.allow_nonfinite), in.floats<T>(lse, "lse", "q", true)};
+    saved = AttentionSaved<T>{in.floats<T>(out, "out", dtype_of, r.allow_nonfinite),
+                              in.floats<T>(lse, "lse", dtype_of, true)};
   }
   auto dq = new_array<T>(p.q.shape, "dq", true);
   auto dk = new_array<T>(p.k.shape, "dk", true);
@@ -215,7 +220,7 @@ py::tuple attention_backward_as(const py::object& q, const py::object& k, const 
   Inputs in;
   const AttentionParams<T> p = attention_params<T>(in, q, k, v, r);
   return backward_of<T>(in, p, dout, out, lse, r,
-                        impl_for(r.impl, sizeof(T) == 4 ? Precision::float32 : Precision::float64));
+                        impl_for(r.impl, sizeof(T) == 4 ? Precision::float32 : Precision::float64), "q");
 }
 
 py::tuple attention_backward(const py::object& q, const py::object& k, const py::object& v, const py::object& dout,
@@ -243,7 +248,8 @@ py::tuple attention_backward(const py::object& q, const py::object& k, const py:
   if (stored_operands(q, k, v, r)) {
     Inputs in;
     const StoredAttentionParams p = stored_params(in, q, k, v, r);
-    return backward_of<float>(in, p, dout, out, lse, r, impl_of(r.impl));
+    return backward_of<float>(in, p, dout, out, lse, r, impl_of(r.impl),
+                              "attention's outputs for float16, bfloat16 or int8 operands");
   }
   if (precision_of(q, "q", kAttentionDtypes) == Precision::float32) {
     return attention_backward_as<float>(q, k, v, dout, out, lse, r);

@@ -36,7 +36,10 @@ TensorView<const float> float32_operand(Inputs& in, const py::object& x, std::st
                                  array ? py::str(array.dtype()).cast<std::string>() : "no array"));
   }
   if (array.itemsize() != 4) array = array.attr("astype")("float32");
-  return in.floats<float>(array, name, "", false);
+  const TensorView<const float> view = in.floats<float>(array, name, "", true);
+  // None of the calls that take these has allow_nonfinite.
+  check_finite(view, name);
+  return view;
 }
 
 template <class T>

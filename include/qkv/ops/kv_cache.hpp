@@ -45,6 +45,8 @@ class KvCache {
   void remove_sequence(int64_t id);
   int64_t length(int64_t id) const;
   int64_t free_pages() const { return static_cast<int64_t>(free_.size()); }
+  // Ids handed out so far, removed sequences included.
+  int64_t sequence_count() const { return static_cast<int64_t>(sequences_.size()); }
 
   // Appends n tokens to the sequence: k [Hkv, n, Dk] and v [Hkv, n, Dv], finite float32, stored in
   // the cache's type. Refused whole (nothing appended) when the pool has too few free pages.
@@ -71,6 +73,9 @@ class KvCache {
 
  private:
   using Sequence = KvCacheSequence;
+  // A cache whose arrays from_state moves in.
+  struct Unallocated {};
+  KvCache(const KvCacheShape& shape, Unallocated);
   const Sequence& sequence(int64_t id) const;
   int64_t head_elements(int64_t d) const { return shape_.page_tokens * d; }  // one head's rows in a page
   // Row `at` (in elements) of a float32, float16 or bfloat16 pool: d values of x, converted.
