@@ -3,6 +3,7 @@
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
+#include <algorithm>
 #include <charconv>
 #include <cmath>
 #include <cstdint>
@@ -10,7 +11,6 @@
 #include <limits>
 #include <string>
 #include <string_view>
-#include <unordered_map>
 #include <utility>
 #include <vector>
 
@@ -82,42 +82,8 @@ std::vector<uint8_t> pool_bytes(const Tensor<float>& values, const KvCacheShape&
   return pool;
 }
 
-// The file's entries by key: a cache has two per sequence, which ModelFile::value would find by a
-// search each.
-class Entries {
- public:
-  explicit Entries(const ModelFile& file) : file_(file) {
-    for (const auto& [key, value] : file.metadata) index_.emplace(key, &value);
-  }
-
-  const std::string& text(std::string_view key) const {
-    const auto found = index_.find(key);
-    if (found == index_.end()) {
-      throw IoError(fmt::format("{}: no entry \"{}\" (a {} file needs it)", file_.source, key, kKind));
-    }
-    return *found->second;
-  }
-
-  int64_t integer(std::string_view key, int64_t min, int64_t max) const {
-    const std::string& value = text(key);
-    int64_t parsed = 0;
-    const auto [end, ec] = std::from_chars(value.data(), value.data() + value.size(), parsed);
-    if (ec != std::errc() || end != value.data() + value.size() || parsed < min || parsed > max) {
-      throw IoError(fmt::format("{}: entry \"{}\": expected an integer from {} to {}, got \"{}\"", file_.source, key,
-                                min, max, value));
-    }
-    return parsed;
-  }
-
-  std::vector<int64_t> integers(std::string_view key) const;
-
- private:
-  const ModelFile& file_;
-  std::unordered_map<std::string_view, const std::string*> index_;
-};
-
-std::vector<int64_t> Entries::integers(std::string_view key) const {
-  const std::string& text = this->text(key);
+// Integers separated by spaces in `text`: entry `key`, or one part of it.
+std::vector<int64_t> parse_ints(std::string_view text, const ModelFile& file, std::string_view key) {
   std::vector<int64_t> values;
   const char* at = text.data();
   const char* const end = text.data() + text.size();
@@ -126,7 +92,7 @@ std::vector<int64_t> Entries::integers(std::string_view key) const {
     const auto [next, ec] = std::from_chars(at, end, value);
     if (ec != std::errc() || (next != end && *next != ' ')) {
       throw IoError(
-          fmt::format("{}: entry \"{}\": expected integers separated by spaces, got \"{}\"", file_.source, key, text));
+          fmt::format("{}: entry \"{}\": expected integers separated by spaces, got \"{}\"", file.source, key, text));
     }
     at = next == end ? end : next + 1;
     values.push_back(value);
@@ -161,14 +127,16 @@ std::string encode_kv_cache_file(const KvCacheState& state) {
     file.set(key, std::to_string(value));
   }
   file.set("free_pages", fmt::format("{}", fmt::join(state.free_pages, " ")));
-  file.set("sequences", std::to_string(state.sequences.size()));
-  for (size_t id = 0; id < state.sequences.size(); ++id) {
-    // Keys no other entry has: appended, not searched for as set() would.
-    const KvCacheSequence& seq = state.sequences[id];
-    file.metadata.emplace_back(fmt::format("sequence {} length", id),
-                               seq.live ? std::to_string(seq.length) : "removed");
-    file.metadata.emplace_back(fmt::format("sequence {} pages", id), fmt::format("{}", fmt::join(seq.pages, " ")));
+  // Every sequence in two entries, so that a file's entries stay few however many sequences it has:
+  // lengths (-1 for a removed sequence) and page lists separated by ';'.
+  std::vector<int64_t> lengths;
+  std::vector<std::string> pages;
+  for (const KvCacheSequence& seq : state.sequences) {
+    lengths.push_back(seq.live ? seq.length : -1);
+    pages.push_back(fmt::format("{}", fmt::join(seq.pages, " ")));
   }
+  file.set("sequence_lengths", fmt::format("{}", fmt::join(lengths, " ")));
+  file.set("sequence_pages", fmt::format("{}", fmt::join(pages, ";")));
   file.tensors.emplace_back("k_pool", pool_values(state.k_pool, s, s.dk));
   file.tensors.emplace_back("v_pool", pool_values(state.v_pool, s, s.dv));
   if (s.type == StorageType::int8) {
@@ -182,29 +150,40 @@ namespace {
 
 KvCacheState state_of(const ModelFile& file) {
   file.check_kind(kKind);
-  const Entries entries(file);
   KvCacheState state;
   KvCacheShape& s = state.shape;
   try {
-    s.type = parse_storage(entries.text("type"), "type");
+    s.type = parse_storage(file.value("type"), "type");
   } catch (const ValueError& e) {
     throw IoError(fmt::format("{}: entry {}", file.source, e.what()));
   }
   constexpr int64_t kMaxDim = int64_t{1} << 40;
-  s.kv_heads = entries.integer("kv_heads", 1, kMaxDim);
-  s.dk = entries.integer("dk", 1, kMaxDim);
-  s.dv = entries.integer("dv", 1, kMaxDim);
-  s.page_tokens = entries.integer("page_tokens", 1, kMaxDim);
-  s.pages = entries.integer("pages", 1, kMaxDim);
-  state.free_pages = entries.integers("free_pages");
-  const int64_t sequences = entries.integer("sequences", 0, std::numeric_limits<int32_t>::max());
-  for (int64_t id = 0; id < sequences; ++id) {
-    const std::string length_key = fmt::format("sequence {} length", id);
-    KvCacheSequence seq;
-    seq.live = entries.text(length_key) != "removed";
-    seq.length = seq.live ? entries.integer(length_key, 0, std::numeric_limits<int64_t>::max()) : 0;
-    seq.pages = entries.integers(fmt::format("sequence {} pages", id));
-    state.sequences.push_back(std::move(seq));
+  s.kv_heads = file.int_value("kv_heads", 1, kMaxDim);
+  s.dk = file.int_value("dk", 1, kMaxDim);
+  s.dv = file.int_value("dv", 1, kMaxDim);
+  s.page_tokens = file.int_value("page_tokens", 1, kMaxDim);
+  s.pages = file.int_value("pages", 1, kMaxDim);
+  state.free_pages = parse_ints(file.value("free_pages"), file, "free_pages");
+  const std::vector<int64_t> lengths = parse_ints(file.value("sequence_lengths"), file, "sequence_lengths");
+  const std::string_view pages = file.value("sequence_pages");
+  size_t at = 0;
+  for (size_t id = 0; id < lengths.size(); ++id) {
+    const size_t end = id + 1 == lengths.size() ? pages.size() : pages.find(';', at);
+    if (end == std::string_view::npos || lengths[id] < -1) {
+      throw IoError(
+          fmt::format("{}: entries \"sequence_lengths\" and \"sequence_pages\": expected a length of at "
+                      "least -1 (removed) and a list of pages for each of {} sequences",
+                      file.source, lengths.size()));
+    }
+    state.sequences.push_back({.pages = parse_ints(pages.substr(at, end - at), file, "sequence_pages"),
+                               .length = std::max<int64_t>(lengths[id], 0),
+                               .live = lengths[id] >= 0});
+    at = end + 1;
+  }
+  // A list too many ends in the last one, whose ';' parse_ints refuses; with no sequence, none.
+  if (lengths.empty() && !pages.empty()) {
+    throw IoError(
+        fmt::format("{}: entry \"sequence_pages\": expected no pages for no sequence, got \"{}\"", file.source, pages));
   }
   try {
     state.k_pool = pool_bytes(tensor_of_shape(file, "k_pool", Shape{s.pages, s.kv_heads, s.page_tokens, s.dk}), s,

@@ -65,7 +65,7 @@ void expect_refused(StorageType type, const std::function<void(ModelFile&)>& spo
     decode_kv_cache_file(encode_model_file(file), "c.qkvc");
     FAIL() << "accepted; expected: " << message;
   } catch (const IoError& e) {
-    EXPECT_NE(std::string(e.what()).find(message), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find(message), std::string::npos) << e.what() << "\n expected: " << message;
   }
 }
 
@@ -105,6 +105,21 @@ TEST(KvCacheFile, WhatTheCacheCannotHoldIsRefused) {
       "tensor \"k_pool\": expected shape [7, 2, 4, 5], got [6, 2, 4, 5]");
   expect_refused(
       StorageType::float32, [](ModelFile& f) { f.kind = "seq2seq"; }, "expected a kv_cache model");
+  expect_refused(
+      StorageType::float32, [](ModelFile& f) { f.set("sequence_lengths", f.value("sequence_lengths") + " 0"); },
+      "expected a length of at least -1 (removed) and a list of pages for each of 4 sequences");
+  expect_refused(
+      StorageType::float32, [](ModelFile& f) { f.set("sequence_lengths", "3 -2 5"); }, "at least -1");
+  expect_refused(
+      StorageType::float32, [](ModelFile& f) { f.set("sequence_pages", f.value("sequence_pages") + ";7"); },
+      "entry \"sequence_pages\": expected integers separated by spaces");
+  expect_refused(
+      StorageType::float32,
+      [](ModelFile& f) {
+        f.set("sequence_lengths", "");
+        f.set("sequence_pages", "1");
+      },
+      "expected no pages for no sequence, got \"1\"");
 }
 
 }  // namespace

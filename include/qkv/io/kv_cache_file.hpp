@@ -1,7 +1,9 @@
 #pragma once
 // A KV cache in a file (qkv decode --cache-file, qkv.KvCache.save): a model file
 // (qkv/io/model_file.hpp, versioned and checksummed) of kind "kv_cache". Its entries are the shape
-// (type, kv_heads, dk, dv, page_tokens, pages), the free pages and each sequence's length and pages;
+// (type, kv_heads, dk, dv, page_tokens, pages), the free pages, the sequences' lengths (-1 for a
+// removed one) and their pages (lists separated by ';'), so that they stay few however many
+// sequences there are;
 // its tensors the pools as the values they hold, k_pool [pages, Hkv, page_tokens, Dk] and v_pool
 // [..., Dv], and for int8 the scales, k_scales [pages, Hkv, Dk] and v_scales [pages, Hkv,
 // page_tokens]. A model file holds float32 alone, so a float16 or bfloat16 pool takes twice its
