@@ -129,7 +129,7 @@ StoredAttentionParams stored_params(Inputs& in, const py::object& q, const py::o
 }
 
 template <class T, class Params>
-py::object forward_of(Inputs&, const Params& p, const ForwardRequest& r, AttentionImpl impl) {
+py::object forward_of(const Params& p, const ForwardRequest& r, AttentionImpl impl) {
   ForwardArrays<T> arrays(p.q.shape, p.k.shape, p.v.shape, r);
   const AttentionOutputs<T> outputs = arrays.views();
   run_without_gil([&] { attention_forward(p, outputs, impl); });
@@ -140,7 +140,7 @@ template <class T>
 py::object attention_as(const py::object& q, const py::object& k, const py::object& v, const ForwardRequest& r) {
   Inputs in;
   const AttentionParams<T> p = attention_params<T>(in, q, k, v, r);
-  return forward_of<T>(in, p, r, impl_for(r.impl, sizeof(T) == 4 ? Precision::float32 : Precision::float64));
+  return forward_of<T>(p, r, impl_for(r.impl, sizeof(T) == 4 ? Precision::float32 : Precision::float64));
 }
 
 py::object attention(const py::object& q, const py::object& k, const py::object& v, std::optional<double> scale,
@@ -170,7 +170,7 @@ py::object attention(const py::object& q, const py::object& k, const py::object&
   if (stored_operands(q, k, v, r)) {
     Inputs in;
     const StoredAttentionParams p = stored_params(in, q, k, v, r);
-    return forward_of<float>(in, p, r, impl_of(r.impl));
+    return forward_of<float>(p, r, impl_of(r.impl));
   }
   if (precision_of(q, "q", kAttentionDtypes) == Precision::float32) return attention_as<float>(q, k, v, r);
   return attention_as<double>(q, k, v, r);
