@@ -139,6 +139,7 @@ struct BenchOptions {
   bool backward = false;
   bool decode = false;
   std::string kv_dtype = "float32";
+  std::string q_dtype = "float32";
   bool kv_cache = false;
   int threads = 0;
   std::string impl = "fused";
@@ -301,7 +302,10 @@ std::vector<Timing> time_in_rounds(const std::vector<std::function<void()>>& cal
 }
 
 // What the kernels are tuned by and run on, for the reports.
-std::string cpu_line() { return fmt::format("CPU {}; SIMD {}", cpu_summary(), simd_target()); }
+std::string cpu_line() {
+  return fmt::format("CPU {}; SIMD {}{}", cpu_summary(), simd_target(),
+                     attention_bf16_products() ? " with bf16 dot products" : "");
+}
 
 // `text` as the inside of a JSON string: quotes and backslashes escaped, control characters dropped.
 std::string json_escape(std::string_view text) {
@@ -344,7 +348,8 @@ struct Problem {
   std::optional<Tensor<uint8_t>> allowed;             // [B, 1, 1, Tk]
   // K and V in the storage type of --kv-dtype (float32: k and v above).
   StorageType kv_type = StorageType::float32;
-  Tensor<uint16_t> k_bits, v_bits;
+  StorageType q_type = StorageType::float32;
+  Tensor<uint16_t> q_bits, k_bits, v_bits;
   std::optional<Int8Array> k_int8, v_int8;
 
   Problem(int64_t batch, int64_t heads, int64_t tq, int64_t tk, int64_t d, bool backward, const Variant& variant)
@@ -396,6 +401,13 @@ struct Problem {
     return backward ? forward + tensors : forward;
   }
 
+  // Q stored as `type` (float32, float16 or bfloat16), read by the runs on stored K and V.
+  void store_q(StorageType type) {
+    q_type = type;
+    if (type == StorageType::float16) q_bits = to_float16(q.cview());
+    if (type == StorageType::bfloat16) q_bits = to_bfloat16(q.cview());
+  }
+
   // K and V stored as `type`, read by every run but those on float32 K and V.
   void store_kv(StorageType type) {
     kv_type = type;
@@ -411,8 +423,9 @@ struct Problem {
     }
   }
 
-  StoredView stored(const Tensor<float>& x, const Tensor<uint16_t>& bits, const std::optional<Int8Array>& int8) const {
-    switch (kv_type) {
+  StoredView stored(const Tensor<float>& x, const Tensor<uint16_t>& bits, const std::optional<Int8Array>& int8,
+                    StorageType type) const {
+    switch (type) {
       case StorageType::float16:
         return StoredView::float16(bits.cview());
       case StorageType::bfloat16:
@@ -449,9 +462,9 @@ struct Problem {
     AttentionOutputs<float> outputs{.out = out.view(), .weights = {}, .lse = {}};
     if (backward) outputs.lse = lse.view();
     if (kv_type != StorageType::float32 && !float32_kv) {
-      const StoredAttentionParams stored_params{.q = StoredView::float32(q.cview()),
-                                                .k = stored(k, k_bits, k_int8),
-                                                .v = stored(v, v_bits, v_int8),
+      const StoredAttentionParams stored_params{.q = stored(q, q_bits, std::nullopt, q_type),
+                                                .k = stored(k, k_bits, k_int8, kv_type),
+                                                .v = stored(v, v_bits, v_int8, kv_type),
                                                 .scale = params.scale,
                                                 .mask = params.mask,
                                                 .softcap = params.softcap,
@@ -536,7 +549,8 @@ std::string kv_name(const BenchOptions& o) {
 }
 std::string kv_text(const BenchOptions& o) {
   const std::string name = kv_name(o);
-  return name == "float32" ? "fp32" : fmt::format("fp32 Q, {} K and V", name);
+  const std::string_view q = storage_name(parse_storage(o.q_dtype, "--q-dtype"));
+  return name == "float32" ? "fp32" : fmt::format("{} Q, {} K and V", q == "float32" ? "fp32" : q, name);
 }
 
 // Decode's heads and head dimension: the options', else decode's own defaults.
@@ -586,9 +600,21 @@ void check_options(const BenchOptions& o) {
   if (o.kv_cache) {
     if (!o.decode) throw ValueError("--kv-cache: a KV cache is decode's; add --decode");
     if (o.batch != 1) throw ValueError(fmt::format("--kv-cache: times one sequence, got --batch {}", o.batch));
+    if (parse_storage(o.q_dtype, "--q-dtype") != StorageType::float32) {
+      throw ValueError(
+          fmt::format("--kv-cache: the cache is attended by float32 queries, got --q-dtype {}", o.q_dtype));
+    }
     if (o.softcap_option->count() > 0 || o.alibi || o.sinks) {
       throw ValueError("--kv-cache: times the plain call; --softcap, --alibi and --sinks are not taken with it");
     }
+  }
+  const StorageType q_type = parse_storage(o.q_dtype, "--q-dtype");
+  if (q_type == StorageType::int8) {
+    throw ValueError("--q-dtype: expected float32, float16 or bfloat16 (int8 is for K and V), got int8");
+  }
+  if (q_type != StorageType::float32 && parse_storage(o.kv_dtype, "--kv-dtype") == StorageType::float32) {
+    throw ValueError(
+        fmt::format("--q-dtype: a stored Q goes with stored K and V; add --kv-dtype, got --q-dtype {}", o.q_dtype));
   }
   if (parse_storage(o.kv_dtype, "--kv-dtype") != StorageType::float32) {
     if (!o.varlen.empty()) {
@@ -741,6 +767,7 @@ std::vector<Result> measure_attention(const BenchOptions& o, const Variant& vari
     check_allocation_fits(bytes, fmt::format("qkv bench at T = {}", t));
     Problem p(o.batch, o.heads, t, t, o.d, o.backward, variant);
     p.store_kv(parse_storage(o.kv_dtype, "--kv-dtype"));
+    p.store_q(parse_storage(o.q_dtype, "--q-dtype"));
     set_max_workers(o.threads);
     // The kernel and its baselines, timed in alternating rounds.
     std::vector<std::string> names;
@@ -805,12 +832,14 @@ void report_attention(const BenchOptions& o, const Variant& variant, const std::
           gflops(r.visible_flops, r.timing), fmt::join(baselines, ", ")));
     }
     fmt::print(
-        "{{\n  \"mode\": \"{}\", \"impl\": \"{}\", \"simd\": \"{}\", {}, \"dtype\": \"float32\", \"kv_dtype\": \"{}\", "
+        "{{\n  \"mode\": \"{}\", \"impl\": \"{}\", \"simd\": \"{}\", {}, \"dtype\": \"float32\", \"q_dtype\": \"{}\", "
+        "\"kv_dtype\": \"{}\", "
         "\"batch\": {}, "
         "\"heads\": {}, \"d\": {}, \"causal\": {}, \"threads\": {}, \"repeats\": {},\n  {},\n  \"memory_method\": "
         "\"{}\",\n  \"results\": [\n{}\n  ]\n}}\n",
-        mode, o.impl, simd_target(), machine_json(warnings), kv_name(o), o.batch, o.heads, o.d, o.causal, o.threads,
-        o.repeats, variant_json(variant), memory_method(reset), fmt::join(rows, ",\n"));
+        mode, o.impl, simd_target(), machine_json(warnings), storage_name(parse_storage(o.q_dtype, "--q-dtype")),
+        kv_name(o), o.batch, o.heads, o.d, o.causal, o.threads, o.repeats, variant_json(variant), memory_method(reset),
+        fmt::join(rows, ",\n"));
     std::fflush(stdout);
     return;
   }
@@ -1107,6 +1136,7 @@ std::vector<DecodeResult> measure_decode(const BenchOptions& o, const Variant& v
     progress.update(std::ssize(results), fmt::format("Tk={} {}, triad and read stream", tk, o.impl));
     Problem p(o.batch, heads, 1, tk, d, false, variant);
     p.store_kv(parse_storage(o.kv_dtype, "--kv-dtype"));
+    p.store_q(parse_storage(o.q_dtype, "--q-dtype"));
     std::vector<std::function<void()>> calls = {[&] { p.run(variant, false, impl); }, [&] { triad.run(); },
                                                 [&] { read.run(); }};
     const bool against_float32 = p.kv_type != StorageType::float32 && wants(o, "float32");
@@ -1183,12 +1213,13 @@ void report_decode(const BenchOptions& o, const Variant& variant, const std::vec
     const double triad_gbs = results.empty() ? 0.0 : results.front().triad_gbs;
     const double read_gbs = results.empty() ? 0.0 : results.front().read_gbs;
     fmt::print(
-        "{{\n  \"mode\": \"decode\", \"impl\": \"{}\", \"simd\": \"{}\", {}, \"dtype\": \"float32\", \"kv_dtype\": "
-        "\"{}\", \"batch\": {}, "
+        "{{\n  \"mode\": \"decode\", \"impl\": \"{}\", \"simd\": \"{}\", {}, \"dtype\": \"float32\", \"q_dtype\": "
+        "\"{}\", \"kv_dtype\": \"{}\", \"batch\": {}, "
         "\"heads\": {}, \"d\": {}, \"threads\": {}, \"repeats\": {}, \"triad_gbs\": {:.6g}, \"read_gbs\": {:.6g},\n  "
         "{},\n  \"memory_method\": \"{}\",\n  \"results\": [\n{}\n  ]\n}}\n",
-        o.impl, simd_target(), machine_json(warnings), kv_name(o), o.batch, heads, d, o.threads, o.repeats, triad_gbs,
-        read_gbs, variant_json(variant), memory_method(reset), fmt::join(rows, ",\n"));
+        o.impl, simd_target(), machine_json(warnings), storage_name(parse_storage(o.q_dtype, "--q-dtype")), kv_name(o),
+        o.batch, heads, d, o.threads, o.repeats, triad_gbs, read_gbs, variant_json(variant), memory_method(reset),
+        fmt::join(rows, ",\n"));
     std::fflush(stdout);
     return;
   }
@@ -1302,6 +1333,10 @@ void register_bench(CLI::App& app) {
   cmd->add_option("--kv-dtype", o->kv_dtype,
                   "K and V stored as float32, float16, bfloat16 or int8 (f32, f16, bf16, i8), timed against "
                   "float32 ones")
+      ->capture_default_str();
+  cmd->add_option("--q-dtype", o->q_dtype,
+                  "with --kv-dtype: Q stored as float32, float16 or bfloat16 (bfloat16 Q, K and V take the CPU's bf16 "
+                  "dot product where it has one)")
       ->capture_default_str();
   o->threads_option = cmd->add_option("--threads", o->threads, "threads (default: OpenMP's, here the cores)");
   cmd->add_option("--impl", o->impl, "fused, reference or auto")

@@ -306,6 +306,7 @@ struct BackwardParams {
 #include <type_traits>
 #include <vector>
 
+#include "attention_bf16.hpp"
 #include "hwy/aligned_allocator.h"
 #include "hwy/cache_control.h"
 #include "hwy/contrib/math/math-inl.h"
@@ -358,6 +359,7 @@ int ThreadLimit(const Inputs<T>& in) {
 
 using simd::Allocate;
 using simd::Buffer;
+using simd::DivCeil;
 using simd::RoundUp;
 using simd::ToSize;
 
@@ -835,8 +837,30 @@ void FillDropoutTile(const Inputs<T>& in, int64_t b, int64_t h, int64_t i0, size
 
 // ---- Forward ---------------------------------------------------------------------------------------
 
+// Whether this target runs the bf16 dot product (attention_bf16.hpp): an AVX-512 target (never one
+// below it, so that a forced QKV_SIMD_TARGET runs the portable arithmetic) on a CPU that has
+// AVX512_BF16.
+inline bool Bf16Products() {
+#if HWY_ARCH_X86 && HWY_TARGET <= HWY_AVX3
+  return bf16::dot_available();
+#else
+  return false;
+#endif
+}
+
+// Whether the query-vector layout takes the bf16 dot product for its two products: Q, K and V all
+// stored as bfloat16, on a target that has it. Only forwards whose scores need not follow the
+// backward's chain take it (`few` below), since its weights are rounded to bfloat16: a backward
+// then differentiates the float32 forward on the same values.
+template <class T>
+bool UsesBf16Products(const Inputs<T>& in) {
+  return std::is_same_v<T, float> && in.q_stored.type == StorageType::bfloat16 &&
+         in.k_stored.type == StorageType::bfloat16 && in.v_stored.type == StorageType::bfloat16 && Bf16Products();
+}
+
 template <class T>
 struct ForwardScratch {
+  bool bf16_products;   // UsesBf16Products
   size_t few_row;       // Dv rounded up to whole vectors
   Buffer<T> qt;         // [Dk][Br]       Qᵀ of the query block (scores come out as Sᵀ, queries along vectors)
   Buffer<T> st;         // [Bc][Br]       Sᵀ of one key block, then exp(Sᵀ − m)
@@ -854,9 +878,15 @@ struct ForwardScratch {
   Buffer<T> q_stage;  // [Br][Dk]
   Buffer<T> k_stage;  // [Bc][Dk]
   Buffer<T> v_stage;  // [Bc][Dv]
+  // With bf16 products: Qᵀ, Pᵀ and V in pairs of bfloat16 (32-bit words), and the rows they read.
+  Buffer<uint32_t> qt_pairs;  // [⌈Dk/2⌉][Br]
+  Buffer<uint32_t> p_pairs;   // [Bc/2][Br]
+  Buffer<uint32_t> v_pairs;   // [Bc/2][Dv]
+  std::array<const uint16_t*, std::max(kQueryBlock, kKeyBlock)> rows{};
 
   ForwardScratch(size_t dk, size_t dv, size_t dv_pad, const Inputs<T>& in)
-      : few_row(dv_pad),
+      : bf16_products(UsesBf16Products(in)),
+        few_row(dv_pad),
         qt(Allocate<T>(dk * kQueryBlock)),
         st(Allocate<T>(kKeyBlock * kQueryBlock)),
         drop(Allocate<T>(kKeyBlock * kQueryBlock)),
@@ -869,7 +899,18 @@ struct ForwardScratch {
         corr(Allocate<T>(kQueryBlock)),
         q_stage(Allocate<T>(in.q_stored ? kQueryBlock * dk : 0)),
         k_stage(Allocate<T>(in.k_stored ? kKeyBlock * dk : 0)),
-        v_stage(Allocate<T>(in.v_stored ? kKeyBlock * dv : 0)) {}
+        v_stage(Allocate<T>(in.v_stored ? kKeyBlock * dv : 0)),
+        qt_pairs(Allocate<uint32_t>(bf16_products ? DivCeil(dk, 2) * kQueryBlock : 0)),
+        p_pairs(Allocate<uint32_t>(bf16_products ? kKeyBlock / 2 * kQueryBlock : 0)),
+        v_pairs(Allocate<uint32_t>(bf16_products ? kKeyBlock / 2 * dv : 0)) {}
+
+  // The bfloat16 rows [t0, t0 + n) of a stored operand, in `rows`.
+  const uint16_t* const* Bf16Rows(const fused::StoredRows& x, int64_t b, int64_t h, int64_t t0, size_t n) {
+    for (size_t t = 0; t < n; ++t) {
+      rows[t] = reinterpret_cast<const uint16_t*>(x.row(b, h, t0 + static_cast<int64_t>(t)));
+    }
+    return rows.data();
+  }
 
   // o(i, c): the unnormalised output of query i of the block, column c.
   T output(size_t i, size_t c) const { return acc[c * kQueryBlock + i]; }
@@ -1163,6 +1204,10 @@ void BeginQueryBlock(D d, const Inputs<T>& in, int64_t b, int64_t h, int64_t q0,
   }
   std::fill(s.acc.get(), s.acc.get() + ToSize(in.dv) * kQueryBlock, T{0});
   const size_t dk = ToSize(in.dk);
+  if (s.bf16_products && few) {
+    bf16::pack_queries(s.Bf16Rows(in.q_stored, b, h, q0, nq), nq, dk, ld, s.qt_pairs.get());
+    return;
+  }
   PackTransposed(StageRows(d, in.q, in.q_stored, b, h, q0, nq, dk, s.q_stage.get()), nq, dk, ld, s.qt.get());
 }
 
@@ -1171,6 +1216,25 @@ void EndQueryBlock(const Inputs<T>& in, size_t nq, bool few, ForwardScratch<T>& 
   if (!FewQueryLayout(in, nq, few)) return;
   for (size_t i = 0; i < nq; ++i) {
     for (size_t c = 0; c < ToSize(in.dv); ++c) s.acc[c * kQueryBlock + i] = s.few[i * s.few_row + c];
+  }
+}
+
+// Sᵀ [nk][ld] = K·Qᵀ of a key block by bf16 products (UsesBf16Products, which only float takes).
+template <class T>
+void Bf16Scores(const Inputs<T>& in, int64_t b, int64_t hk, int64_t j0, size_t nk, size_t ld, ForwardScratch<T>& s) {
+  if constexpr (std::is_same_v<T, float>) {
+    bf16::scores(s.Bf16Rows(in.k_stored, b, hk, j0, nk), nk, ToSize(in.dk), s.qt_pairs.get(), ld, s.st.get());
+  }
+}
+
+// oᵀ [Dv][ld] += Vᵀ·Pᵀ of a key block by bf16 products, Pᵀ (s.st) rounded to bfloat16.
+template <class T>
+void Bf16AddValues(const Inputs<T>& in, int64_t b, int64_t hk, int64_t j0, size_t nk, size_t ld, ForwardScratch<T>& s) {
+  if constexpr (std::is_same_v<T, float>) {
+    const size_t dv = ToSize(in.dv);
+    bf16::pack_weights(s.st.get(), nk, ld, s.p_pairs.get());
+    bf16::pack_values(s.Bf16Rows(in.v_stored, b, hk, j0, nk), nk, dv, s.v_pairs.get());
+    bf16::add_values(s.v_pairs.get(), DivCeil(nk, 2), dv, s.p_pairs.get(), ld, s.acc.get(), kQueryBlock);
   }
 }
 
@@ -1200,19 +1264,24 @@ void ContinueQueryBlock(D d, const Inputs<T>& in, int64_t b, int64_t h, int64_t 
       PrefetchRows(in.k, in.k_stored, b, hk, next, next_n, ToSize(in.dk));
       PrefetchRows(in.v, in.v_stored, b, hk, next, next_n, dv);
     }
+    const bool bf16_products = s.bf16_products && few;
     // Sᵀ [nk][ld] = K · Qᵀ
-    const RowBlock<T> keys = StageRows(d, in.k, in.k_stored, b, hk, j0, nk, ToSize(in.dk), s.k_stage.get());
-    MatMul<false>(d,
-                  Gemm<T>{.a = keys.rows,
-                          .a_row = keys.stride,
-                          .a_depth = 1,
-                          .b = s.qt.get(),
-                          .b_row = ld,
-                          .c = s.st.get(),
-                          .c_row = ld,
-                          .rows = nk,
-                          .depth = ToSize(in.dk)},
-                  ld / N);
+    if (bf16_products) {
+      Bf16Scores(in, b, hk, j0, nk, ld, s);
+    } else {
+      const RowBlock<T> keys = StageRows(d, in.k, in.k_stored, b, hk, j0, nk, ToSize(in.dk), s.k_stage.get());
+      MatMul<false>(d,
+                    Gemm<T>{.a = keys.rows,
+                            .a_row = keys.stride,
+                            .a_depth = 1,
+                            .b = s.qt.get(),
+                            .b_row = ld,
+                            .c = s.st.get(),
+                            .c_row = ld,
+                            .rows = nk,
+                            .depth = ToSize(in.dk)},
+                    ld / N);
+    }
     OnlineSoftmaxStep(d, in, b, h, q0, nq, j0, nk, s);
     if (in.dropout_scale != 0) {
       // l has summed the weights before dropout (the softmax's); only out sees the mask.
@@ -1232,6 +1301,10 @@ void ContinueQueryBlock(D d, const Inputs<T>& in, int64_t b, int64_t h, int64_t 
     // oᵀ [Dv][nq] += Vᵀ · Pᵀ: V's elements are broadcast, each once per key block, and the vectors
     // come from Pᵀ, which the softmax step has just left in L1; the other way round (o += P·V,
     // vectors of V rows) reads every V row once per 4 queries.
+    if (bf16_products) {
+      Bf16AddValues(in, b, hk, j0, nk, ld, s);
+      continue;
+    }
     const RowBlock<T> values = StageRows(d, in.v, in.v_stored, b, hk, j0, nk, dv, s.v_stage.get());
     MatMul<true>(d,
                  Gemm<T>{.a = values.rows,

@@ -33,6 +33,7 @@ HWY_EXPORT(ForwardFloat);
 HWY_EXPORT(ForwardDouble);
 HWY_EXPORT(BackwardFloat);
 HWY_EXPORT(BackwardDouble);
+HWY_EXPORT(Bf16Products);
 
 namespace {
 
@@ -335,6 +336,11 @@ void attention_backward_fused(const AttentionParams<T>& params, TensorView<const
 QKV_INSTANTIATE_ATTENTION_FUSED(float)
 QKV_INSTANTIATE_ATTENTION_FUSED(double)
 #undef QKV_INSTANTIATE_ATTENTION_FUSED
+
+bool attention_bf16_products() {
+  detail::prepare_simd_dispatch();
+  return HWY_DYNAMIC_DISPATCH(Bf16Products)();
+}
 
 }  // namespace qkv
 #endif  // HWY_ONCE

@@ -121,6 +121,11 @@ def check_kv_dtype():
     r = json.loads(done.stdout)["results"][0]
     check(r["paged_over_contiguous"] > 0 and r["append_fraction"] > 0, f"--kv-cache ratios: {r}")
     check_spread(r, "paged_over_contiguous")
+    done = bench("--T", "40", "--kv-dtype", "bf16", "--q-dtype", "bf16", *TINY, "--json")
+    check(done.returncode == 0, f"bench --q-dtype bf16 exits 0: {done.stderr}")
+    report = json.loads(done.stdout)
+    check(report["q_dtype"] == "bfloat16" and report["kv_dtype"] == "bfloat16", f"the report's dtypes: {report}")
+    check("float32" in report["results"][0]["baselines"], f"float32 baseline: {report['results'][0]}")
     done = bench("--decode", "--T", "300", "--kv-dtype", "f16", *TINY)
     check(done.returncode == 0 and "fp32 Q, float16 K and V" in done.stdout and "over fp32" in done.stdout,
           f"the text report names the storage and the ratio: {done.stdout}")
@@ -144,6 +149,9 @@ def check_refusals():
         (["--kv-dtype", "f16", "--varlen", "8,8"], "--varlen"),
         (["--kv-dtype", "int8", "--dropout", "0.1"], "--dropout"),
         (["--kv-cache"], "--kv-cache"),
+        (["--q-dtype", "bf16"], "--q-dtype"),
+        (["--kv-dtype", "int8", "--q-dtype", "int8"], "--q-dtype"),
+        (["--decode", "--kv-cache", "--kv-dtype", "f16", "--q-dtype", "f16"], "--kv-cache"),
         (["--decode", "--kv-cache", "--batch", "2"], "--kv-cache"),
     ]
     for args, option in cases:

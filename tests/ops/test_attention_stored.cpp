@@ -186,11 +186,21 @@ Forward run_stored(const Problem& p, const Stored& s, bool with_lse) {
 
 constexpr StorageType kTypes[] = {StorageType::float16, StorageType::bfloat16, StorageType::int8};
 
+// Out without lse on bfloat16 Q, K and V where the CPU's bf16 dot product runs it: its weights are
+// rounded to bfloat16 (a relative error of at most 2⁻⁸ each: 8 significant bits) before they multiply V, which moves
+// out by at most 2⁻⁸·Σ_j P_ij·|v_j|, the terms magnitude of out; the rest is the float32 rule.
+double bf16_products_tolerance(const testing::AttentionYardsticks& y, const Tensor<double>& exact) {
+  return testing::attention_tolerance(y, testing::NaiveResult::out, exact) +
+         std::ldexp(1.0, -8) * testing::max_abs(testing::naive_result(y.terms, testing::NaiveResult::out));
+}
+
 // For every K/V type (with Q in float32 and in K's type where Q may take it): bit-identical to the
 // float32 kernel on the stored values, with and without lse, on every target; then those values
-// against the float64 reference by the suite's rule. The exception is int8 without lse: blocks of
-// few queries apply int8 scales to the query and the weights instead of to each element, so their
-// out is held to the float64 reference's rule instead.
+// against the float64 reference by the suite's rule. The exceptions are forwards without lse that
+// do not convert every element exactly: int8 (blocks of few queries apply its scales to the query
+// and the weights instead of to each element) and bfloat16 Q, K and V on the bf16 dot product
+// (weights rounded to bfloat16), held to the float64 reference's rule instead (for bfloat16 with
+// the rounding of the weights added).
 void expect_stored_matches_float(Problem p, uint64_t seed, const std::string& label, bool reference = true) {
   for (const StorageType kv : kTypes) {
     for (const StorageType q : {StorageType::float32, kv}) {
@@ -199,16 +209,22 @@ void expect_stored_matches_float(Problem p, uint64_t seed, const std::string& la
       Problem stored_p = p;
       const Stored s = store_problem(stored_p, q, kv);
       const bool int8 = kv == StorageType::int8;
-      const Forward exact = int8 ? testing::reference_forward(stored_p) : Forward{};
+      const bool bf16 = q == StorageType::bfloat16 && kv == StorageType::bfloat16;
+      const Forward exact = int8 || bf16 ? testing::reference_forward(stored_p) : Forward{};
       const testing::AttentionYardsticks y =
-          int8 ? testing::attention_yardsticks(stored_p, testing::random_dout(stored_p, seed))
-               : testing::AttentionYardsticks{};
+          int8 || bf16 ? testing::attention_yardsticks(stored_p, testing::random_dout(stored_p, seed))
+                       : testing::AttentionYardsticks{};
       on_every_target([&] {
         for (const bool with_lse : {true, false}) {
           const Forward got = run_stored(stored_p, s, with_lse);
           if (int8 && !with_lse) {
             EXPECT_TRUE(testing::all_close("int8 out without lse", got.out, exact.out,
                                            testing::attention_tolerance(y, testing::NaiveResult::out, exact.out)));
+            continue;
+          }
+          if (bf16 && !with_lse && attention_bf16_products()) {
+            EXPECT_TRUE(testing::all_close("bfloat16 out on bf16 products", got.out, exact.out,
+                                           bf16_products_tolerance(y, exact.out)));
             continue;
           }
           const Forward want = run_forward<float>(stored_p, AttentionImpl::fused, with_lse);
@@ -247,6 +263,52 @@ TEST(AttentionStored, MasksCausalityAndGroupedHeads) {
   gqa.k = testing::random_tensor<double>({1, 2, 80, 64}, rng);
   gqa.v = testing::random_tensor<double>({1, 2, 80, 64}, rng);
   expect_stored_matches_float(gqa, 37, "grouped-query heads, 4 over 2");
+}
+
+// The bf16 dot product's own checks, beyond the cases above: every size class of its tiles (d = 1,
+// odd depths, key blocks and query vectors cut short), causality, a fully masked row, grouped heads
+// and a KvCache's pages' worth of keys; out within the bfloat16 rule on every AVX-512 target,
+// the same bits for any thread count, and not the float32 kernel's (the weights were rounded).
+TEST(AttentionStored, Bf16ProductsRoundOnlyTheWeights) {
+  if (!attention_bf16_products()) {
+    GTEST_SKIP() << "this CPU has no bf16 dot product at target " << simd_target()
+                 << " (AVX512_BF16 on an AVX-512 target): bfloat16 operands run the float32 arithmetic, tested above";
+  }
+  std::vector<std::pair<std::string, Problem>> problems;
+  const Case cases[] = {{1, 1, 9, 1, 1, 1},      {1, 2, 17, 33, 17, 31},           {2, 1, 64, 64, 64, 64},
+                        {1, 1, 65, 130, 72, 33}, {1, 2, 100, 200, 128, 128, true}, {1, 1, 40, 97, 2, 200}};
+  uint64_t seed = 300;
+  for (const Case& c : cases) {
+    problems.emplace_back(
+        fmt::format("B={} H={} Tq={} Tk={} Dk={} Dv={}{}", c.b, c.h, c.tq, c.tk, c.dk, c.dv, c.causal ? " causal" : ""),
+        random_problem(c, seed++));
+  }
+  Problem masked = random_problem({1, 1, 40, 90, 32, 16}, seed++);
+  masked.allowed = testing::random_mask({40, 90}, 0.7, seed++);
+  for (int64_t j = 0; j < 90; ++j) masked.allowed->view()(3, j) = 0;
+  problems.emplace_back("mask with a fully masked row", masked);
+  Problem gqa = random_problem({1, 4, 33, 80, 64, 64}, seed++);
+  Rng rng(seed++);
+  gqa.k = testing::random_tensor<double>({1, 2, 80, 64}, rng);
+  gqa.v = testing::random_tensor<double>({1, 2, 80, 64}, rng);
+  problems.emplace_back("grouped-query heads, 4 over 2", gqa);
+  for (auto& [label, p] : problems) {
+    SCOPED_TRACE(label);
+    const Stored s = store_problem(p, StorageType::bfloat16, StorageType::bfloat16);
+    const Forward exact = testing::reference_forward(p);
+    const testing::AttentionYardsticks y = testing::attention_yardsticks(p, testing::random_dout(p, seed));
+    const Forward float32 = run_forward<float>(p, AttentionImpl::fused, false);
+    for (const std::string& target : simd_targets()) {
+      const testing::SimdTargetScope scope(target);
+      if (!attention_bf16_products()) continue;
+      SCOPED_TRACE("target " + target);
+      const Forward got = run_stored(p, s, false);
+      EXPECT_TRUE(testing::all_close("out", got.out, exact.out, bf16_products_tolerance(y, exact.out)));
+      if (p.q.shape()[2] > 8 && p.k.shape()[3] > 1) EXPECT_FALSE(bit_identical(got.out, float32.out));
+      const testing::WorkersScope one(1);
+      EXPECT_TRUE(bit_identical(run_stored(p, s, false).out, got.out)) << "one thread against all";
+    }
+  }
 }
 
 TEST(AttentionStored, DecodeSplitsTheKeysAndTakesTheFewQueryLayout) {

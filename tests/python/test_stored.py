@@ -294,3 +294,22 @@ def test_batch_dims_take_scales_of_fewer_dims_and_inputs_numpy_cannot_read(rng):
     # A bfloat16 tensor is no array to numpy (qkv.torch hands over its bits): refused by name.
     with pytest.raises(ValueError, match="k: expected an array numpy can read, got a Tensor"):
         qkv.attention(q[0, 0], torch.zeros(2, 9, 8, dtype=torch.bfloat16), v[0, 0])
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_bfloat16_on_the_bf16_dot_product(rng, causal):
+    """bfloat16 q, k and v asking for out alone: on a CPU with a bf16 dot product its weights are
+    rounded to bfloat16 (8 significant bits) before they multiply v, which moves out by at most
+    2^-8 of sum_j P_ij |v_j|; everywhere else out is the float32 kernel's, bit for bit."""
+    q, k, v = randn(rng, (3, 70, 24)), randn(rng, (3, 90, 24)), randn(rng, (3, 90, 40))
+    (qs, ks, vs), kw, (qf, kf, vf) = operands(q, k, v, ("bfloat16",) * 3)
+    out = qkv.attention(qs, ks, vs, causal=causal, **kw)
+    exact, _, weights = attention_reference(qf, kf, vf, causal=causal)
+    if not qkv.attention_bf16_products():
+        float32 = qkv.attention(qf, kf, vf, causal=causal)
+        assert np.array_equal(out, float32)
+        pytest.skip(f"no bf16 dot product at target {qkv.simd_target()} (AVX512_BF16 on an AVX-512 target); "
+                    "the float32 arithmetic ran, bit for bit")
+    bound = 2.0**-8 * (weights @ np.abs(vf.astype(np.float64))) + 1e-5
+    assert np.all(np.abs(out - exact) <= bound), float(np.max(np.abs(out - exact) - bound))
+    assert not np.array_equal(out, qkv.attention(qf, kf, vf, causal=causal)), "the weights were rounded"

@@ -42,6 +42,7 @@ from ._qkv import (
     alibi_slopes,
     attention,
     attention_backward,
+    attention_bf16_products,
     cpu_summary,
     default_scale,
     get_num_threads,
@@ -87,7 +88,7 @@ def from_bfloat16(bits):
 __all__ = [
     "Error", "FileError", "Heatmap", "KvCache", "ResourceError", "SelfAttention", "ShapeError", "__version__",
     "additive_attention", "additive_attention_backward", "alibi_slopes", "attention", "attention_backward",
-    "cpu_summary", "default_scale", "explore", "from_bfloat16", "get_num_threads", "heatmap", "quantize_int8",
+    "attention_bf16_products", "cpu_summary", "default_scale", "explore", "from_bfloat16", "get_num_threads", "heatmap", "quantize_int8",
     "set_num_threads", "simd_target", "simd_targets", "to_bfloat16", "use_simd_target",
 ]
 

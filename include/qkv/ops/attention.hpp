@@ -169,6 +169,12 @@ void attention_backward(const AttentionParams<T>& params, TensorView<const T> do
 // float32 computation on the values the operands stand for (to_float32), and the fused forward is
 // bit-identical to attention_forward on those values converted first. It converts them where it
 // reads them, a tile of rows at a time, so no float32 copy of K or V is ever made.
+// One exception, where attention_bf16_products() says so: a fused forward that returns no lse on
+// Q, K and V all in bfloat16 runs its blocks of more than 8 queries on the CPU's bf16 dot product
+// (AVX512_BF16), which rounds the softmax's weights to bfloat16 before they multiply V (scores are
+// still exact products summed in float32). Its out is then within the rule of a bf16 computation
+// (docs/low-precision.md), not bit-identical. A forward that returns lse, which a backward reads,
+// never takes it; nor does Q stored as float32.
 struct StoredAttentionParams {
   StoredView q;  // float32, float16 or bfloat16
   StoredView k;  // any StorageType; int8 with scales (one per channel, [..., Hkv, 1, Dk], keeps
@@ -179,6 +185,9 @@ struct StoredAttentionParams {
   std::optional<double> softcap = std::nullopt;
   std::optional<TensorView<const float>> sinks = std::nullopt;
 };
+
+// Whether this CPU, at the SIMD target in use (simd_target()), has the bf16 dot product above.
+bool attention_bf16_products();
 
 // automatic and fused: the fused kernel (weights: the reference); reference: the float64
 // reference on to_float32 of the operands.
