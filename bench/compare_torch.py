@@ -109,9 +109,16 @@ def torch_environment(flags, threads):
     """The child's environment, and a phrase saying where its OPENBLAS_CORETYPE comes from."""
     env = dict(os.environ)
     env["OMP_NUM_THREADS"] = str(threads)
+    avx512 = all(flag in flags for flag in AVX512_FLAGS)
     if "OPENBLAS_CORETYPE" in os.environ:
-        why = f"OPENBLAS_CORETYPE={os.environ['OPENBLAS_CORETYPE']} from your environment, kept"
-    elif all(flag in flags for flag in AVX512_FLAGS):
+        kept = os.environ["OPENBLAS_CORETYPE"]
+        why = f"OPENBLAS_CORETYPE={kept} from your environment, kept"
+        if avx512 and kept.lower() != AVX512_CORETYPE.lower():
+            # A core without AVX-512 on a CPU that has it halves the SGEMM roof, and every ratio to it
+            # then reads about twice too high.
+            why += (f"; the CPU has AVX-512, so the SGEMM roof may be understated: unset it (or set "
+                    f"{AVX512_CORETYPE}) for a roof of this CPU")
+    elif avx512:
         env["OPENBLAS_CORETYPE"] = AVX512_CORETYPE
         why = f"OPENBLAS_CORETYPE={AVX512_CORETYPE}, set as the CPU has AVX-512"
     else:
