@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # scripts/fuzz.sh refuses what is not a target and a whole number of seconds, saying what it takes,
-# before it configures or builds anything. (CI runs each target for a minute: .ci/run.)
+# before it configures or builds anything. (CI runs each target for 30 seconds: .ci/run.)
 # Usage: test_fuzz_sh.sh SOURCE_DIR
 set -uo pipefail
 source_dir=$1
