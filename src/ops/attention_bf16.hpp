@@ -9,7 +9,8 @@
 // taken two elements at a time:
 //   Sᵀ [nk][ld] = K·Qᵀ   over pairs of dims (Qᵀ packed by pack_queries, K rows read in place);
 //   oᵀ [dv][ld] += Vᵀ·Pᵀ over pairs of keys (V packed by pack_values, Pᵀ by pack_weights).
-// The scores are exact products summed in float32, as the float32 kernel's; the weights P are
+// The scores are exact products summed in float32, as the float32 kernel's (the instruction takes
+// subnormal inputs, below 1.2·10⁻³⁸, as 0 and flushes subnormal sums); the weights P are
 // rounded to bfloat16 before the second product (as every bf16 attention does), which is the one
 // place where these results differ from the float32 kernel's on the same values.
 // Words below are 32-bit: a pair of bfloat16, the first element in the low half. ld is the tile's
