@@ -181,9 +181,9 @@ constexpr std::string_view kBody = R"QKV(</head>
 <div class="row">
 <div><p class="hint">Rows are queries, columns keys. Wheel: zoom; drag: pan.</p>
 <div class="row" style="gap:8px"><canvas id="matrix"></canvas><canvas id="bar"></canvas></div></div>
-<div><p class="hint">Head view: queries left, keys right, lines by α. Hover a query for its lines; click a
-token to add it to the selection. <label><input type="checkbox" id="all-heads"> all heads, in colours</label>
-<label>from token <input type="number" id="window" min="0" value="0" style="width:5em"></label></p>
+<div><p class="hint">Head view: queries left, keys right, lines by α. Hover a token for its lines; click one
+to add it to the selection. Wheel: zoom; drag: pan; double-click: every token.
+<label><input type="checkbox" id="all-heads"> all heads, in colours</label></p>
 <canvas id="heads"></canvas></div>
 </div>
 </section>
@@ -238,12 +238,21 @@ constexpr std::string_view kScript = R"QKV(<script>
     return out;
   };
   const bytesOf = Uint8Array.fromBase64 ? (b64) => Uint8Array.fromBase64(b64) : slowBytesOf;
+  // Every layer but the first is written after this script, so that the page is drawn while the
+  // browser still parses the rest of the file; those layers wait for the whole document.
+  const parsed = new Promise((resolve) => {
+    if (document.readyState !== "loading") resolve();
+    else document.addEventListener("DOMContentLoaded", resolve, { once: true });
+  });
   // codes[l * H + h]: that head's [Tq, Tk] codes, once inflated. The first layer is inflated before
   // the page is ready, every other in the background after; a view waits for the layers it needs.
   const codes = new Array(L * H);
   const inflateHead = async (k) => {
-    const reader = new Blob([bytesOf(data.codes[k])]).stream().pipeThrough(new DecompressionStream("deflate"))
-      .getReader();
+    if (k >= H) await parsed;
+    const parts = [...document.querySelectorAll("script[data-head='" + k + "']")];
+    const reader = new Blob(parts.map((part) => bytesOf(part.textContent))).stream()
+      .pipeThrough(new DecompressionStream("deflate")).getReader();
+    for (const part of parts) part.remove();
     const out = new Uint8Array(plane);
     let at = 0;
     for (let chunk = await reader.read(); !chunk.done; chunk = await reader.read()) {
@@ -643,24 +652,67 @@ constexpr std::string_view kScript = R"QKV(<script>
   });
 
   // ---- head view -------------------------------------------------------------------------------
+  // Every token, in two columns. Up to 48 tokens sit a line apart; a longer sequence is fitted into
+  // 48 lines, and the wheel zooms (about the pointer) up to a line a token while dragging pans. Both
+  // columns move by the same fraction of their length, so that the columns of a cross-attention
+  // (Tq ≠ Tk) stay in proportion. The pairs drawn (α ≥ 0.01) are listed once a view, so that a redraw
+  // on hover or zoom goes over them, not over Tq × Tk.
   const heads = $("heads");
   const headsCtx = heads.getContext("2d");
-  const windowSize = 64;
   const lineHeight = 16;
+  const headsTop = 24;
   const qColumn = 190;
   const kColumn = 450;
-  let hover = null;
-  const windowInput = $("window");
-  windowInput.max = String(Math.max(0, Math.max(tq, tk) - windowSize));
-  const windowStart = (n) => Math.max(0, Math.min(n - windowSize, Number(windowInput.value) || 0));
+  const longest = Math.max(tq, tk);
+  const columnHeight = Math.min(longest, 48) * lineHeight;
+  const pitchOf = (n) => Math.min(lineHeight, columnHeight / n);
+  const headZoom = { z: 1, f: 0 };  // z: the zoom; f: the fraction of the longer column above the view
+  const maxHeadZoom = lineHeight / pitchOf(longest);
   heads.width = 640;
-  heads.height = 24 + Math.min(windowSize, Math.max(tq, tk)) * lineHeight;
+  heads.height = headsTop + columnHeight + 4;
+  const shift = (n) => Math.max(0, Math.min(headZoom.f * n * pitchOf(n) * headZoom.z,
+    n * pitchOf(n) * headZoom.z - columnHeight));
+  const yOf = (k, n) => headsTop + (k + 0.5) * pitchOf(n) * headZoom.z - shift(n);
+  const indexAt = (y, n) => Math.floor((y - headsTop + shift(n)) / (pitchOf(n) * headZoom.z));
+  function clampHeadZoom() {
+    headZoom.z = Math.min(maxHeadZoom, Math.max(1, headZoom.z));
+    headZoom.f = Math.max(0, Math.min(1 - 1 / headZoom.z, headZoom.f));
+  }
+  // [i, j, α, ...] of the pairs with α ≥ 0.01 (a rollout: of its largest value).
+  const headPairs = new Map();
+  function pairsOfHead(l, h) {
+    const k = l * H + h;
+    if (!headPairs.has(k)) {
+      const c = codes[k];
+      const out = [];
+      for (let i = 0; i < tq; i++) {
+        const s = scales[k * tq + i];
+        const least = 0.01 / s;
+        for (let j = 0; j < tk; j++) if (c[i * tk + j] >= least) out.push(i, j, c[i * tk + j] * s);
+      }
+      headPairs.set(k, out);
+    }
+    return headPairs.get(k);
+  }
+  let shownPairs = { of: null, pairs: [] };
+  function pairsOfMatrix() {
+    if (shownPairs.of !== matrix) {
+      const out = [];
+      const unit = view.kind === "rollout" ? vmax : 1;
+      if (matrix) {
+        for (let i = 0; i < tq; i++) {
+          for (let j = 0; j < tk; j++) if (matrix[i * tk + j] / unit >= 0.01) out.push(i, j, matrix[i * tk + j] / unit);
+        }
+      }
+      shownPairs = { of: matrix, pairs: out };
+    }
+    return shownPairs.pairs;
+  }
+  let hover = null;
   function drawHeads() {
+    clampHeadZoom();
     const g = headsCtx;
-    const qs = windowStart(tq);
-    const ks = windowStart(tk);
-    const nq = Math.min(windowSize, tq);
-    const nk = Math.min(windowSize, tk);
+    const bottom = headsTop + columnHeight;
     g.fillStyle = "#fff";
     g.fillRect(0, 0, heads.width, heads.height);
     g.font = font;
@@ -670,44 +722,62 @@ constexpr std::string_view kScript = R"QKV(<script>
     g.fillText("queries", qColumn, 8);
     g.textAlign = "left";
     g.fillText("keys", kColumn, 8);
-    const yOf = (k) => 24 + (k + 0.5) * lineHeight;
     const overlay = $("all-heads").checked && view.kind === "attention";
-    const sources = overlay ? [...Array(H).keys()].map((h) => [headWeights(view.layer, h), headColor(h)])
-      : matrix ? [[matrix, "#1f5fbf"]] : [];
+    const sources = overlay ? [...Array(H).keys()].map((h) => [pairsOfHead(view.layer, h), headColor(h)])
+      : [[view.kind === "attention" && view.head !== "mean" ? pairsOfHead(view.layer, view.head) : pairsOfMatrix(),
+        "#1f5fbf"]];
+    // One path per 1/32 of opacity: a long sequence's thousands of lines are a few strokes.
+    const levels = 32;
     let lines = 0;
-    g.lineWidth = 2;
-    for (const [m, color] of sources) {
+    g.save();
+    g.beginPath();
+    g.rect(0, headsTop, heads.width, columnHeight);
+    g.clip();
+    g.lineWidth = pitchOf(longest) * headZoom.z >= 4 ? 2 : 1;
+    for (const [pairs, color] of sources) {
+      const paths = Array.from({ length: levels }, () => new Path2D());
+      for (let p = 0; p < pairs.length; p += 3) {
+        const i = pairs[p];
+        const j = pairs[p + 1];
+        if (hover && (hover.side === "query" ? hover.index !== i : hover.index !== j)) continue;
+        const yq = yOf(i, tq);
+        const yk = yOf(j, tk);
+        if ((yq < headsTop && yk < headsTop) || (yq > bottom && yk > bottom)) continue;
+        const path = paths[Math.min(levels - 1, Math.floor(pairs[p + 2] * levels))];
+        path.moveTo(qColumn + 8, yq);
+        path.lineTo(kColumn - 8, yk);
+        lines++;
+      }
       g.strokeStyle = color;
-      for (let a = 0; a < nq; a++) {
-        const i = qs + a;
-        if (hover && hover.side === "query" && hover.index !== i) continue;
-        for (let b = 0; b < nk; b++) {
-          const j = ks + b;
-          if (hover && hover.side === "key" && hover.index !== j) continue;
-          const w = m[i * tk + j] / (view.kind === "rollout" ? vmax : 1);
-          if (w < 0.01) continue;
-          g.globalAlpha = Math.min(1, w);
-          g.beginPath();
-          g.moveTo(qColumn + 8, yOf(a));
-          g.lineTo(kColumn - 8, yOf(b));
-          g.stroke();
-          lines++;
+      paths.forEach((path, level) => {
+        g.globalAlpha = (level + 0.5) / levels;
+        g.stroke(path);
+      });
+    }
+    // Labels thinned to every 1st, 2nd, 5th, 10th, ... so that they never overlap at this zoom.
+    const labelSteps = [];
+    for (const [side, n, labels, picked] of [["query", tq, rows, selection.queries], ["key", tk, cols, selection.keys]]) {
+      const x = side === "query" ? qColumn : kColumn;
+      const step = niceStep(Math.ceil(13 / (pitchOf(n) * headZoom.z)));
+      labelSteps.push(step);
+      const first = Math.max(0, indexAt(headsTop, n));
+      const last = Math.min(n - 1, indexAt(bottom, n));
+      g.textAlign = side === "query" ? "right" : "left";
+      for (const k of picked) {
+        if (k < first || k > last) continue;
+        g.fillStyle = side === "query" ? "#ff00cc" : "#00c8ff";
+        g.fillRect(side === "query" ? x + 2 : x - 6, yOf(k, n) - 1, 4, 3);
+      }
+      for (let k = Math.ceil(first / step) * step; k <= last; k += step) {
+        if (picked.includes(k)) {
+          g.fillStyle = side === "query" ? "#ffd6f5" : "#d0f4ff";
+          g.fillRect(side === "query" ? x - 170 : x - 4, yOf(k, n) - 7, 174, 14);
         }
+        g.fillStyle = hover && hover.side === side && hover.index === k ? "#1f5fbf" : "#222";
+        g.fillText(fit(data.numbered ? labels[k] : k + " " + labels[k], 160), x, yOf(k, n));
       }
     }
-    g.globalAlpha = 1;
-    const token = (label, k, index, side, picked) => {
-      const x = side === "query" ? qColumn : kColumn;
-      if (picked) {
-        g.fillStyle = side === "query" ? "#ffd6f5" : "#d0f4ff";
-        g.fillRect(side === "query" ? x - 170 : x - 4, yOf(k) - 7, 174, 14);
-      }
-      g.fillStyle = hover && hover.side === side && hover.index === index ? "#1f5fbf" : "#222";
-      g.textAlign = side === "query" ? "right" : "left";
-      g.fillText(fit(data.numbered ? label : index + " " + label, 160), x, yOf(k));
-    };
-    for (let a = 0; a < nq; a++) token(rows[qs + a], a, qs + a, "query", selection.queries.includes(qs + a));
-    for (let b = 0; b < nk; b++) token(cols[ks + b], b, ks + b, "key", selection.keys.includes(ks + b));
+    g.restore();
     if (overlay) {
       g.textAlign = "left";
       for (let h = 0; h < H; h++) {
@@ -715,21 +785,55 @@ constexpr std::string_view kScript = R"QKV(<script>
         g.fillText("h" + h, qColumn + 20 + h * ((kColumn - qColumn - 40) / H), 8);
       }
     }
-    Object.assign(heads.dataset, { lines, overlay, queryStart: qs, keyStart: ks });
+    const bottomIndex = (n) => Math.min(n - 1, indexAt(bottom - 1, n));
+    Object.assign(heads.dataset, { lines, overlay, zoom: headZoom.z, queryStart: Math.max(0, indexAt(headsTop, tq)),
+      queryEnd: bottomIndex(tq), keyStart: Math.max(0, indexAt(headsTop, tk)), keyEnd: bottomIndex(tk),
+      labelStep: labelSteps.join(",") });
   }
   const tokenAt = (event) => {
     const box = heads.getBoundingClientRect();
     const x = event.clientX - box.left;
-    const k = Math.floor((event.clientY - box.top - 24) / lineHeight);
-    if (k < 0) return null;
-    if (x < qColumn + 10 && k < Math.min(windowSize, tq)) return { side: "query", index: windowStart(tq) + k };
-    if (x > kColumn - 10 && k < Math.min(windowSize, tk)) return { side: "key", index: windowStart(tk) + k };
+    const y = event.clientY - box.top;
+    if (y < headsTop || y >= headsTop + columnHeight) return null;
+    for (const [side, n, near] of [["query", tq, x < qColumn + 10], ["key", tk, x > kColumn - 10]]) {
+      const k = indexAt(y, n);
+      if (near && k >= 0 && k < n) return { side, index: k };
+    }
     return null;
   };
+  let headDrag = null;
+  let dragged = false;  // a drag ends in a click, which then selects nothing
+  heads.addEventListener("wheel", (event) => {
+    event.preventDefault();
+    const y = event.clientY - heads.getBoundingClientRect().top - headsTop;
+    const whole = columnHeight * headZoom.z;
+    const at = (y + headZoom.f * whole) / whole;  // the fraction of the longer column under the pointer
+    headZoom.z *= event.deltaY < 0 ? 1.25 : 0.8;
+    clampHeadZoom();
+    headZoom.f = (at * columnHeight * headZoom.z - y) / (columnHeight * headZoom.z);
+    drawHeads();
+  }, { passive: false });
+  heads.addEventListener("mousedown", (event) => {
+    headDrag = { y: event.clientY, f: headZoom.f };
+    dragged = false;
+  });
+  window.addEventListener("mouseup", () => {
+    headDrag = null;
+  });
   heads.addEventListener("mousemove", (event) => {
+    if (headDrag && Math.abs(event.clientY - headDrag.y) > 3) {
+      dragged = true;
+      headZoom.f = headDrag.f - (event.clientY - headDrag.y) / (columnHeight * headZoom.z);
+      drawHeads();
+      return;
+    }
     const next = tokenAt(event);
     if (JSON.stringify(next) === JSON.stringify(hover)) return;
     hover = next;
+    if (hover) {
+      const label = (hover.side === "query" ? rows : cols)[hover.index];
+      $("readout").textContent = hover.side + " " + hover.index + " " + quote(label) + " (" + viewName() + ")";
+    }
     drawHeads();
   });
   heads.addEventListener("mouseleave", () => {
@@ -738,7 +842,7 @@ constexpr std::string_view kScript = R"QKV(<script>
   });
   heads.addEventListener("click", (event) => {
     const t = tokenAt(event);
-    if (!t) return;
+    if (dragged || !t) return;
     const list = t.side === "query" ? selection.queries : selection.keys;
     const at = list.indexOf(t.index);
     if (at >= 0) list.splice(at, 1);
@@ -747,8 +851,11 @@ constexpr std::string_view kScript = R"QKV(<script>
     $(t.side === "query" ? "queries" : "keys").value = list.join(" ");
     selectionChanged();
   });
+  heads.addEventListener("dblclick", () => {
+    Object.assign(headZoom, { z: 1, f: 0 });
+    drawHeads();
+  });
   $("all-heads").addEventListener("change", drawHeads);
-  windowInput.addEventListener("input", drawHeads);
 
   // ---- selections ------------------------------------------------------------------------------
   const selection = { queries: [], keys: [] };
@@ -889,8 +996,11 @@ constexpr std::string_view kScript = R"QKV(<script>
     setView,
   };
   await setView({});
+  // On the page's clock, from the start of the navigation: the reader's wait, with no test harness in it.
+  document.body.dataset.readyMs = Math.round(performance.now());
   document.body.dataset.ready = "true";
   await loadLayersUpTo(L - 1);
+  document.body.dataset.loadedMs = Math.round(performance.now());
   document.body.dataset.loaded = "true";
 })().catch((error) => {
   document.getElementById("readout").textContent = "The page could not be drawn: " + error.message;
@@ -933,17 +1043,24 @@ std::string render_explorer_html(TensorView<const float> attention, const Explor
       json_strings(names), json_strings(rows), json_strings(cols), options.query_tokens.empty(), json_strings(lut));
   fmt::format_to(std::back_inserter(out), "\"entropy\":{},\"distance\":{},", json_numbers(attention_entropy(attention)),
                  json_numbers(attention_distance(attention)));
-  // A stream a head: the page inflates the first layer's before it is ready and the rest after.
   fmt::format_to(std::back_inserter(out), "\"thumbnailShape\":[{},{}],\"thumbnails\":\"{}\",", std::min(tq, kThumbnail),
                  std::min(tk, kThumbnail), base64(packed.thumbnails));
-  out += "\"scales\":\"" + base64(packed.scales) + "\",\"codes\":[";
+  out += "\"scales\":\"" + base64(packed.scales) + "\"}</script>\n";
+  // Each head's deflated codes in parts of at most kPartBytes, each its own base64 element: the
+  // parser takes many small text nodes faster than one of megabytes. The first layer's come before
+  // the script, so that the page is drawn from them, every other layer's after it.
+  constexpr size_t kPartBytes = 3 << 18;
   const size_t plane = static_cast<size_t>(tq * tk);
   for (size_t head = 0; head * plane < packed.codes.size(); ++head) {
-    out += (head > 0 ? ",\"" : "\"") + base64(deflate(packed.codes.substr(head * plane, plane))) + "\"";
+    if (head == static_cast<size_t>(heads)) out += kScript;
+    const std::string deflated = deflate(packed.codes.substr(head * plane, plane));
+    for (size_t at = 0; at < deflated.size(); at += kPartBytes) {
+      fmt::format_to(std::back_inserter(out),
+                     "<script type=\"application/octet-stream\" data-head=\"{}\">{}</script>\n", head,
+                     base64(std::string_view(deflated).substr(at, kPartBytes)));
+    }
   }
-  out += "]}";
-  out += "</script>\n";
-  out += kScript;
+  if (layers == 1) out += kScript;
   out += "</body>\n</html>\n";
   return out;
 }

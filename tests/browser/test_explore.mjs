@@ -33,11 +33,13 @@ const chromiumPath = process.env.QKV_CHROMIUM || "/usr/bin/chromium";
 const tmp = fs.mkdtempSync(path.join(os.tmpdir(), "qkv-explore-"));
 const screenshotDir = process.env.QKV_SCREENSHOT_DIR || tmp;
 const timeScale = Number(process.env.QKV_TEST_TIME_SCALE || "1");
-// Opening time, from the navigation to the page drawn and answering for its first layer (every
-// later layer is inflated after, in the background), on a 2-core CI machine: a 4096 × 4096 page of
-// two heads (33.5 M weights), and L = 12, H = 12, T = 512 (37.7 M).
+// Opening time on the page's clock, from the navigation to the page drawn and answering for its
+// first layer (the browser parses and inflates every later layer after, in the background), with
+// room for a 2-core CI machine running other tests beside this one: a 4096 × 4096 page of two heads
+// (33.5 M weights), and L = 12, H = 12, T = 512 (37.7 M), which opens in well under 2 s on an idle
+// machine (docs/heatmaps.md has the figures).
 const kLongOpenMs = 15000 * timeScale;
-const kModelOpenMs = 15000 * timeScale;
+const kModelOpenMs = 6000 * timeScale;
 
 let passed = 0;
 const failures = [];
@@ -150,12 +152,12 @@ async function open(file) {
       problems.push("network request: " + url);
     }
   });
-  const start = Date.now();
   await page.goto(pathToFileURL(file).href);
-  await page.waitForSelector("body[data-ready=true]", { timeout: 120000 });
-  const openMs = Date.now() - start;
   await page.waitForSelector("body[data-loaded=true]", { timeout: 120000 });
-  return { page, problems, openMs, loadedMs: Date.now() - start };
+  // The page's own clock, from the start of the navigation: the harness's polling is not the reader's wait.
+  const openMs = Number(await page.getAttribute("body", "data-ready-ms"));
+  const loadedMs = Number(await page.getAttribute("body", "data-loaded-ms"));
+  return { page, problems, openMs, loadedMs };
 }
 
 const shot = (page, selector) => page.locator(selector).screenshot();
@@ -334,6 +336,28 @@ try {
     `layer inflated in ${bert.loadedMs} ms`);
   check(bertSize < 20e6, `L = 12, H = 12, T = 512 is under 20 MB (${bertSize} bytes)`);
   check(bert.openMs < kModelOpenMs, `L = 12, H = 12, T = 512 opens within ${kModelOpenMs} ms (${bert.openMs} ms)`);
+  // The head view holds every token: 512 in its 48 lines, labels thinned, until the wheel zooms in.
+  const headsData = () => bert.page.evaluate(() => ({ ...document.getElementById("heads").dataset }));
+  const whole = await headsData();
+  check(whole.queryStart === "0" && whole.queryEnd === "511" && whole.keyEnd === "511" && Number(whole.lines) > 0,
+    `the head view shows all 512 tokens and their lines (${JSON.stringify(whole)})`);
+  await bert.page.locator("#heads").scrollIntoViewIfNeeded();
+  const headsBox = await bert.page.locator("#heads").boundingBox();
+  const wholeShot = await shot(bert.page, "#heads");
+  await bert.page.mouse.move(headsBox.x + 320, headsBox.y + 24 + 400);
+  for (let k = 0; k < 8; k++) await bert.page.mouse.wheel(0, -100);
+  await bert.page.waitForFunction(() => Number(document.getElementById("heads").dataset.zoom) > 4);
+  const zoomedIn = await headsData();
+  check(Number(zoomedIn.queryStart) > 0 && Number(zoomedIn.queryEnd) < 511 &&
+    Number(zoomedIn.labelStep.split(",")[0]) < Number(whole.labelStep.split(",")[0]),
+    `the wheel zooms the head view about the pointer, labels less thinned (${JSON.stringify(zoomedIn)})`);
+  check(!(await shot(bert.page, "#heads")).equals(wholeShot), "the zoomed head view redraws");
+  await bert.page.mouse.move(headsBox.x + 150, headsBox.y + 24 + 400);
+  const hoveredLong = await headsData();
+  check(Number(hoveredLong.lines) > 0 && Number(hoveredLong.lines) < Number(zoomedIn.lines),
+    `hovering a query of 512 draws only its lines (${hoveredLong.lines} of ${zoomedIn.lines})`);
+  await bert.page.mouse.dblclick(headsBox.x + 320, headsBox.y + 24 + 400);
+  check((await headsData()).zoom === "1", "a double-click shows every token again");
   check(bert.problems.length === 0, "the 12 × 12 × 512 page: " + (bert.problems.join("; ") || "no problems"));
   await bert.page.close();
 } finally {
