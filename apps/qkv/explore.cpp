@@ -55,7 +55,8 @@ Output by the extension of -o:
          and mean distance. Weights are stored in 8 bits a row, deflated.
   .png, .svg, .pdf  --view grid (every layer and head), mean (each layer's mean over heads) or
          rollout (up to each layer); --select-rows "3 5-7" draws, per layer, the mean of those
-         queries' rows of the chosen view instead.
+         queries' rows of the chosen view instead. --panel-scale own (the default) colours each
+         panel by its own largest value, as the page's model view does; shared, all on one scale.
 Examples:
   qkv explore attention.npz --tokens "the cat sat on the mat" -o explorer.html
   qkv explore attention.npy --tokens-file tokens.txt --view rollout -o rollout.png
@@ -76,6 +77,8 @@ struct ExploreCliOptions {
   std::string title;
   std::string cmap = "viridis";
   std::string view = "grid";
+  std::string panel_scale = "own";
+  CLI::Option* panel_scale_option = nullptr;
   std::string select_rows;
   const CLI::Option* select_rows_option = nullptr;
 };
@@ -251,9 +254,15 @@ void run_explore(const ExploreCliOptions& o) {
   if (colormap_is_diverging(colormap)) {
     throw ValueError(fmt::format("--cmap: expected viridis, magma or gray (weights are >= 0), got {}", o.cmap));
   }
-  if (format == HeatmapFormat::html && (o.view != "grid" || o.select_rows_option->count() > 0)) {
-    throw ValueError(fmt::format("{}: the page has every view; --view and --select-rows are for images, got -o {}",
-                                 o.select_rows_option->count() > 0 ? "--select-rows" : "--view", o.out));
+  const PanelScale panel_scale = parse_panel_scale(o.panel_scale, "--panel-scale");
+  if (format == HeatmapFormat::html &&
+      (o.view != "grid" || o.select_rows_option->count() > 0 || o.panel_scale_option->count() > 0)) {
+    const std::string_view given = o.select_rows_option->count() > 0   ? "--select-rows"
+                                   : o.panel_scale_option->count() > 0 ? "--panel-scale"
+                                                                       : "--view";
+    throw ValueError(
+        fmt::format("{}: the page has every view; --view, --select-rows and --panel-scale are for images, got -o {}",
+                    given, o.out));
   }
 
   ModelAttention model = o.input.ends_with(".npz") ? read_npz_model(o) : read_npy_model(o);
@@ -266,6 +275,7 @@ void run_explore(const ExploreCliOptions& o) {
   ExplorerOptions options;
   options.title = o.title;
   options.colormap = colormap;
+  options.panel_scale = panel_scale;
   options.source = model.source;
   options.layer_names = model.layer_names;
   if (o.layer_names_option->count() > 0) {
@@ -346,6 +356,10 @@ void register_explore(CLI::App& app) {
   cmd->add_option("--cmap", o->cmap, "colour map: viridis, magma or gray")->capture_default_str();
   cmd->add_option("--view", o->view, "what an image shows: grid (every layer and head), mean or rollout")
       ->capture_default_str();
+  o->panel_scale_option =
+      cmd->add_option("--panel-scale", o->panel_scale,
+                      "an image's colours: own (each panel by its largest value, given in its caption) or shared")
+          ->capture_default_str();
   o->select_rows_option =
       cmd->add_option("--select-rows", o->select_rows,
                       "an image of the mean of these queries' rows, per layer: indices and spans, \"3 5-7\"");

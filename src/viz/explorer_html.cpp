@@ -244,23 +244,53 @@ constexpr std::string_view kScript = R"QKV(<script>
     if (document.readyState !== "loading") resolve();
     else document.addEventListener("DOMContentLoaded", resolve, { once: true });
   });
+  // Inflating runs in workers, one a core (up to 4), so that heads inflate side by side and off the
+  // thread that draws; a browser that refuses a worker from a blob inflates here instead.
+  const inflate = async (bytes) =>
+    new Uint8Array(await new Response(new Blob(bytes).stream().pipeThrough(new DecompressionStream("deflate")))
+      .arrayBuffer());
+  const pending = new Map();
+  const workers = [];
+  try {
+    const source = "onmessage = async (event) => { const { k, bytes } = event.data; try { const out = new Uint8Array(" +
+      "await new Response(new Blob(bytes).stream().pipeThrough(new DecompressionStream('deflate'))).arrayBuffer());" +
+      " postMessage({ k, out }, [out.buffer]); } catch (error) { postMessage({ k, error: String(error) }); } };";
+    const url = URL.createObjectURL(new Blob([source], { type: "text/javascript" }));
+    for (let w = 0; w < Math.min(4, navigator.hardwareConcurrency || 2); w++) {
+      const worker = new Worker(url);
+      worker.onmessage = (event) => {
+        const { k, out, error } = event.data;
+        const { resolve, reject } = pending.get(k);
+        pending.delete(k);
+        if (error) reject(new Error("weights: head " + k + ": " + error));
+        else resolve(out);
+      };
+      worker.onerror = (event) => {
+        for (const { reject } of pending.values()) reject(new Error("weights: a worker failed: " + event.message));
+        pending.clear();
+      };
+      workers.push(worker);
+    }
+  } catch (error) {
+    workers.length = 0;
+  }
+  const inflateAway = (k, bytes) => {
+    if (workers.length === 0) return inflate(bytes);
+    return new Promise((resolve, reject) => {
+      pending.set(k, { resolve, reject });
+      workers[k % workers.length].postMessage({ k, bytes }, bytes.map((b) => b.buffer));
+    });
+  };
   // codes[l * H + h]: that head's [Tq, Tk] codes, once inflated. The first layer is inflated before
   // the page is ready, every other in the background after; a view waits for the layers it needs.
   const codes = new Array(L * H);
   const inflateHead = async (k) => {
     if (k >= H) await parsed;
     const parts = [...document.querySelectorAll("script[data-head='" + k + "']")];
-    const reader = new Blob(parts.map((part) => bytesOf(part.textContent))).stream()
-      .pipeThrough(new DecompressionStream("deflate")).getReader();
+    const bytes = parts.map((part) => bytesOf(part.textContent));
     for (const part of parts) part.remove();
-    const out = new Uint8Array(plane);
-    let at = 0;
-    for (let chunk = await reader.read(); !chunk.done; chunk = await reader.read()) {
-      if (at + chunk.value.length > plane) throw new Error("weights: head " + k + " holds more than " + plane + " codes");
-      out.set(chunk.value, at);
-      at += chunk.value.length;
-    }
-    if (at !== plane) throw new Error("weights: head " + k + " holds " + at + " codes, expected " + plane);
+    const out = await inflateAway(k, bytes);
+    if (out.length !== plane) throw new Error("weights: head " + k + " holds " + out.length + " codes, expected " + plane);
     codes[k] = out;
   };
   const layerLoads = new Array(L);
@@ -355,11 +385,23 @@ constexpr std::string_view kScript = R"QKV(<script>
   const view = { kind: "attention", layer: 0, head: 0 };  // head: a number or "mean"
   const canRollOut = selfAttention;
   const wholeRollout = selfAttention && tq <= data.rolloutLimit;
-  let matrix = null;  // the shown [Tq, Tk], or null for a rollout too large to draw whole
+  // One head is drawn from its codes, and its float64 [Tq, Tk] is made only when a selection needs it
+  // (at 4096 tokens that is 134 MB). Every other view is made whole, unless it is a rollout too large.
+  const oneHead = () => view.kind === "attention" && view.head !== "mean";
+  let drawable = true;
+  let matrix = null;
   let vmax = 1;
-  function currentMatrix() {
-    if (view.kind === "rollout") return wholeRollout ? rollout(view.layer) : null;
-    return view.head === "mean" ? headMean(view.layer) : headWeights(view.layer, view.head);
+  function shownMatrix() {
+    if (!matrix && drawable) {
+      if (view.kind === "rollout") matrix = rollout(view.layer);
+      else matrix = oneHead() ? headWeights(view.layer, view.head) : headMean(view.layer);
+    }
+    return matrix;
+  }
+  function valueAt(i, j) {
+    if (!oneHead()) return matrix[i * tk + j];
+    const k = view.layer * H + view.head;
+    return codes[k][i * tk + j] * scales[k * tq + i];
   }
   function viewName() {
     if (view.kind === "rollout") return "rollout up to " + layers[view.layer];
@@ -387,9 +429,15 @@ constexpr std::string_view kScript = R"QKV(<script>
     headSelect.value = String(view.head);
     kindSelect.value = view.kind;
     headSelect.disabled = view.kind === "rollout";
-    matrix = currentMatrix();
+    matrix = null;
+    drawable = view.kind !== "rollout" || wholeRollout;
     vmax = 0;
-    if (matrix) for (const v of matrix) if (v > vmax) vmax = v;
+    if (oneHead()) {
+      // Each row's largest weight is its code 255.
+      for (let i = 0; i < tq; i++) vmax = Math.max(vmax, 255 * scales[(view.layer * H + view.head) * tq + i]);
+    } else if (shownMatrix()) {
+      for (const v of matrix) if (v > vmax) vmax = v;
+    }
     if (!(vmax > 0)) vmax = 1;
     buildCells();
     drawMatrix();
@@ -397,7 +445,7 @@ constexpr std::string_view kScript = R"QKV(<script>
     drawModel();
     drawHeads();
     drawSelections();
-    $("readout").textContent = "Showing " + viewName() + (matrix ? "" : ": the whole rollout is drawn up to " +
+    $("readout").textContent = "Showing " + viewName() + (drawable ? "" : ": the whole rollout is drawn up to " +
       data.rolloutLimit + " tokens; select query tokens to see their rollout rows") + ".";
     document.body.dataset.view = view.kind + ":" + view.layer + ":" + view.head;
   }
@@ -493,14 +541,25 @@ constexpr std::string_view kScript = R"QKV(<script>
   cells.width = tk;
   cells.height = tq;
   const cellsCtx = cells.getContext("2d");
+  // The colour map as the canvas's RGBA bytes read as one little-endian 32-bit word.
+  const rgbaLut = Uint32Array.from(rgbLut, (c) => (0xff000000 | (c & 255) << 16 | (c & 0xff00) | c >> 16) >>> 0);
   function buildCells() {
     const image = cellsCtx.createImageData(tk, tq);
-    for (let k = 0; k < plane; k++) {
-      const c = matrix ? rgbLut[Math.min(255, Math.round(matrix[k] / vmax * 255))] : 0xe0e0e0;
-      image.data[4 * k] = c >> 16;
-      image.data[4 * k + 1] = (c >> 8) & 255;
-      image.data[4 * k + 2] = c & 255;
-      image.data[4 * k + 3] = 255;
+    const out = new Uint32Array(image.data.buffer);
+    if (oneHead()) {
+      // A row's cells through a table of its 256 codes' colours.
+      const k = view.layer * H + view.head;
+      const c = codes[k];
+      const table = new Uint32Array(256);
+      for (let i = 0; i < tq; i++) {
+        const step = scales[k * tq + i] / vmax * 255;
+        for (let code = 0; code < 256; code++) table[code] = rgbaLut[Math.min(255, Math.round(code * step))];
+        for (let j = 0; j < tk; j++) out[i * tk + j] = table[c[i * tk + j]];
+      }
+    } else if (drawable) {
+      for (let k = 0; k < plane; k++) out[k] = rgbaLut[Math.min(255, Math.round(matrix[k] / vmax * 255))];
+    } else {
+      out.fill(0xffe0e0e0);
     }
     cellsCtx.putImageData(image, 0, 0);
   }
@@ -634,13 +693,13 @@ constexpr std::string_view kScript = R"QKV(<script>
     const j = Math.floor(zoom.ox + (event.clientX - box.left - x0) / zoom.scale);
     const i = Math.floor(zoom.oy + (event.clientY - box.top - y0) / zoom.scale);
     const inside = event.clientX - box.left >= x0 && event.clientY - box.top >= y0 && i >= 0 && j >= 0 && i < tq &&
-      j < tk && matrix;
+      j < tk && drawable;
     if (!inside) {
       tooltip.style.display = "none";
       return;
     }
     const text = "query " + i + " " + quote(rows[i]) + " \u2192 key " + j + " " + quote(cols[j]) + "\n" +
-      (view.kind === "rollout" ? "rollout" : "\u03b1") + " = " + fmtValue(matrix[i * tk + j]) + " (" + viewName() + ")";
+      (view.kind === "rollout" ? "rollout" : "\u03b1") + " = " + fmtValue(valueAt(i, j)) + " (" + viewName() + ")";
     tooltip.textContent = text;
     tooltip.style.display = "block";
     tooltip.style.left = event.clientX + 14 + "px";
@@ -724,7 +783,7 @@ constexpr std::string_view kScript = R"QKV(<script>
     g.fillText("keys", kColumn, 8);
     const overlay = $("all-heads").checked && view.kind === "attention";
     const sources = overlay ? [...Array(H).keys()].map((h) => [pairsOfHead(view.layer, h), headColor(h)])
-      : [[view.kind === "attention" && view.head !== "mean" ? pairsOfHead(view.layer, view.head) : pairsOfMatrix(),
+      : [[oneHead() ? pairsOfHead(view.layer, view.head) : pairsOfMatrix(),
         "#1f5fbf"]];
     // One path per 1/32 of opacity: a long sequence's thousands of lines are a few strokes.
     const levels = 32;
@@ -892,7 +951,7 @@ constexpr std::string_view kScript = R"QKV(<script>
     if (selection.queries.length === 0) return null;
     const out = new Float64Array(tk);
     for (const i of selection.queries) {
-      const row = matrix ? matrix.subarray(i * tk, (i + 1) * tk) : rolloutRow(i, view.layer);
+      const row = drawable ? shownMatrix().subarray(i * tk, (i + 1) * tk) : rolloutRow(i, view.layer);
       for (let j = 0; j < tk; j++) out[j] += row[j];
     }
     if ($("combine").value === "mean") for (let j = 0; j < tk; j++) out[j] /= selection.queries.length;
@@ -900,7 +959,8 @@ constexpr std::string_view kScript = R"QKV(<script>
   }
   // Who attends to the selected keys: the sum (or mean) of their columns, over the queries.
   function colResult() {
-    if (selection.keys.length === 0 || !matrix) return null;
+    if (selection.keys.length === 0 || !drawable) return null;
+    shownMatrix();
     const out = new Float64Array(tq);
     for (let i = 0; i < tq; i++) for (const j of selection.keys) out[i] += matrix[i * tk + j];
     if ($("combine").value === "mean") for (let i = 0; i < tq; i++) out[i] /= selection.keys.length;
@@ -1000,6 +1060,7 @@ constexpr std::string_view kScript = R"QKV(<script>
   document.body.dataset.readyMs = Math.round(performance.now());
   document.body.dataset.ready = "true";
   await loadLayersUpTo(L - 1);
+  for (const worker of workers) worker.terminate();
   document.body.dataset.loadedMs = Math.round(performance.now());
   document.body.dataset.loaded = "true";
 })().catch((error) => {

@@ -55,7 +55,23 @@ Panels view_panels(TensorView<const float> attention, ExplorerView view, const s
   return panels;
 }
 
+// Divides each of `count` runs of `size` values by its largest and appends that largest to its caption.
+void scale_each_panel(Tensor<double>& values, int64_t count, int64_t size, std::vector<std::string>& captions) {
+  for (int64_t p = 0; p < count; ++p) {
+    double* panel = values.data() + p * size;
+    const double largest = *std::max_element(panel, panel + size);
+    if (largest > 0.0) std::for_each(panel, panel + size, [largest](double& v) { v /= largest; });
+    captions[static_cast<size_t>(p)] += fmt::format(" · max {:.3g}", largest);
+  }
+}
+
 }  // namespace
+
+PanelScale parse_panel_scale(std::string_view name, std::string_view arg) {
+  if (name == "own") return PanelScale::own;
+  if (name == "shared") return PanelScale::shared;
+  throw ValueError(fmt::format("{}: expected own or shared, got {}", arg, name));
+}
 
 ExplorerView parse_explorer_view(std::string_view name, std::string_view arg) {
   if (name == "grid") return ExplorerView::grid;
@@ -100,13 +116,21 @@ std::string render_explorer_image(TensorView<const float> attention, const Explo
   }
   const int64_t tq = attention.shape[2], tk = attention.shape[3];
   const std::vector<std::string> names = names_or_numbers(options.layer_names, attention.shape[0]);
-  const Panels panels = view_panels(attention, view, names);
+  Panels panels = view_panels(attention, view, names);
   const int64_t count = panels.values.shape()[0];
+  const bool own = options.panel_scale == PanelScale::own;
   HeatmapOptions heatmap;
   heatmap.colormap = options.colormap;
   heatmap.col_labels = options.key_tokens;
+  if (own) {
+    heatmap.vmin = 0.0;
+    heatmap.vmax = 1.0;
+  }
   if (!rows) {
-    heatmap.title = options.title;
+    if (own) scale_each_panel(panels.values, count, tq * tk, panels.captions);
+    heatmap.title = !options.title.empty() ? options.title
+                    : own                  ? "each panel on its own scale: its largest value is 1"
+                                           : "";
     heatmap.row_labels = options.query_tokens;
     heatmap.panel_captions = panels.captions;
     heatmap.grid_columns = view == ExplorerView::grid ? attention.shape[1] : 0;
@@ -125,8 +149,11 @@ std::string render_explorer_image(TensorView<const float> attention, const Explo
     picked.push_back(options.query_tokens.empty() ? fmt::format("{}", i)
                                                   : options.query_tokens[static_cast<size_t>(i)]);
   }
-  heatmap.title =
-      options.title.empty() ? fmt::format("mean of the rows of {}", fmt::join(picked, ", ")) : options.title;
+  if (own) scale_each_panel(selected, count, tk, panels.captions);
+  heatmap.title = !options.title.empty()
+                      ? options.title
+                      : fmt::format("mean of the rows of {}{}", fmt::join(picked, ", "),
+                                    own ? ", each row on its own scale: its largest value is 1" : "");
   heatmap.row_labels = panels.captions;
   return render_heatmap(selected.cview(), format, heatmap);
 }

@@ -172,6 +172,30 @@ def checks(t):
     t.succeed("a selection as PNG", ["explore", "model.npy", "--tokens", tokens, "--view", "rollout",
                                      "--select-rows", "1 3-4", "-o", "selection.png"], t.image("selection.png"))
 
+    # Panel scales: each head by its own largest weight (the default, as the page's model view), or shared.
+    def captions(name, expected):
+        def check(_):
+            with open(t.path(name), encoding="utf-8") as f:
+                svg = f.read()
+            largest = a.reshape(6, -1).max(axis=1)
+            found = [f"max {v:.3g}" in svg for v in largest]
+            if expected and not all(found):
+                return f"{name}: expected each head's largest weight {largest} in its caption"
+            if not expected and " · max " in svg:
+                return f"{name}: a shared scale names no panel's largest weight"
+            return None
+        return check
+    t.succeed("--panel-scale own (the default) names each head's largest weight",
+              ["explore", "model.npy", "-o", "own.svg"], captions("own.svg", True))
+    t.succeed("--panel-scale shared", ["explore", "model.npy", "--panel-scale", "shared", "-o", "shared.svg"],
+              captions("shared.svg", False))
+    t.succeed("--panel-scale own of a selection", ["explore", "model.npy", "--select-rows", "2", "--panel-scale",
+                                                   "own", "-o", "own_rows.svg"], t.image("own_rows.svg"))
+    t.refuse("a bad --panel-scale", ["explore", "model.npy", "--panel-scale", "mine", "-o", "x.png"],
+             "--panel-scale", "own or shared", "mine")
+    t.refuse("--panel-scale on a page", ["explore", "model.npy", "--panel-scale", "shared", "-o", "x.html"],
+             "--panel-scale", "images")
+
     # Size: L = 12, H = 12, T = 512 of a trained model's spread of scores.
     t.save("bert.npy", softmax_rows((12, 12, 512, 512), 4))
     def small(_):

@@ -55,6 +55,18 @@ def test_images(rng, tmp_path, name, view, rows, signature):
     assert image.startswith(signature) and (tmp_path / name).read_bytes() == image
 
 
+def test_panel_scales(rng, tmp_path):
+    """Images colour each panel by its own largest weight, named in its caption, or all on one scale."""
+    a = weights_of(rng, (2, 2, 4, 4))
+    own = qkv.explore(a, path=tmp_path / "own.svg")
+    shared = qkv.explore(a, path=tmp_path / "shared.svg", panel_scale="shared")
+    for v in a.reshape(4, -1).max(axis=1):
+        assert f"max {v:.3g}".encode() in own
+    assert "· max ".encode() not in shared
+    with pytest.raises(ValueError, match="panel_scale: expected own or shared, got mine"):
+        qkv.explore(a, panel_scale="mine")
+
+
 @pytest.mark.parametrize("change,error,match", [
     (lambda a: a[0, 0], qkv.ShapeError, r"attention: expected \[L, H, Tq, Tk\]"),
     (lambda a: np.where(np.arange(a.size).reshape(a.shape) == 7, np.nan, a), ValueError, r"finite weights.*\[0, 0, 1, 3\]"),

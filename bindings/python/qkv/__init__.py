@@ -218,7 +218,8 @@ _ROW_SUM_TOLERANCE = 0.01
 def explore(attention, tokens: Union[None, str, Sequence[str]] = None,
             key_tokens: Union[None, str, Sequence[str]] = None, path: Union[None, str, os.PathLike] = None, *,
             layer_names: Union[None, str, Sequence[str]] = None, batch: int = 0, title: str = "",
-            colormap: str = "viridis", view: str = "grid", select_rows: Optional[Sequence[int]] = None) -> bytes:
+            colormap: str = "viridis", view: str = "grid", select_rows: Optional[Sequence[int]] = None,
+            panel_scale: str = "own") -> bytes:
     """A whole model's attention as the explorer page of `qkv explore` (every layer and head, head and
     matrix views, selections, rollout, per-head entropy and distance), or as an image.
 
@@ -228,7 +229,9 @@ def explore(attention, tokens: Union[None, str, Sequence[str]] = None,
     tokens: labels of the queries and, unless key_tokens is given, of the keys.
     path: when given, the bytes are also written there whole or not at all: .html for the page,
         .png, .svg or .pdf for an image of `view` ("grid", "mean" or "rollout"); with select_rows,
-        the mean of those queries' rows of the view, a row per panel.
+        the mean of those queries' rows of the view, a row per panel. panel_scale "own" colours each
+        panel (or row) by its own largest value, given in its caption, as the page's model view does;
+        "shared" puts all on one scale. The page ignores it.
 
     Returns the page's (or the image's) bytes; the page's format when no path is given.
     """
@@ -285,6 +288,7 @@ def explore(attention, tokens: Union[None, str, Sequence[str]] = None,
     if names and len(names) != weights.shape[0]:
         raise ShapeError(f"layer_names: expected {weights.shape[0]} names (one per layer), got {len(names)}")
     options = {"layer_names": names, "tokens": queries, "key_tokens": keys, "title": title, "colormap": colormap,
+               "panel_scale": panel_scale,
                "source": f"qkv.explore of [{', '.join(str(d) for d in weights.shape)}]"}
     fmt = _format_for_path(os.fspath(path)) if path is not None else "html"
     rows = sorted({int(i) for i in select_rows}) if select_rows is not None else None

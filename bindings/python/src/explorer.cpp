@@ -31,6 +31,7 @@ py::bytes render(const py::object& attention, const py::dict& o, const std::stri
   options.title = o["title"].cast<std::string>();
   options.source = o["source"].cast<std::string>();
   options.colormap = parse_colormap(o["colormap"].cast<std::string>(), "colormap");
+  options.panel_scale = parse_panel_scale(o["panel_scale"].cast<std::string>(), "panel_scale");
   const HeatmapFormat f = heatmap_format_for_path("x." + format, "format");
   const ExplorerView v = parse_explorer_view(view, "view");
   std::string bytes;
