@@ -24,10 +24,12 @@ std::vector<std::string> names_or_numbers(const std::vector<std::string>& given,
   return names;
 }
 
-// The panels of a view, [panels, Tq, Tk] in float64, and their captions.
+// The panels of a view, [panels, Tq, Tk] in float64, their captions, and what they show (for the
+// title; empty for the grid, whose captions say it).
 struct Panels {
   Tensor<double> values;
   std::vector<std::string> captions;
+  std::string what;
 };
 
 Panels view_panels(TensorView<const float> attention, ExplorerView view, const std::vector<std::string>& names) {
@@ -48,10 +50,8 @@ Panels view_panels(TensorView<const float> attention, ExplorerView view, const s
   }
   panels.values =
       view == ExplorerView::mean ? attention_head_mean(attention) : attention_rollout(attention, "--view rollout");
-  for (int64_t l = 0; l < layers; ++l) {
-    panels.captions.push_back(view == ExplorerView::mean ? names[static_cast<size_t>(l)]
-                                                         : "rollout to " + names[static_cast<size_t>(l)]);
-  }
+  panels.captions.assign(names.begin(), names.end());
+  panels.what = view == ExplorerView::mean ? "the mean over heads" : "the rollout up to each layer";
   return panels;
 }
 
@@ -128,9 +128,10 @@ std::string render_explorer_image(TensorView<const float> attention, const Explo
   }
   if (!rows) {
     if (own) scale_each_panel(panels.values, count, tq * tk, panels.captions);
-    heatmap.title = !options.title.empty() ? options.title
-                    : own                  ? "each panel on its own scale: its largest value is 1"
-                                           : "";
+    std::vector<std::string> parts;
+    if (!panels.what.empty()) parts.push_back(panels.what);
+    if (own) parts.emplace_back("each panel on its own scale: its largest value is 1");
+    heatmap.title = !options.title.empty() ? options.title : fmt::format("{}", fmt::join(parts, "; "));
     heatmap.row_labels = options.query_tokens;
     heatmap.panel_captions = panels.captions;
     heatmap.grid_columns = view == ExplorerView::grid ? attention.shape[1] : 0;
@@ -150,10 +151,11 @@ std::string render_explorer_image(TensorView<const float> attention, const Explo
                                                   : options.query_tokens[static_cast<size_t>(i)]);
   }
   if (own) scale_each_panel(selected, count, tk, panels.captions);
-  heatmap.title = !options.title.empty()
-                      ? options.title
-                      : fmt::format("mean of the rows of {}{}", fmt::join(picked, ", "),
-                                    own ? ", each row on its own scale: its largest value is 1" : "");
+  heatmap.title =
+      !options.title.empty()
+          ? options.title
+          : fmt::format("{}mean of the rows of {}{}", panels.what.empty() ? "" : panels.what + ": ",
+                        fmt::join(picked, ", "), own ? "; each row on its own scale: its largest is 1" : "");
   heatmap.row_labels = panels.captions;
   return render_heatmap(selected.cview(), format, heatmap);
 }
