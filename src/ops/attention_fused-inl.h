@@ -1540,8 +1540,11 @@ struct BackwardScratch {
   Buffer<T> lse_lo;   // [Br]          and low part
   Buffer<T> delta;    // [Br]          D of the query block (pass 2)
   Buffer<T> panel;    // [max(Br, Bc)][N]
+  Buffer<T> q_stage;  // [Br][Dk]      the query block's rows in T, when Q is stored narrower (StageRows)
+  Buffer<T> k_stage;  // [Bc][Dk]      the key block's, when K is
+  Buffer<T> v_stage;  // [Bc][Dv]      the value block's, when V is
 
-  BackwardScratch(size_t dk, size_t dv, size_t lanes)
+  BackwardScratch(const fused::Inputs<T>& in, size_t dk, size_t dv, size_t lanes)
       : kt(Allocate<T>(dk * kKeyBlock)),
         vt(Allocate<T>(dv * kKeyBlock)),
         qt(Allocate<T>(dk * kQueryBlock)),
@@ -1556,7 +1559,10 @@ struct BackwardScratch {
         lse_hi(Allocate<T>(kQueryBlock)),
         lse_lo(Allocate<T>(kQueryBlock)),
         delta(Allocate<T>(kQueryBlock)),
-        panel(Allocate<T>(std::max(kQueryBlock, kKeyBlock) * lanes)) {}
+        panel(Allocate<T>(std::max(kQueryBlock, kKeyBlock) * lanes)),
+        q_stage(Allocate<T>(in.q_stored ? kQueryBlock * dk : 0)),
+        k_stage(Allocate<T>(in.k_stored ? kKeyBlock * dk : 0)),
+        v_stage(Allocate<T>(in.v_stored ? kKeyBlock * dv : 0)) {}
 };
 
 // P = exp((s − lse_hi) − lse_lo) and dS = P ∘ (dP − D) for one vector of (query, key) pairs, in
@@ -1705,7 +1711,7 @@ class BackwardKernel {
                          .heads = in_.heads,
                          .share_batch = dbias_ && dbias_.batch_stride == 0 && in_.batch > 1,
                          .group_heads = share_heads ? in_.heads : in_.group};
-    for (int w = 0; w < max_workers(); ++w) scratch_.emplace_back(dk_, dv_, N_);
+    for (int w = 0; w < max_workers(); ++w) scratch_.emplace_back(in_, dk_, dv_, N_);
   }
 
   void Run() {
@@ -1766,8 +1772,9 @@ class BackwardKernel {
     const int64_t j0 = kb * static_cast<int64_t>(kKeyBlock);
     const size_t nk = ToSize(std::min(static_cast<int64_t>(kKeyBlock), in_.tk - j0));
     const size_t ld = RoundUp(nk, N_);
-    PackTransposed(RowsOf(in_.k, b, hk, j0), nk, dk_, ld, s.kt.get());
-    PackTransposed(RowsOf(in_.v, b, hk, j0), nk, dv_, ld, s.vt.get());
+    const RowBlock<T> keys = StageRows(d, in_.k, in_.k_stored, b, hk, j0, nk, dk_, s.k_stage.get());
+    PackTransposed(keys, nk, dk_, ld, s.kt.get());
+    PackTransposed(StageRows(d, in_.v, in_.v_stored, b, hk, j0, nk, dv_, s.v_stage.get()), nk, dv_, ld, s.vt.get());
     std::fill(s.dk_acc.get(), s.dk_acc.get() + nk * dk_pad_, T{0});
     std::fill(s.dv_acc.get(), s.dv_acc.get() + nk * dv_pad_, T{0});
     for (int64_t qb = 0; qb < query_blocks; ++qb) {
@@ -1775,7 +1782,8 @@ class BackwardKernel {
       const size_t nq = ToSize(std::min(static_cast<int64_t>(kQueryBlock), in_.tq - q0));
       if (!in_.BandTouches(q0, static_cast<int64_t>(nq), j0, static_cast<int64_t>(nk))) continue;
       // S [nq][ld] = Q·Kᵀ and dP = dO·Vᵀ
-      ScoreProducts(in_.q, p_.dout, b, h, q0, nq, s.kt.get(), s.vt.get(), ld, s);
+      const RowBlock<T> queries = StageRows(d, in_.q, in_.q_stored, b, h, q0, nq, dk_, s.q_stage.get());
+      ScoreProducts(queries, RowsOf(p_.dout, b, h, q0), nq, s.kt.get(), s.vt.get(), ld, s);
       for (size_t i = 0; i < nq; ++i) {
         const int64_t qi = q0 + static_cast<int64_t>(i);
         const hn::Vec<D> lse_hi = hn::Set(d, p_.lse_hi[RowIndex(b, h, qi)]);
@@ -1806,15 +1814,15 @@ class BackwardKernel {
                        Gemm<T>{.a = s.ds.get(),
                                .a_row = 1,
                                .a_depth = ld,
-                               .b = in_.q.row(b, h, q0),
-                               .b_row = ToSize(in_.q.row_stride),
+                               .b = queries.rows,
+                               .b_row = queries.stride,
                                .c = s.dk_acc.get(),
                                .c_row = dk_pad_,
                                .rows = nk,
                                .depth = nq},
                        dk_, s.panel.get());
       // dQ tile [nq] = dS·K, added to dq now: tile by tile in key-block order, as pass 2 does.
-      if (with_dq) AddQueryGradientTile(b, h, q0, nq, j0, nk, ld, 1, s);
+      if (with_dq) AddQueryGradientTile(b, h, q0, nq, keys, nk, ld, 1, s);
     }
     AddScaledRows(p_.dk, b, hk, j0, nk, dk_, s.dk_acc.get(), dk_pad_, in_.scale);
     AddScaledRows(p_.dv, b, hk, j0, nk, dv_, s.dv_acc.get(), dv_pad_, T{1});
@@ -1826,7 +1834,7 @@ class BackwardKernel {
     const int64_t q0 = qb * static_cast<int64_t>(kQueryBlock);
     const size_t nq = ToSize(std::min(static_cast<int64_t>(kQueryBlock), in_.tq - q0));
     const size_t ld = RoundUp(nq, N_);
-    PackTransposed(RowsOf(in_.q, b, h, q0), nq, dk_, ld, s.qt.get());
+    PackTransposed(StageRows(d, in_.q, in_.q_stored, b, h, q0, nq, dk_, s.q_stage.get()), nq, dk_, ld, s.qt.get());
     PackTransposed(RowsOf(p_.dout, b, h, q0), nq, dv_, ld, s.dot.get());
     for (size_t i = 0; i < ld; ++i) {
       const int64_t qi = q0 + static_cast<int64_t>(i);
@@ -1839,7 +1847,10 @@ class BackwardKernel {
       const size_t nk = ToSize(std::min(static_cast<int64_t>(kKeyBlock), in_.tk - j0));
       if (!in_.BandTouches(q0, static_cast<int64_t>(nq), j0, static_cast<int64_t>(nk))) continue;
       // Sᵀ [nk][ld] = K·Qᵀ and dPᵀ = V·dOᵀ
-      ScoreProducts(in_.k, in_.v, b, in_.kv_head(h), j0, nk, s.qt.get(), s.dot.get(), ld, s);
+      const int64_t hk = in_.kv_head(h);
+      const RowBlock<T> keys = StageRows(d, in_.k, in_.k_stored, b, hk, j0, nk, dk_, s.k_stage.get());
+      ScoreProducts(keys, StageRows(d, in_.v, in_.v_stored, b, hk, j0, nk, dv_, s.v_stage.get()), nk, s.qt.get(),
+                    s.dot.get(), ld, s);
       if (in_.dropout_scale != 0) FillDropoutTile(in_, b, h, q0, nq, j0, nk, ld, s.drop.get());
       for (size_t j = 0; j < nk; ++j) {
         const int64_t kj = j0 + static_cast<int64_t>(j);
@@ -1853,19 +1864,19 @@ class BackwardKernel {
         }
       }
       // dQ tile [nq] = dS·K, with dS(i, j) = dSᵀ[j][i]
-      AddQueryGradientTile(b, h, q0, nq, j0, nk, 1, ld, s);
+      AddQueryGradientTile(b, h, q0, nq, keys, nk, 1, ld, s);
     }
   }
 
   // The two products every tile starts from, in either layout: s.p = A·Bᵀ over Dk and
-  // s.ds = A'·B'ᵀ over Dv, for `rows` rows of A and A' from t0 on, read in place (Q and dO, or K
-  // and V), against the other side packed transposed (Kᵀ and Vᵀ, or Qᵀ and dOᵀ) with `ld` columns.
-  void ScoreProducts(const fused::RowsView<const T>& a, const fused::RowsView<const T>& a_dv, int64_t b, int64_t h,
-                     int64_t t0, size_t rows, const T* b_dk, const T* b_dv, size_t ld, BackwardScratch<T>& s) const {
+  // s.ds = A'·B'ᵀ over Dv, for `rows` rows of A and A' (Q and dO, or K and V, in place or staged),
+  // against the other side packed transposed (Kᵀ and Vᵀ, or Qᵀ and dOᵀ) with `ld` columns.
+  void ScoreProducts(const RowBlock<T>& a, const RowBlock<T>& a_dv, size_t rows, const T* b_dk, const T* b_dv,
+                     size_t ld, BackwardScratch<T>& s) const {
     const D d;
     MatMul<false>(d,
-                  Gemm<T>{.a = a.row(b, h, t0),
-                          .a_row = ToSize(a.row_stride),
+                  Gemm<T>{.a = a.rows,
+                          .a_row = a.stride,
                           .a_depth = 1,
                           .b = b_dk,
                           .b_row = ld,
@@ -1875,8 +1886,8 @@ class BackwardKernel {
                           .depth = dk_},
                   ld / N_);
     MatMul<false>(d,
-                  Gemm<T>{.a = a_dv.row(b, h, t0),
-                          .a_row = ToSize(a_dv.row_stride),
+                  Gemm<T>{.a = a_dv.rows,
+                          .a_row = a_dv.stride,
                           .a_depth = 1,
                           .b = b_dv,
                           .b_row = ld,
@@ -1887,16 +1898,16 @@ class BackwardKernel {
                   ld / N_);
   }
 
-  // dq rows [q0, q0 + nq) += scale · dS·K for the tile's keys [j0, j0 + nk), dS read from s.ds with
-  // dS(i, j) at i·query_step + j·key_step: queries as rows (one pass) or keys as rows (pass 2).
-  void AddQueryGradientTile(int64_t b, int64_t h, int64_t q0, size_t nq, int64_t j0, size_t nk, size_t query_step,
-                            size_t key_step, BackwardScratch<T>& s) const {
+  // dq rows [q0, q0 + nq) += scale · dS·K for the tile's nk keys, dS read from s.ds with dS(i, j) at
+  // i·query_step + j·key_step: queries as rows (one pass) or keys as rows (pass 2).
+  void AddQueryGradientTile(int64_t b, int64_t h, int64_t q0, size_t nq, const RowBlock<T>& keys, size_t nk,
+                            size_t query_step, size_t key_step, BackwardScratch<T>& s) const {
     MatMulCols<false>(D(),
                       Gemm<T>{.a = s.ds.get(),
                               .a_row = query_step,
                               .a_depth = key_step,
-                              .b = in_.k.row(b, in_.kv_head(h), j0),
-                              .b_row = ToSize(in_.k.row_stride),
+                              .b = keys.rows,
+                              .b_row = keys.stride,
                               .c = s.dq.get(),
                               .c_row = dk_pad_,
                               .rows = nq,

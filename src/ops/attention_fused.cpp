@@ -231,14 +231,27 @@ void forward_fused_stored(const AttentionProblem<float>& problem, const StoredOp
 }
 
 template <class T>
-void backward_fused(const AttentionProblem<T>& problem, TensorView<const T> dout, const AttentionGradients<T>& grads,
-                    const std::optional<AttentionSaved<T>>& saved) {
+void check_backward_call(const AttentionProblem<T>& problem, TensorView<const T> dout,
+                         const AttentionGradients<T>& grads, const std::optional<AttentionSaved<T>>& saved) {
   check_backward_arguments(problem, dout, grads);
   check_sink_gradient(problem, grads);
   if (saved) {
     check_shape("saved.out", saved->out.shape, problem.with_leading({problem.tq(), problem.dv()}));
     check_shape("saved.lse", saved->lse.shape, problem.with_leading({problem.tq()}));
   }
+}
+
+// The backward of one sequence (or of a batch of equal ones) on the kernels' view of the problem,
+// `in`, whose operands may be stored narrower (then only float32).
+template <class T>
+void backward_kernels(const AttentionProblem<T>& problem, const fused::Inputs<T>& in, const std::vector<T>& sinks,
+                      TensorView<const T> dout, const AttentionGradients<T>& grads,
+                      const std::optional<AttentionSaved<T>>& saved);
+
+template <class T>
+void backward_fused(const AttentionProblem<T>& problem, TensorView<const T> dout, const AttentionGradients<T>& grads,
+                    const std::optional<AttentionSaved<T>>& saved) {
+  check_backward_call(problem, dout, grads, saved);
   if (problem.packed()) {
     for (int64_t n = 0; n < problem.sequences(); ++n) {
       const SequenceRange r = sequence_range(problem, n);
@@ -253,8 +266,25 @@ void backward_fused(const AttentionProblem<T>& problem, TensorView<const T> dout
     return;
   }
   const std::vector<T> alibi = per_head(problem.alibi), sinks = per_head(problem.sinks);
-  const fused::Inputs<T> in = kernel_inputs(problem, alibi);
+  backward_kernels(problem, kernel_inputs(problem, alibi), sinks, dout, grads, saved);
+}
 
+void backward_fused_stored(const AttentionProblem<float>& problem, const StoredOperands& stored,
+                           TensorView<const float> dout, const AttentionGradients<float>& grads,
+                           const std::optional<AttentionSaved<float>>& saved) {
+  check_backward_call(problem, dout, grads, saved);
+  const std::vector<float> alibi = per_head(problem.alibi), sinks = per_head(problem.sinks);
+  fused::Inputs<float> in = kernel_inputs(problem, alibi);
+  in.q_stored = stored_rows(stored.q);
+  in.k_stored = stored_rows(stored.k);
+  in.v_stored = stored_rows(stored.v);
+  backward_kernels(problem, in, sinks, dout, grads, saved);
+}
+
+template <class T>
+void backward_kernels(const AttentionProblem<T>& problem, const fused::Inputs<T>& in, const std::vector<T>& sinks,
+                      TensorView<const T> dout, const AttentionGradients<T>& grads,
+                      const std::optional<AttentionSaved<T>>& saved) {
   // Without the forward's results, run it: out and lse are O(T·d), never O(T²). Its lse then
   // comes in two parts, so P is recomputed without the rounding of lse to T (a relative error of
   // up to half an ulp of lse in every P) that a saved lse carries.

@@ -411,5 +411,8 @@ void forward_fused_stored(const AttentionProblem<float>& p, const StoredOperands
 template <class T>
 void backward_fused(const AttentionProblem<T>& p, TensorView<const T> dout, const AttentionGradients<T>& grads,
                     const std::optional<AttentionSaved<T>>& saved);
+// The fused backward reading the stored operands a tile at a time, as forward_fused_stored does.
+void backward_fused_stored(const AttentionProblem<float>& p, const StoredOperands& stored, TensorView<const float> dout,
+                           const AttentionGradients<float>& grads, const std::optional<AttentionSaved<float>>& saved);
 
 }  // namespace qkv::detail

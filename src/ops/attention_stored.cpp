@@ -1,8 +1,8 @@
 // Attention on operands stored narrower than float32: the checks of each operand's type and scales,
 // then one problem built by make_attention_problem on views that carry the operands' shapes, so
 // that these calls take exactly the shapes, masks and options of the float32 ones, with the same
-// messages. The fused forward reads the stored operands in place (attention_fused-inl.h converts
-// them tile by tile); the reference and the backward run on their float32 values.
+// messages. The fused forward and backward read the stored operands in place (attention_fused-inl.h
+// converts them tile by tile); the reference runs on their float32 values.
 
 #include <fmt/format.h>
 
@@ -126,9 +126,13 @@ void attention_forward(const StoredAttentionParams& params, const AttentionOutpu
 void attention_backward(const StoredAttentionParams& params, TensorView<const float> dout,
                         const AttentionGradients<float>& grads, const std::optional<AttentionSaved<float>>& saved,
                         AttentionImpl impl) {
-  check_call(params);
-  const FloatCall values = float_call(params);
-  attention_backward(values.params, dout, grads, saved, impl);
+  const CheckedCall call = check_call(params);
+  if (impl == AttentionImpl::reference) {
+    const FloatCall values = float_call(params);
+    attention_backward(values.params, dout, grads, saved, impl);
+    return;
+  }
+  detail::backward_fused_stored(call.problem, call.stored, dout, grads, saved);
 }
 
 }  // namespace qkv

@@ -304,7 +304,9 @@ TEST(AttentionStored, Bf16ProductsRoundOnlyTheWeights) {
       SCOPED_TRACE("target " + target);
       const Forward got = run_stored(p, s, false);
       EXPECT_TRUE(testing::all_close("out", got.out, exact.out, bf16_products_tolerance(y, exact.out)));
-      if (p.q.shape()[2] > 8 && p.k.shape()[3] > 1) EXPECT_FALSE(bit_identical(got.out, float32.out));
+      if (p.q.shape()[2] > 8 && p.k.shape()[3] > 1) {
+        EXPECT_FALSE(bit_identical(got.out, float32.out));
+      }
       const testing::WorkersScope one(1);
       EXPECT_TRUE(bit_identical(run_stored(p, s, false).out, got.out)) << "one thread against all";
     }
@@ -378,6 +380,80 @@ TEST(AttentionStored, ReferenceAndBackwardRunOnTheStoredValues) {
   EXPECT_TRUE(bit_identical(cast<double>(dq), cast<double>(wq)));
   EXPECT_TRUE(bit_identical(cast<double>(dk), cast<double>(wk)));
   EXPECT_TRUE(bit_identical(cast<double>(dv), cast<double>(wv)));
+}
+
+// Gradients of <dout, out> through the stored operands; `with_saved` hands the backward the stored
+// forward's out and lse.
+testing::Grads run_stored_backward(const Problem& p, const Stored& s, const Tensor<double>& dout, bool with_saved) {
+  const testing::AttentionOperands<float> ops(p);
+  const StoredAttentionParams sp = stored_params(s, ops.params());
+  const Tensor<float> dout32 = cast<float>(dout);
+  Tensor<float> dq(p.q.shape()), dk(p.k.shape()), dv(p.v.shape());
+  Tensor<float> dbias = p.bias ? Tensor<float>(p.bias->shape()) : Tensor<float>();
+  Tensor<float> dsinks = p.sinks ? Tensor<float>(p.sinks->shape()) : Tensor<float>();
+  AttentionGradients<float> grads{.dq = dq.view(), .dk = dk.view(), .dv = dv.view(), .dbias = {}};
+  if (p.bias) grads.dbias = dbias.view();
+  if (p.sinks) grads.dsinks = dsinks.view();
+  const Shape& shape = p.q.shape();
+  Tensor<float> out({shape[0], shape[1], shape[2], p.v.shape()[3]}), lse({shape[0], shape[1], shape[2]});
+  std::optional<AttentionSaved<float>> saved;
+  if (with_saved) {
+    attention_forward(sp, {.out = out.view(), .weights = {}, .lse = lse.view()});
+    saved = AttentionSaved<float>{.out = out.cview(), .lse = lse.cview()};
+  }
+  attention_backward(sp, dout32.cview(), grads, saved);
+  return {cast<double>(dq), cast<double>(dk), cast<double>(dv), cast<double>(dbias), cast<double>(dsinks)};
+}
+
+// The stored backward converts a block of rows of Q, K and V as each tile reads it. For every type
+// (Q in float32 or in K's type), tiles cut short (Tq and Tk off the 64-row blocks, over several of
+// them; odd and unit depths), causality, a fully masked row, grouped heads, a softcap with sinks and
+// a bias's gradient: the float32 backward's bits on the stored values, with the forward's saved out
+// and lse and without, on every target and on 1 and 2 threads.
+TEST(AttentionStored, BackwardConvertsTileByTileToTheFloatBackwardsBits) {
+  std::vector<std::pair<std::string, Problem>> problems;
+  uint64_t seed = 400;
+  problems.emplace_back("B=2 H=3 Tq=70 Tk=150 Dk=37 Dv=21", random_problem({2, 3, 70, 150, 37, 21}, seed++));
+  problems.emplace_back("causal Tq < Tk, Dk = Dv = 1", random_problem({1, 2, 65, 130, 1, 1, true}, seed++));
+  Problem masked = random_problem({1, 1, 40, 90, 32, 16}, seed++);
+  masked.allowed = testing::random_mask({40, 90}, 0.7, seed++);
+  for (int64_t j = 0; j < 90; ++j) masked.allowed->view()(3, j) = 0;
+  problems.emplace_back("mask with a fully masked row", masked);
+  Problem gqa = random_problem({1, 4, 33, 80, 64, 64}, seed++);
+  Rng rng(seed++);
+  gqa.k = testing::random_tensor<double>({1, 2, 80, 64}, rng);
+  gqa.v = testing::random_tensor<double>({1, 2, 80, 64}, rng);
+  problems.emplace_back("grouped-query heads, 4 over 2", gqa);
+  Problem capped = random_problem({1, 2, 66, 70, 24, 24}, seed++);
+  capped.softcap = 1.5;
+  capped.sinks = testing::random_tensor<double>({2}, rng);
+  capped.bias = testing::random_tensor<double>({1, 2, 66, 70}, rng);
+  problems.emplace_back("softcap, sinks and a bias", capped);
+  for (const auto& [label, problem] : problems) {
+    for (const StorageType kv : kTypes) {
+      for (const StorageType q : {StorageType::float32, kv}) {
+        if (q == StorageType::int8) continue;
+        SCOPED_TRACE(fmt::format("{}: q {}, k and v {}", label, storage_name(q), storage_name(kv)));
+        Problem p = problem;
+        const Stored s = store_problem(p, q, kv);
+        const Tensor<double> dout = testing::random_dout(p, seed);
+        on_every_target([&] {
+          for (const bool saved : {true, false}) {
+            SCOPED_TRACE(saved ? "with the saved out and lse" : "recomputing the forward");
+            const testing::Grads want = testing::run_backward<float>(p, dout, AttentionImpl::fused, saved);
+            const testing::Grads got = run_stored_backward(p, s, dout, saved);
+            EXPECT_TRUE(bit_identical(got.dq, want.dq));
+            EXPECT_TRUE(bit_identical(got.dk, want.dk));
+            EXPECT_TRUE(bit_identical(got.dv, want.dv));
+            EXPECT_TRUE(bit_identical(got.dbias, want.dbias));
+            EXPECT_TRUE(bit_identical(got.dsinks, want.dsinks));
+            const testing::WorkersScope one(1);
+            EXPECT_TRUE(bit_identical(run_stored_backward(p, s, dout, saved).dk, got.dk)) << "one thread against all";
+          }
+        });
+      }
+    }
+  }
 }
 
 TEST(AttentionStored, Int8KeysWithOutlierChannelsNeedPerChannelScales) {

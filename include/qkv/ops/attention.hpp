@@ -195,8 +195,10 @@ void attention_forward(const StoredAttentionParams& params, const AttentionOutpu
                        AttentionImpl impl = AttentionImpl::automatic);
 
 // Gradients in float32 of the values the operands stand for (dq of q as to_float32 gives it,
-// and so on). The operands are first converted to float32 whole: the backward's work is
-// O(T²·d), the conversion O(T·d).
+// and so on), bit-identical to attention_backward on those values converted first. automatic and
+// fused: the fused backward, which converts each block of rows of Q, K and V into float32 as its
+// tiles read them (no float32 copy of a whole operand); reference: the float64 reference on
+// to_float32 of the operands.
 void attention_backward(const StoredAttentionParams& params, TensorView<const float> dout,
                         const AttentionGradients<float>& grads,
                         const std::optional<AttentionSaved<float>>& saved = std::nullopt,
