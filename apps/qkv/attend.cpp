@@ -12,8 +12,10 @@
 #include <cmath>
 #include <cstdint>
 #include <filesystem>
+#include <functional>
 #include <initializer_list>
 #include <memory>
+#include <numeric>
 #include <optional>
 #include <string>
 #include <string_view>
@@ -48,7 +50,12 @@ end (the other inputs are widened, the outputs are float64); else it is float32 
 dOut is rounded). Q, K and V may also be stored narrower, each in its own type, and run in float32
 on the values they stand for: float16 '<f2'; bfloat16 as its bits in a '<u2' file, with --dtype
 bf16; int8 '|i1' (K and V) with float32 scales that broadcast to it (--k-scales [..., 1, Dk] per
-channel, --v-scales [..., Tk, 1] per token; qkv quantize makes both). See also qkv decode. --score additive runs in float32 only.
+channel, --v-scales [..., Tk, 1] per token; qkv quantize makes both). The fused kernels read them
+in place, a block of rows at a time, with the float32 results on those values, except where the
+library says otherwise (bfloat16 Q, K and V without --lse take the CPU's bf16 dot product where it
+has one; int8 K and V without --lse for a few queries scale the query and the weights); with
+--weights, --dropout or --cu-seqlens-q/-k they are converted to float32 first. An int8 file has at
+most four dims. See also qkv decode. --score additive runs in float32 only.
 Every input and output is a file: - is not standard input or output (write ./- for a file named -).
 Inputs are .npy files (C or Fortran order, either byte order), or arrays of an .npz archive that
 np.savez wrote: --q arrays.npz:q reads its array q (arrays.npz alone, its only array).
@@ -276,6 +283,8 @@ struct Operands {
   std::optional<Tensor<int64_t>> cu_seqlens_q, cu_seqlens_k;
   std::optional<AttentionDropout> dropout;
   AttentionImpl impl = AttentionImpl::automatic;
+  // The files stored narrower than float32 as read, for a run that reads them in place (stored()).
+  std::optional<StoredArray> q_stored, k_stored, v_stored;
   Shape leading;           // the leading dims of Q as run: none, [H] or [B, H]
   Batch batch;             // Q's dims before [H, Tq, Dk] when it has more than four, run as B
   BatchedMask mask_batch;  // the mask's own shape, when Q has a batch
@@ -305,6 +314,27 @@ struct Operands {
             .softcap = softcap,
             .sinks = sinks ? std::optional(sinks->cview()) : std::nullopt,
             .dropout = dropout};
+  }
+  // Whether the kernels read the narrower files in place: dot-product scores with no dropout and no
+  // packed sequences (which the stored operands do not take), each file in the shape it runs in.
+  bool stored() const {
+    const auto fits = [](const std::optional<StoredArray>& stored, const Tensor<T>& values) {
+      return !stored || stored->shape() == values.shape();
+    };
+    return (q_stored || k_stored || v_stored) && score == Score::dot && !dropout && !cu_seqlens_q &&
+           fits(q_stored, q) && fits(k_stored, k) && fits(v_stored, v);
+  }
+  StoredAttentionParams stored_params() const requires std::is_same_v<T, float> {
+    const auto view = [](const std::optional<StoredArray>& stored, const Tensor<float>& values) {
+      return stored ? stored->view() : StoredView::float32(values.cview());
+    };
+    return {.q = view(q_stored, q),
+            .k = view(k_stored, k),
+            .v = view(v_stored, v),
+            .scale = scale,
+            .mask = mask(),
+            .softcap = softcap,
+            .sinks = sinks ? std::optional(sinks->cview()) : std::nullopt};
   }
   AdditiveAttentionParams<float> additive_params() const {
     return {.q = q.cview(),
@@ -486,6 +516,7 @@ AttentionImpl impl_of(std::string_view name) {
 // Q, K and V as read, before the run's dtype is chosen from them.
 struct InputArrays {
   NpyArray q, k, v;
+  std::optional<StoredArray> q_stored, k_stored, v_stored;  // those stored narrower, as read
 };
 
 Score score_of(const InputOptions& o) { return o.score == "additive" ? Score::additive : Score::dot; }
@@ -502,27 +533,42 @@ void check_input_options(const InputOptions& o) {
 }
 
 // An operand as read: a float32 or float64 file as it is; one stored narrower (float16, bfloat16,
-// int8 with scales) as the float32 values it stands for. The fused forward on those values is the
-// one it runs on the stored operands (bit for bit outside the few-query layout), and converting
-// costs O(T·d) beside attention's O(T²·d); qkv decode is the command that reads them in place.
+// int8 with scales) as the float32 values it stands for, which the checks, the reference, the
+// weights and runs the stored operands do not take read, and, in `stored`, as it is stored, which
+// the fused kernels read in place (Operands::stored()).
 NpyArray read_operand(const std::string& path, const std::string& scales, const InputOptions& o,
-                      const StoredOption& option, bool& bfloat16_read) {
+                      const StoredOption& option, bool& bfloat16_read, std::optional<StoredArray>& stored) {
   NpyArray array = read_input(path, option.arg, stored_dtypes(option));
   if ((array.dtype == DType::float32 || array.dtype == DType::float64) && scales.empty()) return array;
-  const StoredArray stored = stored_of(std::move(array), scales, !o.dtype.empty(), option);
-  bfloat16_read = bfloat16_read || stored.type == StorageType::bfloat16;
-  const Tensor<float> values = to_float32(stored.view());
+  // A tensor has at most four dims: a file's batch dims before [H, T, D] are merged into one, as the
+  // run merges them (flatten_batch), and the converted values keep the file's shape for that.
+  const std::vector<int64_t> file_shape = array.shape;
+  if (file_shape.size() > 4) {
+    if (array.dtype == DType::int8) {
+      throw ShapeError(
+          fmt::format("{}: expected an int8 array of at most four dims (its scales are one array of the "
+                      "same rank), got shape {}; merge the dims before [H, T, D]",
+                      option.arg, array.shape_str()));
+    }
+    const auto heads = file_shape.end() - 3;
+    array.shape = {std::accumulate(file_shape.begin(), heads, int64_t{1}, std::multiplies<>()), heads[0], heads[1],
+                   heads[2]};
+  }
+  stored = stored_of(std::move(array), scales, !o.dtype.empty(), option);
+  bfloat16_read = bfloat16_read || stored->type == StorageType::bfloat16;
+  const Tensor<float> values = to_float32(stored->view());
   NpyArray converted;
-  converted.shape.assign(values.shape().dims().begin(), values.shape().dims().end());
+  converted.shape = file_shape;
   converted.values = std::vector<float>(values.data(), values.data() + values.numel());
   return converted;
 }
 
 InputArrays read_inputs(const InputOptions& o) {
   bool bfloat16_read = false;
-  InputArrays in{.q = read_operand(o.q, "", o, {.arg = "--q", .scales_arg = "", .int8_allowed = false}, bfloat16_read),
-                 .k = read_operand(o.k, o.k_scales, o, {.arg = "--k", .scales_arg = "--k-scales"}, bfloat16_read),
-                 .v = read_operand(o.v, o.v_scales, o, {.arg = "--v", .scales_arg = "--v-scales"}, bfloat16_read)};
+  InputArrays in;
+  in.q = read_operand(o.q, "", o, {.arg = "--q", .scales_arg = "", .int8_allowed = false}, bfloat16_read, in.q_stored);
+  in.k = read_operand(o.k, o.k_scales, o, {.arg = "--k", .scales_arg = "--k-scales"}, bfloat16_read, in.k_stored);
+  in.v = read_operand(o.v, o.v_scales, o, {.arg = "--v", .scales_arg = "--v-scales"}, bfloat16_read, in.v_stored);
   if (!o.dtype.empty() && !bfloat16_read) {
     throw ValueError("--dtype: bf16 says which '<u2' files hold bfloat16 bits, but none of --q, --k, --v is '<u2'");
   }
@@ -541,6 +587,9 @@ Operands<T> load_operands(const InputOptions& o, InputArrays in) {
   Operands<T> x;
   x.score = score_of(o);
   x.impl = impl_of(o.impl);
+  x.q_stored = std::move(in.q_stored);
+  x.k_stored = std::move(in.k_stored);
+  x.v_stored = std::move(in.v_stored);
   x.causal = !o.causal.empty();
   if (o.causal == "top-left") x.alignment = CausalAlignment::top_left;
   if (o.scale_option->count() > 0) x.scale = o.scale;
@@ -687,6 +736,12 @@ void attend(const Operands<T>& x, const std::optional<HeatmapFormat>& heatmap, O
         return;
       }
     }
+    if constexpr (std::is_same_v<T, float>) {
+      if (x.stored() && !outputs.weights) {
+        attention_forward(x.stored_params(), outputs, x.impl);
+        return;
+      }
+    }
     attention_forward(x.dot_params(), outputs, x.impl);
   });
 
@@ -790,7 +845,15 @@ void attend_backward(const BackwardOptions& o, const Operands<T>& x, OutputFiles
                                       .dv = dv.view(),
                                       .dbias = dbias_view,
                                       .dsinks = dsinks ? std::optional(dsinks->view()) : std::nullopt};
-    naming_options([&] { attention_backward<T>(x.dot_params(), dout.cview(), grads, std::nullopt, x.impl); });
+    naming_options([&] {
+      if constexpr (std::is_same_v<T, float>) {
+        if (x.stored()) {
+          attention_backward(x.stored_params(), dout.cview(), grads, std::nullopt, x.impl);
+          return;
+        }
+      }
+      attention_backward<T>(x.dot_params(), dout.cview(), grads, std::nullopt, x.impl);
+    });
   } else if constexpr (std::is_same_v<T, float>) {
     Tensor<float> dw_q = allocate_output(x.w_q.shape(), "--dwq");
     Tensor<float> dw_k = allocate_output(x.w_k.shape(), "--dwk");

@@ -118,6 +118,47 @@ def checks(s):
                "mask.npy", "-o", "out.npy", "--weights", "weights.npy"],
               all_of(close("out.npy", out), close("weights.npy", weights)))
 
+    # Without --lse the kernels read the files in place by the library's own rules: bfloat16 Q, K and
+    # V may take the CPU's bf16 dot product, which rounds the weights to bfloat16 before they meet V
+    # (out moves by at most 2^-8 of sum_j P_ij |v_j| on top of float32's error), and int8 K and V for
+    # a few queries scale the query and the weights instead of each element.
+    kb = s.quantized("k.npy", "bf16", "kb.npy")
+    out, _, p = attention(qb, kb, vb, causal=True)
+    bf16_tol = TOL + 2.0 ** -8 * float(np.max(p @ np.abs(np.repeat(vb.astype(np.float64), h // hkv, -3))))
+    s.succeed("bfloat16 Q, K, V without --lse", ["attend", "--q", "qb.npy", "--k", "kb.npy", "--v", "vb.npy",
+                                                 "--dtype", "bf16", "--causal", "-o", "out.npy"],
+              close("out.npy", out, bf16_tol))
+    out, _, _ = attention(q, k8, v8)
+    s.succeed("int8 K and V without --lse", ["attend", "--q", "q.npy", "--k", "k8.npy", "--k-scales", "k8s.npy",
+                                             "--v", "v8.npy", "--v-scales", "v8s.npy", "-o", "out.npy"],
+              close("out.npy", out))
+    # The backward reads them in place too, with the float32 backward's bits on their values.
+    s.save("kbf.npy", kb)
+    for name, args in (("stored", ["--q", "qb.npy", "--k", "kb.npy", "--v", "vb.npy", "--dtype", "bf16"]),
+                       ("float", ["--q", "qbf.npy", "--k", "kbf.npy", "--v", "vbf.npy"])):
+        s.succeed(f"bfloat16 Q, K, V backward ({name} files)",
+                  ["attend-backward", *args, "--causal", "--dout", "dout.npy", "--dq", f"dq_{name}.npy", "--dk",
+                   f"dk_{name}.npy", "--dv", f"dv_{name}.npy"])
+    same = all(np.array_equal(load(f"{g}_stored.npy"), load(f"{g}_float.npy")) for g in ("dq", "dk", "dv"))
+    s.succeed("the stored backward gives the float32 backward's bits",
+              ["attend-backward", "--q", "qb.npy", "--k", "kb.npy", "--v", "vb.npy", "--dtype", "bf16", "--causal",
+               "--dout", "dout.npy", "--dq", "dq_again.npy"],
+              lambda _: None if same else "dq, dk or dv differ from the float32 files' run")
+    # Five dims [L, B, H, T, D], run as [L·B, H, T, D]: the float32 run's bits; int8 is refused there.
+    s.save("q5.npy", q.reshape(1, b, h, tq, d))
+    s.save("k5.npy", k8.reshape(1, b, hkv, tk, d).astype(np.float16))
+    s.save("v5.npy", v.reshape(1, b, hkv, tk, dv))
+    s.save("k5f.npy", k8.reshape(1, b, hkv, tk, d).astype(np.float16).astype(np.float32))
+    s.succeed("five dims, float16 K", ["attend", "--q", "q5.npy", "--k", "k5.npy", "--v", "v5.npy", "-o", "o5.npy"])
+    s.succeed("five dims: the float32 run's bits",
+              ["attend", "--q", "q5.npy", "--k", "k5f.npy", "--v", "v5.npy", "-o", "o5f.npy"],
+              lambda _: None if np.array_equal(load("o5.npy"), load("o5f.npy")) else "outputs differ")
+
+    s.save("k8_5.npy", np.load(s.path("k8.npy")).reshape(1, b, hkv, tk, d))
+    s.save("k8s_5.npy", np.load(s.path("k8s.npy"))[None])
+    s.refuse("an int8 K of five dims", ["attend", "--q", "q5.npy", "--k", "k8_5.npy", "--k-scales", "k8s_5.npy", "--v",
+                                        "v5.npy", "-o", "x.npy"], "--k", "at most four dims", "[1, 2, 2, 29, 16]")
+
     # Refusals.
     for f in ("out.npy", "lse.npy"):
         os.remove(s.path(f))
