@@ -265,6 +265,19 @@ TEST(AttentionStored, MasksCausalityAndGroupedHeads) {
   expect_stored_matches_float(gqa, 37, "grouped-query heads, 4 over 2");
 }
 
+// A mask with a fully masked row, and grouped-query heads (4 over 2), added to `problems`.
+void add_masked_and_grouped(std::vector<std::pair<std::string, Problem>>& problems, uint64_t& seed) {
+  Problem masked = random_problem({1, 1, 40, 90, 32, 16}, seed++);
+  masked.allowed = testing::random_mask({40, 90}, 0.7, seed++);
+  for (int64_t j = 0; j < 90; ++j) masked.allowed->view()(3, j) = 0;
+  problems.emplace_back("mask with a fully masked row", masked);
+  Problem gqa = random_problem({1, 4, 33, 80, 64, 64}, seed++);
+  Rng rng(seed++);
+  gqa.k = testing::random_tensor<double>({1, 2, 80, 64}, rng);
+  gqa.v = testing::random_tensor<double>({1, 2, 80, 64}, rng);
+  problems.emplace_back("grouped-query heads, 4 over 2", gqa);
+}
+
 // The bf16 dot product's own checks, beyond the cases above: every size class of its tiles (d = 1,
 // odd depths, key blocks and query vectors cut short), causality, a fully masked row, grouped heads
 // and a KvCache's pages' worth of keys; out within the bfloat16 rule on every AVX-512 target,
@@ -283,15 +296,7 @@ TEST(AttentionStored, Bf16ProductsRoundOnlyTheWeights) {
         fmt::format("B={} H={} Tq={} Tk={} Dk={} Dv={}{}", c.b, c.h, c.tq, c.tk, c.dk, c.dv, c.causal ? " causal" : ""),
         random_problem(c, seed++));
   }
-  Problem masked = random_problem({1, 1, 40, 90, 32, 16}, seed++);
-  masked.allowed = testing::random_mask({40, 90}, 0.7, seed++);
-  for (int64_t j = 0; j < 90; ++j) masked.allowed->view()(3, j) = 0;
-  problems.emplace_back("mask with a fully masked row", masked);
-  Problem gqa = random_problem({1, 4, 33, 80, 64, 64}, seed++);
-  Rng rng(seed++);
-  gqa.k = testing::random_tensor<double>({1, 2, 80, 64}, rng);
-  gqa.v = testing::random_tensor<double>({1, 2, 80, 64}, rng);
-  problems.emplace_back("grouped-query heads, 4 over 2", gqa);
+  add_masked_and_grouped(problems, seed);
   for (auto& [label, p] : problems) {
     SCOPED_TRACE(label);
     const Stored s = store_problem(p, StorageType::bfloat16, StorageType::bfloat16);
@@ -415,16 +420,9 @@ TEST(AttentionStored, BackwardConvertsTileByTileToTheFloatBackwardsBits) {
   uint64_t seed = 400;
   problems.emplace_back("B=2 H=3 Tq=70 Tk=150 Dk=37 Dv=21", random_problem({2, 3, 70, 150, 37, 21}, seed++));
   problems.emplace_back("causal Tq < Tk, Dk = Dv = 1", random_problem({1, 2, 65, 130, 1, 1, true}, seed++));
-  Problem masked = random_problem({1, 1, 40, 90, 32, 16}, seed++);
-  masked.allowed = testing::random_mask({40, 90}, 0.7, seed++);
-  for (int64_t j = 0; j < 90; ++j) masked.allowed->view()(3, j) = 0;
-  problems.emplace_back("mask with a fully masked row", masked);
-  Problem gqa = random_problem({1, 4, 33, 80, 64, 64}, seed++);
-  Rng rng(seed++);
-  gqa.k = testing::random_tensor<double>({1, 2, 80, 64}, rng);
-  gqa.v = testing::random_tensor<double>({1, 2, 80, 64}, rng);
-  problems.emplace_back("grouped-query heads, 4 over 2", gqa);
+  add_masked_and_grouped(problems, seed);
   Problem capped = random_problem({1, 2, 66, 70, 24, 24}, seed++);
+  Rng rng(seed++);
   capped.softcap = 1.5;
   capped.sinks = testing::random_tensor<double>({2}, rng);
   capped.bias = testing::random_tensor<double>({1, 2, 66, 70}, rng);
