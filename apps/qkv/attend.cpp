@@ -321,7 +321,7 @@ struct Operands {
     const auto fits = [](const std::optional<StoredArray>& stored, const Tensor<T>& values) {
       return !stored || stored->shape() == values.shape();
     };
-    return (q_stored || k_stored || v_stored) && score == Score::dot && !dropout && !cu_seqlens_q &&
+    return (q_stored || k_stored || v_stored) && score == Score::dot && !dropout && !cu_seqlens_q && !cu_seqlens_k &&
            fits(q_stored, q) && fits(k_stored, k) && fits(v_stored, v);
   }
   StoredAttentionParams stored_params() const requires std::is_same_v<T, float> {
@@ -533,9 +533,9 @@ void check_input_options(const InputOptions& o) {
 }
 
 // An operand as read: a float32 or float64 file as it is; one stored narrower (float16, bfloat16,
-// int8 with scales) as the float32 values it stands for, which the checks, the reference, the
-// weights and runs the stored operands do not take read, and, in `stored`, as it is stored, which
-// the fused kernels read in place (Operands::stored()).
+// int8 with scales) as the float32 values it stands for, which the checks read and so do the runs
+// that cannot take stored operands (--weights, dropout, packed sequences); and, in `stored`, as it
+// is stored, which the kernels read in place (Operands::stored()).
 NpyArray read_operand(const std::string& path, const std::string& scales, const InputOptions& o,
                       const StoredOption& option, bool& bfloat16_read, std::optional<StoredArray>& stored) {
   NpyArray array = read_input(path, option.arg, stored_dtypes(option));
