@@ -42,8 +42,8 @@
 // Q, K and V may be stored as float16, bfloat16 or int8 with scales (StoredRows; float32 kernels).
 // Wherever a tile of the forward or the backward reads a block of their rows (the backward: its key
 // block once, its query block once for each key block), StageRows first converts those rows to
-// float32 in the worker's scratch (F16C's conversion or its emulation, a shift, or int8 widened and multiplied
-// by its scale), and the block is then used exactly as a float32 input's would be: every value is
+// float32 in the worker's scratch (F16C's conversion or its emulation, a shift, or int8 widened
+// and multiplied by its scale), and the block is then used exactly as a float32 input's would be: every value is
 // the one to_float32 gives, and every later operation is the float32 kernel's, so the result is
 // bit-identical to the float32 kernel on the converted arrays, on every target; the conversion's
 // load and store per element are nothing beside a tile's 2·Br multiply-adds per K and V element.
