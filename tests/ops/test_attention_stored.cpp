@@ -391,23 +391,8 @@ TEST(AttentionStored, ReferenceAndBackwardRunOnTheStoredValues) {
 // forward's out and lse.
 testing::Grads run_stored_backward(const Problem& p, const Stored& s, const Tensor<double>& dout, bool with_saved) {
   const testing::AttentionOperands<float> ops(p);
-  const StoredAttentionParams sp = stored_params(s, ops.params());
-  const Tensor<float> dout32 = cast<float>(dout);
-  Tensor<float> dq(p.q.shape()), dk(p.k.shape()), dv(p.v.shape());
-  Tensor<float> dbias = p.bias ? Tensor<float>(p.bias->shape()) : Tensor<float>();
-  Tensor<float> dsinks = p.sinks ? Tensor<float>(p.sinks->shape()) : Tensor<float>();
-  AttentionGradients<float> grads{.dq = dq.view(), .dk = dk.view(), .dv = dv.view(), .dbias = {}};
-  if (p.bias) grads.dbias = dbias.view();
-  if (p.sinks) grads.dsinks = dsinks.view();
-  const Shape& shape = p.q.shape();
-  Tensor<float> out({shape[0], shape[1], shape[2], p.v.shape()[3]}), lse({shape[0], shape[1], shape[2]});
-  std::optional<AttentionSaved<float>> saved;
-  if (with_saved) {
-    attention_forward(sp, {.out = out.view(), .weights = {}, .lse = lse.view()});
-    saved = AttentionSaved<float>{.out = out.cview(), .lse = lse.cview()};
-  }
-  attention_backward(sp, dout32.cview(), grads, saved);
-  return {cast<double>(dq), cast<double>(dk), cast<double>(dv), cast<double>(dbias), cast<double>(dsinks)};
+  return testing::backward_through<float>(p, stored_params(s, ops.params()), dout, AttentionImpl::automatic,
+                                          with_saved);
 }
 
 // The stored backward converts a block of rows of Q, K and V as each tile reads it. For every type

@@ -40,10 +40,11 @@ Forward run_forward(const AttentionProblem& p, AttentionImpl impl, bool with_lse
   return {cast<double>(out), with_lse ? cast<double>(lse) : Tensor<double>()};
 }
 
-// Gradients of L = <dout, out>; `with_saved` hands the backward the forward's out and lse.
-template <class T>
-Grads run_backward(const AttentionProblem& p, const Tensor<double>& dout, AttentionImpl impl, bool with_saved = true) {
-  const AttentionOperands<T> ops(p);
+// Gradients of L = <dout, out> through `params`, the call's params on p's operands (AttentionParams<T>,
+// or StoredAttentionParams for T = float); `with_saved` hands the backward the forward's out and lse.
+template <class T, class Params>
+Grads backward_through(const AttentionProblem& p, const Params& params, const Tensor<double>& dout, AttentionImpl impl,
+                       bool with_saved) {
   const Tensor<T> dout_t = cast<T>(dout);
   Tensor<T> dq(p.q.shape()), dk(p.k.shape()), dv(p.v.shape());
   Tensor<T> dbias = p.bias ? Tensor<T>(p.bias->shape()) : Tensor<T>();
@@ -55,11 +56,18 @@ Grads run_backward(const AttentionProblem& p, const Tensor<double>& dout, Attent
   const Shape& s = p.q.shape();
   Tensor<T> out({s[0], s[1], s[2], p.v.shape()[3]}), lse({s[0], s[1], s[2]});
   if (with_saved) {
-    attention_forward(ops.params(), AttentionOutputs<T>{.out = out.view(), .weights = {}, .lse = lse.view()}, impl);
+    attention_forward(params, AttentionOutputs<T>{.out = out.view(), .weights = {}, .lse = lse.view()}, impl);
     saved = AttentionSaved<T>{.out = out.cview(), .lse = lse.cview()};
   }
-  attention_backward(ops.params(), dout_t.view(), grads, saved, impl);
+  attention_backward(params, dout_t.view(), grads, saved, impl);
   return {cast<double>(dq), cast<double>(dk), cast<double>(dv), cast<double>(dbias), cast<double>(dsinks)};
+}
+
+// Gradients of L = <dout, out>; `with_saved` hands the backward the forward's out and lse.
+template <class T>
+Grads run_backward(const AttentionProblem& p, const Tensor<double>& dout, AttentionImpl impl, bool with_saved = true) {
+  const AttentionOperands<T> ops(p);
+  return backward_through<T>(p, ops.params(), dout, impl, with_saved);
 }
 
 inline Forward reference_forward(const AttentionProblem& p) { return run_forward<double>(p, AttentionImpl::reference); }
