@@ -538,6 +538,64 @@ HWY_INLINE hn::Vec<D> LoadRow(D d, const Int8Integers& row, size_t c) {
 
 HWY_INLINE float RowAt(const Int8Integers& row, size_t c) { return static_cast<float>(row.data[c]); }
 
+// A row of T read in place that starts `shift` lanes past a vector boundary (a numpy array or a
+// std::vector is 16-byte aligned, a row of 128 floats then 16 bytes past every 64-byte line): each
+// vector is put together from the two aligned vectors it straddles, so that no load splits a cache
+// line. The vector is the one LoadU would give, lane for lane, so the results do not depend on
+// where the rows lie. A split load costs a streaming kernel about a fifth of its bandwidth (a
+// decode on Zen 5 read 47 GB/s where the same rows 64-byte aligned read 55). Reads up to a vector
+// before the row and after it, within the rows its RealignedRows was made for.
+template <class D, class T = hn::TFromD<D>>
+struct RealignedRow {
+  const T* HWY_RESTRICT base;  // the row's start rounded down to a vector
+  size_t shift;
+  hn::Vec<hn::RebindToSigned<D>> indices;  // lane l takes lane (l + shift) mod N
+  hn::Mask<D> from_first;                  // the lanes taken from the first of the two vectors
+};
+
+template <class D, class T = hn::TFromD<D>>
+HWY_INLINE hn::Vec<D> LoadRow(D d, const RealignedRow<D>& row, size_t c) {
+  const auto indices = hn::IndicesFromVec(d, row.indices);
+  const hn::Vec<D> first = hn::TableLookupLanes(hn::Load(d, row.base + c), indices);
+  const hn::Vec<D> second = hn::TableLookupLanes(hn::Load(d, row.base + c + hn::Lanes(d)), indices);
+  return hn::IfThenElse(row.from_first, first, second);
+}
+
+template <class D, class T = hn::TFromD<D>>
+HWY_INLINE T RowAt(const RealignedRow<D>& row, size_t c) {
+  return row.base[row.shift + c];
+}
+
+// Whether LoadRow converts a row's elements rather than reading them as they are stored.
+template <class Row>
+inline constexpr bool kConvertsRow = true;
+template <class T>
+inline constexpr bool kConvertsRow<const T*> = false;
+template <class D>
+inline constexpr bool kConvertsRow<RealignedRow<D>> = false;
+
+// Rows of a RowBlock that all start `shift` lanes past a vector boundary, as RealignedRow.
+template <class D, class T = hn::TFromD<D>>
+class RealignedRows {
+ public:
+  RealignedRows(D d, const RowBlock<T>& rows, size_t shift)
+      : rows_(rows),
+        shift_(shift),
+        indices_(hn::And(
+            hn::Add(hn::Iota(hn::RebindToSigned<D>(), 0),
+                    hn::Set(hn::RebindToSigned<D>(), static_cast<hn::TFromD<hn::RebindToSigned<D>>>(shift))),
+            hn::Set(hn::RebindToSigned<D>(), static_cast<hn::TFromD<hn::RebindToSigned<D>>>(hn::Lanes(d) - 1)))),
+        from_first_(hn::FirstN(d, hn::Lanes(d) - shift)) {}
+
+  RealignedRow<D> row(size_t j) const { return {rows_.row(j) - shift_, shift_, indices_, from_first_}; }
+
+ private:
+  RowBlock<T> rows_;
+  size_t shift_;
+  hn::Vec<hn::RebindToSigned<D>> indices_;
+  hn::Mask<D> from_first_;
+};
+
 template <class T>
 const T* RowAddress(const T* row) {
   return row;
@@ -646,6 +704,21 @@ HWY_INLINE void WithRowsInPlace(const fused::RowsView<const T>& x, const fused::
   }
   HWY_DASSERT(!stored);
   f(RowsOf(x, b, h, t0));
+}
+
+// WithRowsInPlace for the n rows [t0, t0 + n) that AttendFewQueries streams: rows of T that start
+// off a vector boundary, all by the same number of lanes, as RealignedRows when a row lies before
+// and after them (rows_total rows in all), so that every load they take stays within the operand.
+template <class D, class T, class F>
+HWY_INLINE void WithStreamedRows(D d, const fused::RowsView<const T>& x, const fused::StoredRows& stored, int64_t b,
+                                 int64_t h, int64_t t0, size_t n, int64_t rows_total, F&& f) {
+  if (!stored && t0 >= 1 && t0 + static_cast<int64_t>(n) < rows_total) {
+    const RowBlock<T> rows = RowsOf(x, b, h, t0);
+    const size_t vector_bytes = hn::Lanes(d) * sizeof(T);
+    const size_t shift = reinterpret_cast<uintptr_t>(rows.rows) % vector_bytes / sizeof(T);
+    if (shift != 0 && rows.stride * sizeof(T) % vector_bytes == 0) return f(RealignedRows<D>(d, rows, shift));
+  }
+  WithRowsInPlace(x, stored, b, h, t0, std::forward<F>(f));
 }
 
 // Asks for rows [t0, t0 + n) of an operand (as stored) to be brought into the caches, so that
@@ -1029,7 +1102,7 @@ HWY_INLINE void AccumulateWeightedRowsThroughMemory(D d, const Rows& v, size_t n
   // Converted rows are bound by the conversion, and two keys a pass halve the loads and stores of
   // `block`; rows of T read in place are bound by memory, where two streams at once measured
   // 0.9× one (Zen 3, d = 128).
-  constexpr bool kTwoKeys = !std::is_pointer_v<decltype(v.row(0))>;
+  constexpr bool kTwoKeys = kConvertsRow<decltype(v.row(0))>;
   for (; kTwoKeys && j + 2 <= nk; j += 2) {
     const auto v0 = v.row(j);
     const auto v1 = v.row(j + 1);
@@ -1136,10 +1209,12 @@ HWY_INLINE void ValueSums(D d, const Rows& values, size_t nk, T* HWY_RESTRICT p,
 // no software prefetch. The hardware prefetchers keep far more lines in flight on one sequential
 // stream per operand than software prefetches can, and they lose the stream on the short strided
 // runs of reading four rows at once or a row in register-sized pieces (measured on Zen 3, d = 128:
-// 1.16× one thread and 1.11× two over that, with every line prefetched 64 keys ahead). Stored rows
-// (float16, bfloat16, int8, paged) are read the same way, converted in registers, and asked for
-// ahead, kFewQueriesPrefetchBytes of K, since converting them holds their loads back (without it,
-// int8 measured 0.9×).
+// 1.16× one thread and 1.11× two over that, with every line prefetched 64 keys ahead). Rows of T
+// that start off a vector boundary are put together from aligned loads (RealignedRow), as a load
+// split across two cache lines costs the stream a fifth of its pace. Stored rows (float16,
+// bfloat16, int8, paged) are read the same way, converted in registers, and asked for ahead,
+// kFewQueriesPrefetchBytes of K, since converting them holds their loads back (without it, int8
+// measured 0.9×).
 template <class D, class T = hn::TFromD<D>>
 void AttendFewQueries(D d, const Inputs<T>& in, int64_t b, int64_t h, int64_t q0, size_t nq, int64_t key_begin,
                       int64_t key_end, int64_t prefetch_end, ForwardScratch<T>& s) {
@@ -1164,7 +1239,8 @@ void AttendFewQueries(D d, const Inputs<T>& in, int64_t b, int64_t h, int64_t q0
     for (size_t i = 0; i < nq; ++i) {
       const int64_t qi = q0 + static_cast<int64_t>(i);
       const T* HWY_RESTRICT q = queries.row(i);
-      WithRowsInPlace(in.k, in.k_stored, b, hk, j0, [&](const auto& keys) { KeyDots(d, keys, nk, q, i, dk, s, p); });
+      WithStreamedRows(d, in.k, in.k_stored, b, hk, j0, nk, in.tk,
+                       [&](const auto& keys) { KeyDots(d, keys, nk, q, i, dk, s, p); });
       const LaneRun run{.i = qi, .j = j0, .di = 0, .dj = 1, .count = nk};
       const hn::Vec<D> scores = hn::IfThenElse(hn::FirstN(d, nk), Scores(d, in, b, h, run, hn::LoadU(d, p)), neg_inf);
       const T old_max = s.max[i];
@@ -1176,7 +1252,7 @@ void AttendFewQueries(D d, const Inputs<T>& in, int64_t b, int64_t h, int64_t q0
       hn::StoreU(weights, d, p);
       s.sum[i] = s.sum[i] * corr + hn::GetLane(hn::SumOfLanes(d, weights));
       s.max[i] = new_max;
-      WithRowsInPlace(in.v, in.v_stored, b, hk, j0, [&](const auto& values) {
+      WithStreamedRows(d, in.v, in.v_stored, b, hk, j0, nk, in.tk, [&](const auto& values) {
         ValueSums(d, values, nk, p, corr, dv, s, s.few.get() + i * s.few_row);
       });
     }

@@ -367,6 +367,52 @@ TEST(AttentionFused, StridedViewsIntoPackedQkvBuffer) {
   });
 }
 
+TEST(AttentionFused, FewQueriesGiveTheSameBitsWhereverKAndVLie) {
+  // The few-query kernel puts rows that start off a vector boundary together from aligned loads.
+  // K and V copied to every float offset of a 64-byte line must give the bits of the aligned
+  // copy: depths that fill whole vectors on each target (128, 48, 24, 16), one whose rows start
+  // at different offsets (17), Dk ≠ Dv, grouped heads, Tk not a multiple of any vector.
+  struct Shape4 {
+    int64_t h, h_kv, tq, tk, dk, dv;
+  };
+  const Shape4 shapes[] = {
+      {2, 2, 1, 301, 128, 128}, {4, 2, 3, 150, 48, 16}, {2, 1, 8, 77, 24, 24}, {1, 1, 2, 45, 17, 20}};
+  constexpr int64_t kLine = 64 / sizeof(float);
+  Rng rng(1150);
+  for (const Shape4& s : shapes) {
+    SCOPED_TRACE(fmt::format("H={} Hkv={} Tq={} Tk={} Dk={} Dv={}", s.h, s.h_kv, s.tq, s.tk, s.dk, s.dv));
+    const Tensor<float> q = random_tensor<float>({1, s.h, s.tq, s.dk}, rng);
+    const Tensor<float> k = random_tensor<float>({1, s.h_kv, s.tk, s.dk}, rng);
+    const Tensor<float> v = random_tensor<float>({1, s.h_kv, s.tk, s.dv}, rng);
+    // Room for every offset, starting on a line.
+    std::vector<float> k_room(static_cast<size_t>(k.numel() + 2 * kLine)), v_room(k_room.size() + v.numel());
+    const auto line_start = [&](std::vector<float>& room) {
+      const auto misalignment = reinterpret_cast<uintptr_t>(room.data()) % 64 / sizeof(float);
+      return room.data() + (misalignment == 0 ? 0 : kLine - static_cast<int64_t>(misalignment));
+    };
+    const auto attend = [&](int64_t offset) {
+      float* k_at = line_start(k_room) + offset;
+      float* v_at = line_start(v_room) + offset;
+      std::copy(k.values().begin(), k.values().end(), k_at);
+      std::copy(v.values().begin(), v.values().end(), v_at);
+      const AttentionParams<float> params{.q = q.cview(),
+                                          .k = make_view<const float>(k_at, k.shape()),
+                                          .v = make_view<const float>(v_at, v.shape()),
+                                          .scale = {},
+                                          .mask = {}};
+      Tensor<float> out({1, s.h, s.tq, s.dv});
+      attention_forward_fused(params, {.out = out.view(), .weights = {}, .lse = {}});
+      return cast<double>(out);
+    };
+    on_every_target([&] {
+      const Tensor<double> aligned = attend(0);
+      for (int64_t offset = 1; offset < kLine; ++offset) {
+        EXPECT_TRUE(bit_identical(attend(offset), aligned)) << "K and V " << offset << " floats past a line";
+      }
+    });
+  }
+}
+
 TEST(AttentionFused, RankTwoAndThreeInputs) {
   on_every_target([] {
     Rng rng(1200);
