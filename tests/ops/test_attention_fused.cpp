@@ -385,7 +385,8 @@ TEST(AttentionFused, FewQueriesGiveTheSameBitsWhereverKAndVLie) {
     const Tensor<float> k = random_tensor<float>({1, s.h_kv, s.tk, s.dk}, rng);
     const Tensor<float> v = random_tensor<float>({1, s.h_kv, s.tk, s.dv}, rng);
     // Room for every offset, starting on a line.
-    std::vector<float> k_room(static_cast<size_t>(k.numel() + 2 * kLine)), v_room(k_room.size() + v.numel());
+    std::vector<float> k_room(static_cast<size_t>(k.numel() + 2 * kLine));
+    std::vector<float> v_room(static_cast<size_t>(v.numel() + 2 * kLine));
     const auto line_start = [&](std::vector<float>& room) {
       const auto misalignment = reinterpret_cast<uintptr_t>(room.data()) % 64 / sizeof(float);
       return room.data() + (misalignment == 0 ? 0 : kLine - static_cast<int64_t>(misalignment));
