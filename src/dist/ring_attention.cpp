@@ -523,11 +523,11 @@ std::vector<double> forward_merged(const Ring& r, const Comm& c, TensorView<floa
     if (more) exchange(r, c, type, held, incoming, c.origin(step + 1), requests, 0);
     const auto start = Clock::now();
     for (const Block& blk : blocks_of(r, c, c.origin(step))) {
-      const TensorView<float> out = make_view(out_scratch.data(), {r.batch(), r.heads(), blk.qr.length, r.dv()});
+      const TensorView<float> block_out = make_view(out_scratch.data(), {r.batch(), r.heads(), blk.qr.length, r.dv()});
       const TensorView<float> lse = make_view(lse_scratch.data(), {r.batch(), r.heads(), blk.qr.length});
       attention_forward_fused<float>(block_params(r, blk, held),
-                                     AttentionOutputs<float>{.out = out, .weights = {}, .lse = lse});
-      merge_block(r, blk, out, lse, m);
+                                     AttentionOutputs<float>{.out = block_out, .weights = {}, .lse = lse});
+      merge_block(r, blk, block_out, lse, m);
       progress(requests, 2);
     }
     times.compute_s += seconds_since(start);
