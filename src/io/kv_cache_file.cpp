@@ -24,29 +24,15 @@ namespace {
 
 constexpr std::string_view kKind = "kv_cache";
 
-// A pool of the cache's type as the float32 values it holds, shaped [pages, Hkv, page_tokens, d].
-Tensor<float> pool_values(const std::vector<uint8_t>& pool, const KvCacheShape& s, int64_t d) {
+// A float32 pool as a tensor [pages, Hkv, page_tokens, d].
+Tensor<float> float32_pool(const std::vector<uint8_t>& pool, const KvCacheShape& s, int64_t d) {
   Tensor<float> values(Shape{s.pages, s.kv_heads, s.page_tokens, d});
-  for (int64_t i = 0; i < values.numel(); ++i) {
-    switch (s.type) {
-      case StorageType::float32:
-        std::memcpy(&values[i], pool.data() + i * 4, 4);
-        break;
-      case StorageType::float16:
-        values[i] = float_from_float16(reinterpret_cast<const uint16_t*>(pool.data())[i]);
-        break;
-      case StorageType::bfloat16:
-        values[i] = float_from_bfloat16(reinterpret_cast<const uint16_t*>(pool.data())[i]);
-        break;
-      case StorageType::int8:
-        values[i] = static_cast<float>(reinterpret_cast<const int8_t*>(pool.data())[i]);
-        break;
-    }
-  }
+  if (values.numel() > 0) std::memcpy(values.data(), pool.data(), pool.size());
   return values;
 }
 
-// The pool's bytes from its values, each of which the type must hold exactly.
+// The pool's bytes from its values as float32, each of which the type must hold exactly: how files
+// of format version 1 (float32 tensors alone) keep float16, bfloat16 and int8 pools.
 std::vector<uint8_t> pool_bytes(const Tensor<float>& values, const KvCacheShape& s, const std::string& source,
                                 std::string_view name) {
   std::vector<uint8_t> pool(static_cast<size_t>(values.numel() * storage_bytes(s.type)));
@@ -100,13 +86,31 @@ std::vector<int64_t> parse_ints(std::string_view text, const ModelFile& file, st
   return values;
 }
 
+void expect_shape(const ModelFile& file, std::string_view name, const Shape& actual, const Shape& expected) {
+  if (actual != expected) {
+    throw IoError(
+        fmt::format("{}: tensor \"{}\": expected shape {}, got {}", file.source, name, expected.str(), actual.str()));
+  }
+}
+
 const Tensor<float>& tensor_of_shape(const ModelFile& file, std::string_view name, const Shape& shape) {
   const Tensor<float>& t = file.tensor(name);
-  if (t.shape() != shape) {
-    throw IoError(
-        fmt::format("{}: tensor \"{}\": expected shape {}, got {}", file.source, name, shape.str(), t.shape().str()));
-  }
+  expect_shape(file, name, t.shape(), shape);
   return t;
+}
+
+// A pool's bytes: a narrow tensor of the cache's type as it is, or float32 values the type holds.
+std::vector<uint8_t> read_pool(const ModelFile& file, std::string_view name, const KvCacheShape& s, int64_t d) {
+  const Shape shape{s.pages, s.kv_heads, s.page_tokens, d};
+  if (const NarrowTensor* narrow = file.narrow_tensor(name)) {
+    if (narrow->type != s.type) {
+      throw IoError(fmt::format("{}: tensor \"{}\": expected {} values (entry \"type\"), got {}", file.source, name,
+                                storage_name(s.type), storage_name(narrow->type)));
+    }
+    expect_shape(file, name, narrow->shape, shape);
+    return narrow->bytes;
+  }
+  return pool_bytes(tensor_of_shape(file, name, shape), s, file.source, name);
 }
 
 }  // namespace
@@ -137,8 +141,17 @@ std::string encode_kv_cache_file(const KvCacheState& state) {
   }
   file.set("sequence_lengths", fmt::format("{}", fmt::join(lengths, " ")));
   file.set("sequence_pages", fmt::format("{}", fmt::join(pages, ";")));
-  file.tensors.emplace_back("k_pool", pool_values(state.k_pool, s, s.dk));
-  file.tensors.emplace_back("v_pool", pool_values(state.v_pool, s, s.dv));
+  if (s.type == StorageType::float32) {
+    file.tensors.emplace_back("k_pool", float32_pool(state.k_pool, s, s.dk));
+    file.tensors.emplace_back("v_pool", float32_pool(state.v_pool, s, s.dv));
+  } else {
+    file.narrow_tensors.emplace_back(
+        "k_pool",
+        NarrowTensor{.type = s.type, .shape = Shape{s.pages, s.kv_heads, s.page_tokens, s.dk}, .bytes = state.k_pool});
+    file.narrow_tensors.emplace_back(
+        "v_pool",
+        NarrowTensor{.type = s.type, .shape = Shape{s.pages, s.kv_heads, s.page_tokens, s.dv}, .bytes = state.v_pool});
+  }
   if (s.type == StorageType::int8) {
     file.tensors.emplace_back("k_scales", Tensor<float>(Shape{s.pages, s.kv_heads, s.dk}, state.k_scales));
     file.tensors.emplace_back("v_scales", Tensor<float>(Shape{s.pages, s.kv_heads, s.page_tokens}, state.v_scales));
@@ -186,10 +199,8 @@ KvCacheState state_of(const ModelFile& file) {
         fmt::format("{}: entry \"sequence_pages\": expected no pages for no sequence, got \"{}\"", file.source, pages));
   }
   try {
-    state.k_pool = pool_bytes(tensor_of_shape(file, "k_pool", Shape{s.pages, s.kv_heads, s.page_tokens, s.dk}), s,
-                              file.source, "k_pool");
-    state.v_pool = pool_bytes(tensor_of_shape(file, "v_pool", Shape{s.pages, s.kv_heads, s.page_tokens, s.dv}), s,
-                              file.source, "v_pool");
+    state.k_pool = read_pool(file, "k_pool", s, s.dk);
+    state.v_pool = read_pool(file, "v_pool", s, s.dv);
     if (s.type == StorageType::int8) {
       const Tensor<float>& ks = tensor_of_shape(file, "k_scales", Shape{s.pages, s.kv_heads, s.dk});
       const Tensor<float>& vs = tensor_of_shape(file, "v_scales", Shape{s.pages, s.kv_heads, s.page_tokens});

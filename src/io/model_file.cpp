@@ -11,6 +11,7 @@
 #include <fstream>
 #include <iterator>
 #include <limits>
+#include <optional>
 #include <set>
 #include <sstream>
 
@@ -25,7 +26,37 @@ namespace {
 // little-endian host.
 static_assert(std::endian::native == std::endian::little, "qkv's model files assume a little-endian host");
 
-constexpr uint8_t kFloat32 = 1;
+// The dtype code of a narrow type in the file, and the type of a code (float32 for none of them).
+uint8_t dtype_code(StorageType type) {
+  switch (type) {
+    case StorageType::float32:
+      return 1;
+    case StorageType::float16:
+      return 2;
+    case StorageType::bfloat16:
+      return 3;
+    case StorageType::int8:
+      return 4;
+  }
+  return 0;
+}
+
+std::optional<StorageType> type_of_code(uint8_t code) {
+  for (const StorageType type :
+       {StorageType::float32, StorageType::float16, StorageType::bfloat16, StorageType::int8}) {
+    if (dtype_code(type) == code) return type;
+  }
+  return std::nullopt;
+}
+
+// Element i of a narrow tensor, when it is not finite (float16 and bfloat16 with every exponent bit set).
+std::optional<float> non_finite_at(const NarrowTensor& t, size_t i) {
+  if (t.type == StorageType::int8) return std::nullopt;
+  uint16_t bits = 0;
+  std::memcpy(&bits, t.bytes.data() + 2 * i, 2);
+  const float value = t.type == StorageType::float16 ? float_from_float16(bits) : float_from_bfloat16(bits);
+  return std::isfinite(value) ? std::nullopt : std::optional(value);
+}
 constexpr size_t kHeaderBytes = 8 + 4 + 8;  // magic, version, payload length
 constexpr size_t kChecksumBytes = 4;
 
@@ -85,45 +116,65 @@ class Reader {
   size_t offset_ = 0;
 };
 
-Tensor<float> read_tensor(Reader& in, const std::string& source, const std::string& name) {
+struct TensorHeader {
+  StorageType type = StorageType::float32;
+  std::vector<int64_t> dims;
+  uint64_t numel = 0;
+};
+
+// A tensor's dtype, rank and dims, each checked, with its values' bytes checked to be there.
+TensorHeader read_tensor_header(Reader& in, const std::string& source, const std::string& name, uint32_t version) {
+  TensorHeader header;
   const auto dtype = in.get<uint8_t>(fmt::format("tensor \"{}\" dtype", name));
-  if (dtype != kFloat32) {
-    throw IoError(
-        fmt::format("{}: tensor \"{}\": expected dtype code {} (float32), got {}", source, name, kFloat32, dtype));
+  const std::optional<StorageType> type = type_of_code(dtype);
+  if (!type || (version < 2 && *type != StorageType::float32)) {
+    throw IoError(fmt::format("{}: tensor \"{}\": expected dtype code {} of format version {}, got {}", source, name,
+                              version < 2 ? "1 (float32)" : "1 to 4 (float32, float16, bfloat16, int8)", version,
+                              dtype));
   }
+  header.type = *type;
   const auto rank = in.get<uint8_t>(fmt::format("tensor \"{}\" rank", name));
   if (rank > kMaxRank) {
     throw IoError(fmt::format("{}: tensor \"{}\": expected rank 0 to {}, got {}", source, name, kMaxRank, rank));
   }
-  std::vector<int64_t> dims;
   for (int axis = 0; axis < rank; ++axis) {
     const auto dim = in.get<uint64_t>(fmt::format("tensor \"{}\" dim {}", name, axis));
     if (dim > static_cast<uint64_t>(std::numeric_limits<int64_t>::max())) {
       throw IoError(
           fmt::format("{}: tensor \"{}\": dim {} is {}, more than fits in an int64", source, name, axis, dim));
     }
-    dims.push_back(static_cast<int64_t>(dim));
+    header.dims.push_back(static_cast<int64_t>(dim));
   }
-  const bool empty = std::ranges::find(dims, 0) != dims.end();
+  const bool empty = std::ranges::find(header.dims, 0) != header.dims.end();
   // The values follow the dims, so only a non-empty tensor's dims are bounded by the bytes left;
   // each partial product stays within them, so that the next one cannot overflow.
-  uint64_t numel = empty ? 0 : 1;
-  const uint64_t capacity = in.left() / sizeof(float);
-  for (size_t axis = 0; axis < dims.size() && !empty; ++axis) {
-    const auto dim = static_cast<uint64_t>(dims[axis]);
-    if (dim > capacity || numel > capacity / dim) {
+  const auto element_bytes = static_cast<uint64_t>(storage_bytes(header.type));
+  header.numel = empty ? 0 : 1;
+  const uint64_t capacity = in.left() / element_bytes;
+  for (size_t axis = 0; axis < header.dims.size() && !empty; ++axis) {
+    const auto dim = static_cast<uint64_t>(header.dims[axis]);
+    if (dim > capacity || header.numel > capacity / dim) {
       throw IoError(fmt::format("{}: tensor \"{}\": dim {} is {}, more values than the {} bytes left can hold", source,
                                 name, axis, dim, in.left()));
     }
-    numel *= dim;
+    header.numel *= dim;
   }
-  in.need(numel * sizeof(float), fmt::format("tensor \"{}\" values", name));
-  Tensor<float> tensor;
+  in.need(header.numel * element_bytes, fmt::format("tensor \"{}\" values", name));
+  return header;
+}
+
+Shape shape_of(const TensorHeader& header, const std::string& source, const std::string& name) {
   try {
-    tensor = Tensor<float>(Shape(std::span<const int64_t>(dims)));
+    return Shape(std::span<const int64_t>(header.dims));
   } catch (const ShapeError& e) {
     throw IoError(fmt::format("{}: tensor \"{}\": {}", source, name, e.what()));
   }
+}
+
+Tensor<float> read_float32_values(Reader& in, const TensorHeader& header, const std::string& source,
+                                  const std::string& name) {
+  Tensor<float> tensor(shape_of(header, source, name));
+  const uint64_t numel = header.numel;
   // memcpy takes no null pointer, even for zero bytes, and an empty tensor's data() may be null.
   if (numel > 0) std::memcpy(tensor.data(), in.rest(numel * sizeof(float)).data(), numel * sizeof(float));
   in.skip(numel * sizeof(float));
@@ -134,6 +185,30 @@ Tensor<float> read_tensor(Reader& in, const std::string& source, const std::stri
     }
   }
   return tensor;
+}
+
+NarrowTensor read_narrow_values(Reader& in, const TensorHeader& header, const std::string& source,
+                                const std::string& name) {
+  NarrowTensor tensor{.type = header.type, .shape = shape_of(header, source, name), .bytes = {}};
+  const auto bytes = static_cast<size_t>(header.numel) * static_cast<size_t>(storage_bytes(header.type));
+  const std::string_view values = in.rest(bytes);
+  tensor.bytes.assign(values.begin(), values.end());
+  in.skip(bytes);
+  for (size_t i = 0; i < header.numel; ++i) {
+    if (const std::optional<float> value = non_finite_at(tensor, i)) {
+      throw IoError(fmt::format("{}: tensor \"{}\": {} value {} at flat index {} is not finite", source, name,
+                                storage_name(tensor.type), *value, i));
+    }
+  }
+  return tensor;
+}
+
+// Appends a tensor's name, dtype, rank and dims.
+void put_header(std::string& payload, std::string_view name, StorageType type, const Shape& shape) {
+  put_string(payload, name);
+  put(payload, dtype_code(type));
+  put(payload, static_cast<uint8_t>(shape.rank()));
+  for (const int64_t dim : shape.dims()) put(payload, static_cast<uint64_t>(dim));
 }
 
 }  // namespace
@@ -173,6 +248,13 @@ const Tensor<float>& ModelFile::tensor(std::string_view name) const {
   throw IoError(fmt::format("{}: no tensor \"{}\" (a {} model file needs it)", source, name, kind));
 }
 
+const NarrowTensor* ModelFile::narrow_tensor(std::string_view name) const {
+  for (const auto& [n, t] : narrow_tensors) {
+    if (n == name) return &t;
+  }
+  return nullptr;
+}
+
 void ModelFile::check_kind(std::string_view expected) const {
   if (kind != expected) {
     throw IoError(fmt::format("{}: expected a {} model, got a \"{}\" model", source, expected, kind));
@@ -205,7 +287,11 @@ std::string encode_model_file(const ModelFile& model) {
     put_string(payload, text);
   }
   std::set<std::string_view> names;
-  put(payload, static_cast<uint32_t>(model.tensors.size()));
+  const size_t count = model.tensors.size() + model.narrow_tensors.size();
+  if (count > std::numeric_limits<uint32_t>::max()) {
+    throw ValueError(fmt::format("model file: {} tensors, more than a u32 count can say", count));
+  }
+  put(payload, static_cast<uint32_t>(count));
   for (const auto& [name, tensor] : model.tensors) {
     if (!names.insert(name).second) throw ValueError(fmt::format("model file: tensor \"{}\" given twice", name));
     for (int64_t i = 0; i < tensor.numel(); ++i) {
@@ -214,16 +300,38 @@ std::string encode_model_file(const ModelFile& model) {
             fmt::format("model file: tensor \"{}\": value {} at flat index {} is not finite", name, tensor[i], i));
       }
     }
-    put_string(payload, name);
-    put(payload, kFloat32);
-    put(payload, static_cast<uint8_t>(tensor.shape().rank()));
-    for (const int64_t dim : tensor.shape().dims()) put(payload, static_cast<uint64_t>(dim));
+    put_header(payload, name, StorageType::float32, tensor.shape());
     if (tensor.numel() > 0) {
       payload.append(reinterpret_cast<const char*>(tensor.data()), static_cast<size_t>(tensor.numel()) * sizeof(float));
     }
   }
+  for (const auto& [name, tensor] : model.narrow_tensors) {
+    if (!names.insert(name).second) throw ValueError(fmt::format("model file: tensor \"{}\" given twice", name));
+    if (tensor.type == StorageType::float32) {
+      throw ValueError(
+          fmt::format("model file: narrow tensor \"{}\": expected float16, bfloat16 or int8, got "
+                      "float32 (a float32 tensor goes in `tensors`)",
+                      name));
+    }
+    const auto numel = static_cast<size_t>(tensor.shape.numel());
+    if (tensor.bytes.size() != numel * static_cast<size_t>(storage_bytes(tensor.type))) {
+      throw ValueError(
+          fmt::format("model file: narrow tensor \"{}\": expected {} bytes ({} {} values of shape {}), "
+                      "got {}",
+                      name, numel * static_cast<size_t>(storage_bytes(tensor.type)), numel, storage_name(tensor.type),
+                      tensor.shape.str(), tensor.bytes.size()));
+    }
+    for (size_t i = 0; i < numel; ++i) {
+      if (const std::optional<float> value = non_finite_at(tensor, i)) {
+        throw ValueError(fmt::format("model file: tensor \"{}\": {} value {} at flat index {} is not finite", name,
+                                     storage_name(tensor.type), *value, i));
+      }
+    }
+    put_header(payload, name, tensor.type, tensor.shape);
+    payload.append(reinterpret_cast<const char*>(tensor.bytes.data()), tensor.bytes.size());
+  }
   std::string bytes(kModelFileMagic);
-  put(bytes, kModelFileVersion);
+  put(bytes, model.narrow_tensors.empty() ? uint32_t{1} : kModelFileVersion);
   put(bytes, static_cast<uint64_t>(payload.size()));
   bytes += payload;
   put(bytes, crc32(bytes));
@@ -242,8 +350,9 @@ ModelFile decode_model_file(std::string_view bytes, std::string source) {
   uint64_t payload_length = 0;
   std::memcpy(&version, bytes.data() + 8, sizeof(version));
   std::memcpy(&payload_length, bytes.data() + 12, sizeof(payload_length));
-  if (version != kModelFileVersion) {
-    throw IoError(fmt::format("{}: format version {}; this qkv reads version {}", source, version, kModelFileVersion));
+  if (version < 1 || version > kModelFileVersion) {
+    throw IoError(
+        fmt::format("{}: format version {}; this qkv reads versions 1 to {}", source, version, kModelFileVersion));
   }
   const uint64_t expected_size = kHeaderBytes + kChecksumBytes + payload_length;
   if (payload_length > bytes.size() || bytes.size() != expected_size) {
@@ -275,13 +384,18 @@ ModelFile decode_model_file(std::string_view bytes, std::string source) {
     model.metadata.emplace_back(std::move(key), std::move(text));
   }
   const auto count = in.get<uint32_t>("tensor count");
+  std::set<std::string> names;
   for (uint32_t t = 0; t < count; ++t) {
     std::string name = in.get_string(fmt::format("tensor {} name", t));
-    for (const auto& [n, unused] : model.tensors) {
-      if (n == name) throw IoError(fmt::format("{}: tensor \"{}\" appears twice", model.source, name));
+    if (!names.insert(name).second) throw IoError(fmt::format("{}: tensor \"{}\" appears twice", model.source, name));
+    const TensorHeader header = read_tensor_header(in, model.source, name, version);
+    if (header.type == StorageType::float32) {
+      Tensor<float> tensor = read_float32_values(in, header, model.source, name);
+      model.tensors.emplace_back(std::move(name), std::move(tensor));
+    } else {
+      NarrowTensor tensor = read_narrow_values(in, header, model.source, name);
+      model.narrow_tensors.emplace_back(std::move(name), std::move(tensor));
     }
-    Tensor<float> tensor = read_tensor(in, model.source, name);
-    model.tensors.emplace_back(std::move(name), std::move(tensor));
   }
   if (in.left() != 0) {
     throw IoError(fmt::format("{}: {} bytes of the payload follow the last tensor", model.source, in.left()));

@@ -1,10 +1,12 @@
 // KV cache files (include/qkv/io/kv_cache_file.hpp): a round trip keeps every byte of the cache in
-// every storage type; values the type cannot hold, missing entries and tensors of the wrong shape
-// are refused naming the file.
+// every storage type, and the file holds each pool in the cache's own type; files of format version
+// 1, whose pools are float32 values, still read to the same cache; values the type cannot hold,
+// pools of another type, missing entries and tensors of the wrong shape are refused naming the file.
 
 #include <gtest/gtest.h>
 
 #include <cstdint>
+#include <cstring>
 #include <functional>
 #include <string>
 
@@ -58,8 +60,58 @@ TEST(KvCacheFile, RoundTripKeepsEveryByte) {
   }
 }
 
-void expect_refused(StorageType type, const std::function<void(ModelFile&)>& spoil, const std::string& message) {
+// The cache file of `type` as format version 1 kept it: every pool as the float32 values it holds.
+ModelFile version1_file(StorageType type) {
   ModelFile file = decode_model_file(encode_kv_cache_file(some_state(type)), "c.qkvc");
+  for (const auto& [name, pool] : file.narrow_tensors) {
+    Tensor<float> values(pool.shape);
+    for (int64_t i = 0; i < values.numel(); ++i) {
+      uint16_t bits = 0;
+      if (type != StorageType::int8) std::memcpy(&bits, pool.bytes.data() + 2 * i, 2);
+      values[i] = type == StorageType::float16    ? float_from_float16(bits)
+                  : type == StorageType::bfloat16 ? float_from_bfloat16(bits)
+                                                  : static_cast<float>(static_cast<int8_t>(pool.bytes[i]));
+    }
+    file.tensors.emplace_back(name, std::move(values));
+  }
+  file.narrow_tensors.clear();
+  return file;
+}
+
+TEST(KvCacheFile, PoolsTakeTheirOwnTypesBytes) {
+  const auto file_bytes = [](StorageType type) { return encode_kv_cache_file(some_state(type)).size(); };
+  const KvCacheState state = some_state(StorageType::float16);
+  const size_t pools = state.k_pool.size() + state.v_pool.size();
+  // The float16 file holds its pools (and a few hundred bytes of entries); the float32 one twice them.
+  EXPECT_LT(file_bytes(StorageType::float16), pools + 1000);
+  EXPECT_GT(file_bytes(StorageType::float32), 2 * pools);
+  EXPECT_LT(file_bytes(StorageType::int8), pools / 2 + 1000 + (6 * 2 * 5 + 6 * 2 * 4) * sizeof(float));
+  for (const StorageType type : {StorageType::float16, StorageType::bfloat16, StorageType::int8}) {
+    SCOPED_TRACE(storage_name(type));
+    const ModelFile file = decode_model_file(encode_kv_cache_file(some_state(type)), "c.qkvc");
+    ASSERT_NE(file.narrow_tensor("k_pool"), nullptr);
+    EXPECT_EQ(file.narrow_tensor("k_pool")->type, type);
+    EXPECT_EQ(file.narrow_tensor("v_pool")->type, type);
+  }
+}
+
+TEST(KvCacheFile, Version1FilesReadToTheSameCache) {
+  for (const StorageType type : {StorageType::float16, StorageType::bfloat16, StorageType::int8}) {
+    SCOPED_TRACE(storage_name(type));
+    const KvCacheState state = some_state(type);
+    const std::string old = encode_model_file(version1_file(type));
+    uint32_t version = 0;
+    std::memcpy(&version, old.data() + 8, 4);
+    EXPECT_EQ(version, 1U);
+    const KvCacheState back = decode_kv_cache_file(old, "old.qkvc");
+    EXPECT_EQ(back.k_pool, state.k_pool);
+    EXPECT_EQ(back.v_pool, state.v_pool);
+    EXPECT_EQ(back.k_scales, state.k_scales);
+  }
+}
+
+void expect_refused(StorageType type, const std::function<void(ModelFile&)>& spoil, const std::string& message) {
+  ModelFile file = version1_file(type);
   spoil(file);
   try {
     decode_kv_cache_file(encode_model_file(file), "c.qkvc");
@@ -74,6 +126,19 @@ Tensor<float>& tensor(ModelFile& file, const std::string& name) {
     if (n == name) return t;
   }
   throw ValueError("no tensor " + name);
+}
+
+TEST(KvCacheFile, PoolsOfAnotherTypeOrShapeAreRefused) {
+  ModelFile file = decode_model_file(encode_kv_cache_file(some_state(StorageType::float16)), "c.qkvc");
+  file.set("type", "bfloat16");
+  EXPECT_TRUE(testing::throws_naming<IoError>(
+      [&] { decode_kv_cache_file(encode_model_file(file), "c.qkvc"); },
+      {"c.qkvc", "tensor \"k_pool\"", "expected bfloat16 values (entry \"type\")", "got float16"}));
+  file.set("type", "float16");
+  file.narrow_tensors[1].second.shape = Shape{6, 2, 3, 4};
+  EXPECT_TRUE(testing::throws_naming<IoError>(
+      [&] { decode_kv_cache_file(encode_model_file(file), "c.qkvc"); },
+      {"c.qkvc", "tensor \"v_pool\"", "expected shape [6, 2, 4, 3]", "got [6, 2, 3, 4]"}));
 }
 
 TEST(KvCacheFile, WhatTheCacheCannotHoldIsRefused) {

@@ -1,10 +1,11 @@
 // The model file format (include/qkv/io/model_file.hpp): a round trip keeps every entry and every bit
-// of every tensor; the checksum is zlib's CRC-32; every way a file can be damaged or foreign is
-// refused with an IoError that names the file and the problem, never a crash or a partial model;
-// load_parameters refuses a file that does not hold exactly the model's parameters.
+// of every tensor, float32 or narrow (float16, bfloat16, int8, in version 2 only); the checksum is zlib's CRC-32; every
+// way a file can be damaged or foreign is refused with an IoError that names the file and the problem, never a crash or
+// a partial model; load_parameters refuses a file that does not hold exactly the model's parameters.
 
 #include "qkv/io/model_file.hpp"
 
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 
 #include <cstring>
@@ -34,6 +35,24 @@ ModelFile sample_model() {
   model.tensors.emplace_back("layer.bias", random_tensor<float>(Shape{3}, rng));
   model.tensors.emplace_back("scalar", Tensor<float>(Shape{}, 2.5F));
   model.tensors.emplace_back("odd", random_tensor<float>(Shape{1, 2, 1, 113}, rng));
+  return model;
+}
+
+// sample_model with a tensor of each narrow type, which makes it a file of format version 2.
+ModelFile sample_narrow_model() {
+  ModelFile model = sample_model();
+  const auto bits = [](std::initializer_list<uint16_t> values) {
+    std::vector<uint8_t> bytes(values.size() * 2);
+    std::memcpy(bytes.data(), std::data(values), bytes.size());
+    return bytes;
+  };
+  model.narrow_tensors.emplace_back(
+      "half",
+      NarrowTensor{.type = StorageType::float16, .shape = Shape{2, 2}, .bytes = bits({0x3C00, 0x8001, 0x7BFF, 0})});
+  model.narrow_tensors.emplace_back(
+      "brain", NarrowTensor{.type = StorageType::bfloat16, .shape = Shape{3}, .bytes = bits({0x3F80, 0xFF7F, 0x0001})});
+  model.narrow_tensors.emplace_back(
+      "bytes", NarrowTensor{.type = StorageType::int8, .shape = Shape{1, 5}, .bytes = {0x80, 0x7F, 0, 1, 0xFF}});
   return model;
 }
 
@@ -148,14 +167,73 @@ TEST(ModelFile, WritesAndReadsAFile) {
   EXPECT_TRUE(throws_naming<IoError>([&] { read_model_file(path); }, {path.string(), "cannot open"}));
 }
 
-TEST(ModelFile, EveryFlippedByteIsRefused) {
-  const std::string good = encode_model_file(sample_model());
-  for (size_t i = 0; i < good.size(); ++i) {
-    std::string bad = good;
-    bad[i] = static_cast<char>(bad[i] ^ 0x5A);
-    // The magic, the version and the length have their own messages; anything else is the checksum's.
-    EXPECT_THROW(decode_model_file(bad, "bad.qkvm"), IoError) << "byte " << i;
+TEST(ModelFile, NarrowTensorsRoundTripEveryByteAsVersion2) {
+  const ModelFile model = sample_narrow_model();
+  const std::string bytes = encode_model_file(model);
+  uint32_t version = 0;
+  std::memcpy(&version, bytes.data() + 8, 4);
+  EXPECT_EQ(version, 2U);
+  const ModelFile back = decode_model_file(bytes, "n.qkvm");
+  EXPECT_EQ(back.tensors.size(), model.tensors.size());
+  ASSERT_EQ(back.narrow_tensors.size(), 3U);
+  for (size_t i = 0; i < model.narrow_tensors.size(); ++i) {
+    const auto& [name, tensor] = model.narrow_tensors[i];
+    SCOPED_TRACE(name);
+    ASSERT_NE(back.narrow_tensor(name), nullptr);
+    EXPECT_EQ(back.narrow_tensor(name)->type, tensor.type);
+    EXPECT_EQ(back.narrow_tensor(name)->shape, tensor.shape);
+    EXPECT_EQ(back.narrow_tensor(name)->bytes, tensor.bytes);
   }
+  EXPECT_EQ(back.narrow_tensor("layer.weight"), nullptr);
+  // Two bytes a float16 value, one an int8 one: the file holds them as they are.
+  EXPECT_NE(bytes.find(std::string("\x80\x7F\x00\x01\xFF", 5)), std::string::npos);
+}
+
+TEST(ModelFile, NarrowTensorsAreRefusedInVersion1AndWhenTheyLie) {
+  std::string bytes = encode_model_file(sample_narrow_model());
+  const uint32_t one = 1;
+  std::memcpy(bytes.data() + 8, &one, 4);
+  EXPECT_TRUE(
+      throws_naming<IoError>([&] { decode_model_file(with_valid_checksum(bytes), "old.qkvm"); },
+                             {"old.qkvm", "tensor \"half\"", "dtype code 1 (float32) of format version 1", "got 2"}));
+
+  ModelFile wrong_bytes = sample_narrow_model();
+  wrong_bytes.narrow_tensors[0].second.bytes.pop_back();
+  EXPECT_TRUE(throws_naming<ValueError>([&] { encode_model_file(wrong_bytes); },
+                                        {"\"half\"", "expected 8 bytes", "4 float16 values of shape [2, 2]", "got 7"}));
+  ModelFile float32 = sample_narrow_model();
+  float32.narrow_tensors[2].second.type = StorageType::float32;
+  EXPECT_TRUE(throws_naming<ValueError>([&] { encode_model_file(float32); }, {"\"bytes\"", "got float32"}));
+  ModelFile shared_name = sample_narrow_model();
+  shared_name.narrow_tensors[1].first = "layer.bias";
+  EXPECT_TRUE(throws_naming<ValueError>([&] { encode_model_file(shared_name); }, {"\"layer.bias\"", "twice"}));
+
+  for (const auto& [index, bits] : {std::pair{0, uint16_t{0x7C00}}, std::pair{1, uint16_t{0xFFC1}}}) {
+    ModelFile non_finite = sample_narrow_model();
+    std::memcpy(non_finite.narrow_tensors[static_cast<size_t>(index)].second.bytes.data() + 2, &bits, 2);
+    EXPECT_TRUE(throws_naming<ValueError>([&] { encode_model_file(non_finite); }, {"flat index 1", "not finite"}));
+  }
+  // The same forged past the encoder: the float16 value 1.0 (0x3C00, first in "half") made infinite.
+  std::string forged = encode_model_file(sample_narrow_model());
+  const size_t at = forged.find(std::string("\x00\x3C\x01\x80", 4));
+  ASSERT_NE(at, std::string::npos);
+  forged[at + 1] = '\x7C';
+  EXPECT_TRUE(
+      throws_naming<IoError>([&] { decode_model_file(with_valid_checksum(forged), "inf.qkvm"); },
+                             {"inf.qkvm", "tensor \"half\"", "float16 value inf at flat index 0", "not finite"}));
+}
+
+TEST(ModelFile, EveryFlippedByteIsRefused) {
+  for (const ModelFile& model : {sample_model(), sample_narrow_model()}) {
+    const std::string good = encode_model_file(model);
+    for (size_t i = 0; i < good.size(); ++i) {
+      std::string bad = good;
+      bad[i] = static_cast<char>(bad[i] ^ 0x5A);
+      // The magic, the version and the length have their own messages; anything else is the checksum's.
+      EXPECT_THROW(decode_model_file(bad, "bad.qkvm"), IoError) << "byte " << i;
+    }
+  }
+  const std::string good = encode_model_file(sample_model());
   std::string bad = good;
   bad[good.size() / 2] = static_cast<char>(bad[good.size() / 2] ^ 1);
   EXPECT_TRUE(throws_naming<IoError>([&] { decode_model_file(bad, "bad.qkvm"); },
@@ -163,10 +241,13 @@ TEST(ModelFile, EveryFlippedByteIsRefused) {
 }
 
 TEST(ModelFile, EveryTruncationIsRefused) {
-  const std::string good = encode_model_file(sample_model());
-  for (size_t n = 0; n < good.size(); ++n) {
-    EXPECT_THROW(decode_model_file(std::string_view(good).substr(0, n), "cut.qkvm"), IoError) << "length " << n;
+  for (const ModelFile& model : {sample_model(), sample_narrow_model()}) {
+    const std::string whole = encode_model_file(model);
+    for (size_t n = 0; n < whole.size(); ++n) {
+      EXPECT_THROW(decode_model_file(std::string_view(whole).substr(0, n), "cut.qkvm"), IoError) << "length " << n;
+    }
   }
+  const std::string good = encode_model_file(sample_model());
   EXPECT_TRUE(throws_naming<IoError>([&] { decode_model_file(std::string_view(good).substr(0, 40), "cut.qkvm"); },
                                      {"cut.qkvm", "truncated"}));
   EXPECT_TRUE(
@@ -177,11 +258,13 @@ TEST(ModelFile, ForeignFilesAndOtherVersionsAreRefused) {
   EXPECT_TRUE(throws_naming<IoError>([] { decode_model_file("\x93NUMPY\x01\x00", "x.npy"); },
                                      {"x.npy", "not a qkv model file"}));
   EXPECT_TRUE(throws_naming<IoError>([] { decode_model_file("", "empty.qkvm"); }, {"empty.qkvm", "not a qkv model"}));
-  std::string future = encode_model_file(sample_model());
-  const uint32_t version = 2;
-  std::memcpy(future.data() + 8, &version, 4);
-  EXPECT_TRUE(throws_naming<IoError>([&] { decode_model_file(with_valid_checksum(future), "new.qkvm"); },
-                                     {"new.qkvm", "format version 2", "reads version 1"}));
+  for (const uint32_t version : {0U, 3U}) {
+    std::string other = encode_model_file(sample_model());
+    std::memcpy(other.data() + 8, &version, 4);
+    EXPECT_TRUE(
+        throws_naming<IoError>([&] { decode_model_file(with_valid_checksum(other), "other.qkvm"); },
+                               {"other.qkvm", fmt::format("format version {}", version), "reads versions 1 to 2"}));
+  }
 }
 
 TEST(ModelFile, LyingLengthsInsideAValidChecksumAreRefused) {

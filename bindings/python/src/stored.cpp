@@ -247,7 +247,7 @@ void add_stored(py::module_& m) {
                   "the file when it is not one, is corrupt or does not make a cache.")
       .def("save", &PyKvCache::save, "path"_a,
            "Writes the whole cache (every sequence, its pages and the free ones) to `path`, all or nothing: a kv_cache "
-           "model file, versioned and checksummed, its values in float32.")
+           "model file, versioned and checksummed, its pools in the cache's own dtype (as many bytes as in memory).")
       .def("add_sequence", &PyKvCache::add_sequence, "A new, empty sequence: its id.")
       .def("remove_sequence", &PyKvCache::remove_sequence, "id"_a,
            "Gives the sequence's pages back to the pool; its id is not used again.")

@@ -4,12 +4,13 @@
 // (type, kv_heads, dk, dv, page_tokens, pages), the free pages, the sequences' lengths (-1 for a
 // removed one) and their pages (lists separated by ';'), so that they stay few however many
 // sequences there are;
-// its tensors the pools as the values they hold, k_pool [pages, Hkv, page_tokens, Dk] and v_pool
-// [..., Dv], and for int8 the scales, k_scales [pages, Hkv, Dk] and v_scales [pages, Hkv,
-// page_tokens]. A model file holds float32 alone, so a float16 or bfloat16 pool takes twice its
-// bytes there and an int8 one four times; reading converts every value back exactly, and refuses
-// one the cache's type cannot hold. Whether the state makes a cache (pages held once, lengths that
-// fit them) is KvCache::from_state's to check.
+// its tensors the pools in the cache's own type, k_pool [pages, Hkv, page_tokens, Dk] and v_pool
+// [..., Dv] (float16, bfloat16 and int8 as the model file's narrow tensors, so the file is the
+// size of the cache in memory), and for int8 the scales, k_scales [pages, Hkv, Dk] and v_scales
+// [pages, Hkv, page_tokens]. Pools written as float32 values, as files of format version 1 keep
+// every type, are read too: each value is converted back exactly, and one the cache's type cannot
+// hold is refused. Whether the state makes a cache (pages held once, lengths that fit them) is
+// KvCache::from_state's to check.
 
 #include <filesystem>
 #include <string>
