@@ -53,9 +53,9 @@ bf16; int8 '|i1' (K and V) with float32 scales that broadcast to it (--k-scales 
 channel, --v-scales [..., Tk, 1] per token; qkv quantize makes both). The fused kernels read them
 in place, a block of rows at a time, with the float32 results on those values, except where the
 library says otherwise (bfloat16 Q, K and V without --lse take the CPU's bf16 dot product where it
-has one; int8 K and V without --lse for a few queries scale the query and the weights); with
---weights, --dropout or --cu-seqlens-q/-k they are converted to float32 first. An int8 file has at
-most four dims. See also qkv decode. --score additive runs in float32 only.
+has one; int8 K and V without --lse for a few queries scale the query and the weights), and no
+copy of them is made; with --weights, --heatmap, --dropout, --cu-seqlens-q/-k, --score additive or
+a float64 operand they are converted to float32 (float64) first. An int8 file has at most four dims. See also qkv decode. --score additive runs in float32 only.
 Every input and output is a file: - is not standard input or output (write ./- for a file named -).
 Inputs are .npy files (C or Fortran order, either byte order), or arrays of an .npz archive that
 np.savez wrote: --q arrays.npz:q reads its array q (arrays.npz alone, its only array).
@@ -260,14 +260,24 @@ RingRunOptions ring_options(const InputOptions& o) {
   return r;
 }
 
+// Q, K or V as a run holds it: its shape as run, and its values as T, but for a file stored
+// narrower that the kernels read in place (Operands::reads_stored), of which no copy is made.
+template <class T>
+struct Operand {
+  Shape shape;
+  std::optional<Tensor<T>> values;
+
+  TensorView<const T> cview() const { return values.value().cview(); }
+};
+
 // The operands of one run: read, converted to T (float, or double for float64 dot-product runs)
-// and checked against each other.
+// where the run needs them so, and checked against each other.
 template <class T>
 struct Operands {
   Score score = Score::dot;
-  Tensor<T> q;                             // [..., Tq, Dk] ([..., Tq, Dq] with additive scores)
-  Tensor<T> k;                             // [..., Tk, Dk]
-  Tensor<T> v;                             // [..., Tk, Dv]
+  Operand<T> q;                            // [..., Tq, Dk] ([..., Tq, Dq] with additive scores)
+  Operand<T> k;                            // [..., Tk, Dk]
+  Operand<T> v;                            // [..., Tk, Dv]
   std::optional<Tensor<uint8_t>> allowed;  // a bool or integer --mask, broadcastable to [B, H, Tq, Tk]
   std::optional<Tensor<T>> bias;           // a float --mask, broadcastable to [B, H, Tq, Tk]
   Tensor<float> w_q;                       // [A, Dq], additive scores only
@@ -283,8 +293,10 @@ struct Operands {
   std::optional<Tensor<int64_t>> cu_seqlens_q, cu_seqlens_k;
   std::optional<AttentionDropout> dropout;
   AttentionImpl impl = AttentionImpl::automatic;
-  // The files stored narrower than float32 as read, for a run that reads them in place (stored()).
+  // The files stored narrower than float32 as read, and whether the kernels read them in place
+  // (then the operands have no T values).
   std::optional<StoredArray> q_stored, k_stored, v_stored;
+  bool reads_stored = false;
   Shape leading;           // the leading dims of Q as run: none, [H] or [B, H]
   Batch batch;             // Q's dims before [H, Tq, Dk] when it has more than four, run as B
   BatchedMask mask_batch;  // the mask's own shape, when Q has a batch
@@ -315,18 +327,19 @@ struct Operands {
             .sinks = sinks ? std::optional(sinks->cview()) : std::nullopt,
             .dropout = dropout};
   }
-  // Whether the kernels read the narrower files in place: dot-product scores with no dropout and no
-  // packed sequences (which the stored operands do not take), each file in the shape it runs in.
-  bool stored() const {
-    const auto fits = [](const std::optional<StoredArray>& stored, const Tensor<T>& values) {
-      return !stored || stored->shape() == values.shape();
+  // Whether the kernels can read the narrower files in place: a float32 run of dot-product scores
+  // with no dropout and no packed sequences (which the stored operands do not take), each file in
+  // the shape it runs in.
+  bool can_read_stored() const {
+    const auto fits = [](const std::optional<StoredArray>& stored, const Operand<T>& operand) {
+      return !stored || stored->shape() == operand.shape;
     };
-    return (q_stored || k_stored || v_stored) && score == Score::dot && !dropout && !cu_seqlens_q && !cu_seqlens_k &&
-           fits(q_stored, q) && fits(k_stored, k) && fits(v_stored, v);
+    return std::is_same_v<T, float> && (q_stored || k_stored || v_stored) && score == Score::dot && !dropout &&
+           !cu_seqlens_q && !cu_seqlens_k && fits(q_stored, q) && fits(k_stored, k) && fits(v_stored, v);
   }
   StoredAttentionParams stored_params() const requires std::is_same_v<T, float> {
-    const auto view = [](const std::optional<StoredArray>& stored, const Tensor<float>& values) {
-      return stored ? stored->view() : StoredView::float32(values.cview());
+    const auto view = [](const std::optional<StoredArray>& stored, const Operand<float>& operand) {
+      return stored ? stored->view() : StoredView::float32(operand.cview());
     };
     return {.q = view(q_stored, q),
             .k = view(k_stored, k),
@@ -533,9 +546,9 @@ void check_input_options(const InputOptions& o) {
 }
 
 // An operand as read: a float32 or float64 file as it is; one stored narrower (float16, bfloat16,
-// int8 with scales) as the float32 values it stands for, which the checks read and so do the runs
-// that cannot take stored operands (--weights, dropout, packed sequences); and, in `stored`, as it
-// is stored, which the kernels read in place (Operands::stored()).
+// int8 with scales) in `stored`, as it is stored, and here with its shape alone: load_operands
+// converts it to float values only for a run that cannot read it in place (--weights, dropout,
+// packed sequences, additive scores, float64).
 NpyArray read_operand(const std::string& path, const std::string& scales, const InputOptions& o,
                       const StoredOption& option, bool& bfloat16_read, std::optional<StoredArray>& stored) {
   NpyArray array = read_input(path, option.arg, stored_dtypes(option));
@@ -556,11 +569,9 @@ NpyArray read_operand(const std::string& path, const std::string& scales, const 
   }
   stored = stored_of(std::move(array), scales, !o.dtype.empty(), option);
   bfloat16_read = bfloat16_read || stored->type == StorageType::bfloat16;
-  const Tensor<float> values = to_float32(stored->view());
-  NpyArray converted;
-  converted.shape = file_shape;
-  converted.values = std::vector<float>(values.data(), values.data() + values.numel());
-  return converted;
+  NpyArray shape_only;
+  shape_only.shape = file_shape;
+  return shape_only;
 }
 
 InputArrays read_inputs(const InputOptions& o) {
@@ -582,8 +593,30 @@ bool runs_in_float64(const InputOptions& o, const InputArrays& in) {
          (in.q.dtype == DType::float64 || in.k.dtype == DType::float64 || in.v.dtype == DType::float64);
 }
 
+// An operand's values as T from its file, or its shape alone for a file stored narrower (`stored`).
 template <class T>
-Operands<T> load_operands(const InputOptions& o, InputArrays in) {
+Operand<T> operand_of(NpyArray array, const std::optional<StoredArray>& stored, std::string_view arg) {
+  if (stored) return {.shape = shape_of(array, arg), .values = std::nullopt};
+  Tensor<T> values = to_tensor<T>(std::move(array), arg);
+  return {.shape = values.shape(), .values = std::move(values)};
+}
+
+// The values a file stored narrower stands for, as T in the operand's shape.
+template <class T>
+void convert_stored(Operand<T>& operand, const std::optional<StoredArray>& stored) {
+  if (!stored) return;
+  Tensor<float> values = to_float32(stored->view());
+  if constexpr (std::is_same_v<T, float>) {
+    operand.values = Tensor<float>(operand.shape, std::move(values.values()));
+  } else {
+    operand.values = Tensor<T>(operand.shape, std::vector<T>(values.values().begin(), values.values().end()));
+  }
+}
+
+// `weights_wanted`: the run forms the attention weights, which a forward reading stored operands
+// never gives, so those are converted to T.
+template <class T>
+Operands<T> load_operands(const InputOptions& o, InputArrays in, bool weights_wanted) {
   Operands<T> x;
   x.score = score_of(o);
   x.impl = impl_of(o.impl);
@@ -601,40 +634,41 @@ Operands<T> load_operands(const InputOptions& o, InputArrays in) {
   flatten_batch(in.q, x.batch, "--q", "[H, Tq, Dk]");
   flatten_batch(in.k, x.batch, "--k", "[Hkv, Tk, Dk]");
   flatten_batch(in.v, x.batch, "--v", "[Hkv, Tk, Dv]");
-  x.q = to_tensor<T>(std::move(in.q), "--q");
-  const TensorView<const T> q4 = as_bhtd(x.q.cview(), "--q");
-  x.leading = leading_dims_with(x.q.shape(), x.q.shape().rank() - 2);
-  x.tq = q4.shape[2];
-  const int64_t dq = q4.shape[3];
+  x.q = operand_of<T>(std::move(in.q), x.q_stored, "--q");
+  const Shape q4 = as_bhtd(make_view<const T>(nullptr, x.q.shape), "--q").shape;
+  x.leading = leading_dims_with(x.q.shape, x.q.shape.rank() - 2);
+  x.tq = q4[2];
+  const int64_t dq = q4[3];
   if (x.score == Score::dot && dq == 0) {
-    throw ShapeError(fmt::format("--q: expected d_k (the last dim) >= 1, got shape {}", x.q.shape().str()));
+    throw ShapeError(fmt::format("--q: expected d_k (the last dim) >= 1, got shape {}", x.q.shape.str()));
   }
 
-  x.k = to_tensor<T>(std::move(in.k), "--k");
-  as_bhtd(x.k.cview(), "--k");  // refuses a rank outside 2 to 4 before Tk is read off the shape
-  x.tk = x.k.shape().from_back(2);
-  const int64_t dk = x.k.shape().from_back(1);
+  x.k = operand_of<T>(std::move(in.k), x.k_stored, "--k");
+  // Refuses a rank outside 2 to 4 before Tk is read off the shape.
+  as_bhtd(make_view<const T>(nullptr, x.k.shape), "--k");
+  x.tk = x.k.shape.from_back(2);
+  const int64_t dk = x.k.shape.from_back(1);
   // K and V take their heads from K: whether they divide Q's is the library's check, in its words.
   Shape kv_leading = x.leading;
-  if (kv_leading.rank() >= 1 && x.k.shape().rank() == x.q.shape().rank()) {
-    kv_leading[kv_leading.rank() - 1] = x.k.shape().from_back(3);
+  if (kv_leading.rank() >= 1 && x.k.shape.rank() == x.q.shape.rank()) {
+    kv_leading[kv_leading.rank() - 1] = x.k.shape.from_back(3);
   }
   const auto kv_shape = [&](int64_t t, int64_t d) { return leading_dims_with(kv_leading, kv_leading.rank(), {t, d}); };
   if (x.score == Score::dot) {
-    expect_shape("--k", x.k.shape(), kv_shape(x.tk, dq),
+    expect_shape("--k", x.k.shape, kv_shape(x.tk, dq),
                  "[..., Hkv, Tk, Dk]: the leading dims of --q but for the heads, and Dk of --q", x.batch);
   } else {
-    expect_shape("--k", x.k.shape(), kv_shape(x.tk, dk),
-                 "[..., Hkv, Tk, Dk]: the leading dims of --q but for the heads", x.batch);
+    expect_shape("--k", x.k.shape, kv_shape(x.tk, dk), "[..., Hkv, Tk, Dk]: the leading dims of --q but for the heads",
+                 x.batch);
   }
 
-  x.v = to_tensor<T>(std::move(in.v), "--v");
-  as_bhtd(x.v.cview(), "--v");  // the same for Dv
-  x.dv = x.v.shape().from_back(1);
-  expect_shape("--v", x.v.shape(), kv_shape(x.tk, x.dv), "[..., Hkv, Tk, Dv]: the leading dims and Tk of --k", x.batch);
+  x.v = operand_of<T>(std::move(in.v), x.v_stored, "--v");
+  as_bhtd(make_view<const T>(nullptr, x.v.shape), "--v");  // the same for Dv
+  x.dv = x.v.shape.from_back(1);
+  expect_shape("--v", x.v.shape, kv_shape(x.tk, x.dv), "[..., Hkv, Tk, Dv]: the leading dims and Tk of --k", x.batch);
 
-  if (!o.mask.empty()) load_mask(o, Shape{q4.shape[0], q4.shape[1], x.tq, x.tk}, x);
-  load_variants(o, q4.shape[1], x);
+  if (!o.mask.empty()) load_mask(o, Shape{q4[0], q4[1], x.tq, x.tk}, x);
+  load_variants(o, q4[1], x);
 
   if (x.score == Score::additive) {
     x.w_q = load_float32(o.w_q, "--wq");
@@ -650,9 +684,17 @@ Operands<T> load_operands(const InputOptions& o, InputArrays in) {
   }
 
   if (!o.allow_nonfinite) {
-    check_input_finite(x.q.cview(), "--q");
-    check_input_finite(x.k.cview(), "--k");
-    check_input_finite(x.v.cview(), "--v");
+    const auto check_operand = [](const Operand<T>& operand, const std::optional<StoredArray>& stored,
+                                  std::string_view arg) {
+      if (stored) {
+        check_input_finite(stored->view(), arg);
+      } else {
+        check_input_finite(operand.cview(), arg);
+      }
+    };
+    check_operand(x.q, x.q_stored, "--q");
+    check_operand(x.k, x.k_stored, "--k");
+    check_operand(x.v, x.v_stored, "--v");
     if (x.bias) check_input_finite(x.bias->cview(), "--mask", NonFinite::minus_infinity_allowed);
     if (x.alibi) check_input_finite(x.alibi->cview(), "--alibi");
     if (x.sinks) check_input_finite(x.sinks->cview(), "--sinks");
@@ -661,6 +703,12 @@ Operands<T> load_operands(const InputOptions& o, InputArrays in) {
       check_input_finite(x.w_k.cview(), "--wk");
       check_input_finite(x.w.cview(), "--ww");
     }
+  }
+  x.reads_stored = !weights_wanted && x.can_read_stored();
+  if (!x.reads_stored) {
+    convert_stored(x.q, x.q_stored);
+    convert_stored(x.k, x.k_stored);
+    convert_stored(x.v, x.v_stored);
   }
   return x;
 }
@@ -703,9 +751,9 @@ void run_attend(const AttendOptions& o) {
   check_input_options(o.in);
   InputArrays in = read_inputs(o.in);
   if (runs_in_float64(o.in, in)) {
-    attend<double>(load_operands<double>(o.in, std::move(in)), heatmap, files);
+    attend<double>(load_operands<double>(o.in, std::move(in), files.planned("--weights") || heatmap), heatmap, files);
   } else {
-    attend<float>(load_operands<float>(o.in, std::move(in)), heatmap, files);
+    attend<float>(load_operands<float>(o.in, std::move(in), files.planned("--weights") || heatmap), heatmap, files);
   }
 }
 
@@ -737,7 +785,7 @@ void attend(const Operands<T>& x, const std::optional<HeatmapFormat>& heatmap, O
       }
     }
     if constexpr (std::is_same_v<T, float>) {
-      if (x.stored() && !outputs.weights) {
+      if (x.reads_stored) {
         attention_forward(x.stored_params(), outputs, x.impl);
         return;
       }
@@ -810,9 +858,9 @@ void run_attend_backward(const BackwardOptions& o) {
   check_input_options(o.in);
   InputArrays in = read_inputs(o.in);
   if (runs_in_float64(o.in, in)) {
-    attend_backward<double>(o, load_operands<double>(o.in, std::move(in)), files);
+    attend_backward<double>(o, load_operands<double>(o.in, std::move(in), false), files);
   } else {
-    attend_backward<float>(o, load_operands<float>(o.in, std::move(in)), files);
+    attend_backward<float>(o, load_operands<float>(o.in, std::move(in), false), files);
   }
 }
 
@@ -830,9 +878,9 @@ void attend_backward(const BackwardOptions& o, const Operands<T>& x, OutputFiles
   if (!o.in.allow_nonfinite) check_input_finite(dout.cview(), "--dout");
 
   // The library computes dq, dk and dv whether or not they are written.
-  Tensor<T> dq = allocate_output<T>(x.q.shape(), "--dq");
-  Tensor<T> dk = allocate_output<T>(x.k.shape(), "--dk");
-  Tensor<T> dv = allocate_output<T>(x.v.shape(), "--dv");
+  Tensor<T> dq = allocate_output<T>(x.q.shape, "--dq");
+  Tensor<T> dk = allocate_output<T>(x.k.shape, "--dk");
+  Tensor<T> dv = allocate_output<T>(x.v.shape, "--dv");
   std::optional<Tensor<T>> dbias;
   if (files.planned("--dbias")) dbias = allocate_output<T>(x.bias->shape(), "--dbias");
   const std::optional<TensorView<T>> dbias_view = dbias ? std::optional(dbias->view()) : std::nullopt;
@@ -847,7 +895,7 @@ void attend_backward(const BackwardOptions& o, const Operands<T>& x, OutputFiles
                                       .dsinks = dsinks ? std::optional(dsinks->view()) : std::nullopt};
     naming_options([&] {
       if constexpr (std::is_same_v<T, float>) {
-        if (x.stored()) {
+        if (x.reads_stored) {
           attention_backward(x.stored_params(), dout.cview(), grads, std::nullopt, x.impl);
           return;
         }

@@ -16,6 +16,7 @@
 #include <fstream>
 #include <iterator>
 #include <limits>
+#include <new>
 #include <span>
 #include <sstream>
 #include <stdexcept>
@@ -34,7 +35,13 @@
 namespace qkv::cli {
 namespace {
 
-// The shape of an array read from disk as a qkv Shape, which holds rank 0 to 4.
+[[noreturn]] void wrong_dtype(const NpyArray& array, std::string_view arg, std::string_view expected) {
+  throw ShapeError(fmt::format("{}: expected dtype {}, got {} (shape {})", arg, expected, dtype_name(array.dtype),
+                               array.shape_str()));
+}
+
+}  // namespace
+
 Shape shape_of(const NpyArray& array, std::string_view arg) {
   if (array.shape.size() > static_cast<size_t>(kMaxRank)) {
     throw ShapeError(fmt::format("{}: expected an array of rank 0 to {}, got shape {} (rank {})", arg, kMaxRank,
@@ -42,13 +49,6 @@ Shape shape_of(const NpyArray& array, std::string_view arg) {
   }
   return Shape(std::span<const int64_t>(array.shape));
 }
-
-[[noreturn]] void wrong_dtype(const NpyArray& array, std::string_view arg, std::string_view expected) {
-  throw ShapeError(fmt::format("{}: expected dtype {}, got {} (shape {})", arg, expected, dtype_name(array.dtype),
-                               array.shape_str()));
-}
-
-}  // namespace
 
 NpyArray read_input(const std::filesystem::path& path, std::string_view arg, std::string_view accepted) {
   if (path == "-") {
@@ -400,6 +400,17 @@ void OutputFiles::commit() {
     } catch (const IoError& e) {
       throw IoError(fmt::format("{}: cannot write {}: staging it beside the target failed: {}", file.arg,
                                 file.path.string(), e.what()));
+    } catch (const std::bad_alloc&) {
+      // allocate_output found room for the file's bytes beside the values, but what the run
+      // allocated since (a kernel's scratch, threads' stacks) can take it back; nothing is written.
+      const auto* values = std::get_if<Tensor<float>>(&file.contents);
+      const auto* wide = std::get_if<Tensor<double>>(&file.contents);
+      const double image = values ? static_cast<double>(values->numel()) * sizeof(float)
+                           : wide ? static_cast<double>(wide->numel()) * sizeof(double)
+                                  : static_cast<double>(std::get<std::string>(file.contents).size());
+      throw ResourceError(fmt::format("{}: writing {} needs {} for its bytes, but only {} of memory is available",
+                                      file.arg, file.path.string(), format_bytes(image),
+                                      format_bytes(static_cast<double>(available_memory_bytes()))));
     }
   }
   try {

@@ -54,14 +54,23 @@ Tensor<uint8_t> to_bool(NpyArray array, std::string_view arg);
 // ShapeError.
 Tensor<int64_t> to_int64(NpyArray array, std::string_view arg);
 
+// The shape of an array read from disk as a qkv Shape, which holds rank 0 to 4; ShapeError naming
+// `arg` otherwise.
+Shape shape_of(const NpyArray& array, std::string_view arg);
+
 // read_input then to_float32: the usual way to take a float operand.
 Tensor<float> load_float32(const std::filesystem::path& path, std::string_view arg);
 
-// check_finite (qkv/core/tensor.hpp) with the CLI's remedy: the message suggests
+inline constexpr std::string_view kAllowNonfiniteRemedy = "pass --allow-nonfinite to accept them";
+
+// check_finite (qkv/core/tensor.hpp, qkv/core/storage.hpp) with the CLI's remedy: the message suggests
 // --allow-nonfinite, so a subcommand calling this offers that flag.
 template <class T>
 void check_input_finite(TensorView<const T> values, std::string_view arg, NonFinite rule = NonFinite::refused) {
-  check_finite(values, arg, rule, "pass --allow-nonfinite to accept them");
+  check_finite(values, arg, rule, kAllowNonfiniteRemedy);
+}
+inline void check_input_finite(const StoredView& values, std::string_view arg) {
+  check_finite(values, arg, kAllowNonfiniteRemedy);
 }
 
 // The tokens in the text file given to option `arg` (--tokens-file): one per line, UTF-8, kept as
