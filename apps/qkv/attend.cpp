@@ -55,7 +55,8 @@ in place, a block of rows at a time, with the float32 results on those values, e
 library says otherwise (bfloat16 Q, K and V without --lse take the CPU's bf16 dot product where it
 has one; int8 K and V without --lse for a few queries scale the query and the weights), and no
 copy of them is made; with --weights, --heatmap, --dropout, --cu-seqlens-q/-k, --score additive or
-a float64 operand they are converted to float32 (float64) first. An int8 file has at most four dims. See also qkv decode. --score additive runs in float32 only.
+a float64 operand they are converted to float32 (float64) first. An int8 file has at most four
+dims. See also qkv decode. --score additive runs in float32 only.
 Every input and output is a file: - is not standard input or output (write ./- for a file named -).
 Inputs are .npy files (C or Fortran order, either byte order), or arrays of an .npz archive that
 np.savez wrote: --q arrays.npz:q reads its array q (arrays.npz alone, its only array).
@@ -294,7 +295,7 @@ struct Operands {
   std::optional<AttentionDropout> dropout;
   AttentionImpl impl = AttentionImpl::automatic;
   // The files stored narrower than float32 as read, and whether the kernels read them in place
-  // (then the operands have no T values).
+  // (then those operands have no T values).
   std::optional<StoredArray> q_stored, k_stored, v_stored;
   bool reads_stored = false;
   Shape leading;           // the leading dims of Q as run: none, [H] or [B, H]
