@@ -433,6 +433,10 @@ void load_parameters(const ModelFile& model, const std::vector<ParameterRef<T>>&
           fmt::format("{}: tensor \"{}\" is not a parameter of this {} model", model.source, name, model.kind));
     }
   }
+  for (const auto& [name, tensor] : model.narrow_tensors) {
+    throw IoError(fmt::format("{}: tensor \"{}\" is {}; the parameters of a {} model are float32", model.source, name,
+                              storage_name(tensor.type), model.kind));
+  }
   for (const ParameterRef<T>& p : params) {
     const Tensor<float>& stored = model.tensor(p.name);
     if (!(stored.shape() == p.value.shape)) {

@@ -399,6 +399,14 @@ TEST(ModelFile, ParametersRoundTripAndMismatchesAreRefused) {
                                                                  extra.ref("layer.extra")});
       },
       {"p.qkvm", "no tensor \"layer.extra\""}));
+  ModelFile with_narrow = model;
+  with_narrow.narrow_tensors.emplace_back(
+      "layer.half", NarrowTensor{.type = StorageType::float16, .shape = Shape{1}, .bytes = {0, 0x3C}});
+  EXPECT_TRUE(throws_naming<IoError>(
+      [&] {
+        load_parameters(with_narrow, std::vector<ParameterRef<double>>{w2.ref("layer.weight"), b2.ref("layer.bias")});
+      },
+      {"p.qkvm", "tensor \"layer.half\" is float16", "parameters of a toy model are float32"}));
   // A refused load leaves the parameters as they were.
   Parameter<double> untouched(Shape{3, 5});
   untouched.value[0] = 42.0;
