@@ -56,9 +56,22 @@ TensorView<const float> float32_values(const StoredArray& a, std::optional<Tenso
   return copy->cview();
 }
 
-// [Hkv, n, D] rows [start, start + n) of a contiguous [Hkv, T, D] view, in place.
-TensorView<const float> token_rows(TensorView<const float> x, int64_t start, int64_t n) {
-  return {x.data + start * x.shape[2], Shape{x.shape[0], n, x.shape[2]}, x.strides};
+// Tokens [start, start + n) of a stored [Hkv, T, D] operand as float32, the values KvCache::append
+// takes: one page's worth at a time, so that no float32 copy of a whole operand is made. int8
+// scales per token are taken for the same tokens; scales that broadcast along T stay as they are.
+Tensor<float> token_rows_float32(const StoredArray& a, int64_t start, int64_t n) {
+  StoredView rows = a.view();
+  rows.data = static_cast<const uint8_t*>(rows.data) + start * rows.strides[1] * storage_bytes(rows.type);
+  rows.shape[1] = n;
+  if (rows.scales && rows.scales->rank() >= 2) {
+    TensorView<const float>& scales = *rows.scales;
+    const int t_axis = scales.rank() - 2;
+    if (scales.shape[t_axis] != 1) {
+      scales.data += start * scales.strides[static_cast<size_t>(t_axis)];
+      scales.shape[t_axis] = n;
+    }
+  }
+  return to_float32(rows);
 }
 
 // An empty cache of one sequence, its pages added as tokens come.
@@ -195,12 +208,11 @@ void run_decode(const DecodeOptions& o) {
     const int64_t pages_needed = (c.length(id) + tk + page - 1) / page;
     const int64_t held = (c.length(id) + page - 1) / page;
     c.add_pages(std::max<int64_t>(0, pages_needed - held - c.free_pages()));
-    std::optional<Tensor<float>> k_copy, v_copy, q_copy;
-    const TensorView<const float> k32 = float32_values(k, k_copy), v32 = float32_values(v, v_copy);
     for (int64_t start = 0; start < tk; start += page) {
       const int64_t n = std::min(page, tk - start);
-      c.append(id, token_rows(k32, start, n), token_rows(v32, start, n));
+      c.append(id, token_rows_float32(k, start, n).cview(), token_rows_float32(v, start, n).cview());
     }
+    std::optional<Tensor<float>> q_copy;
     c.attend(
         id, float32_values(q, q_copy), outputs,
         KvAttendOptions{.scale = scale, .causal = !o.full, .window = window, .softcap = softcap, .sinks = sink_view});
