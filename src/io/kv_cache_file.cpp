@@ -99,16 +99,18 @@ const Tensor<float>& tensor_of_shape(const ModelFile& file, std::string_view nam
   return t;
 }
 
-// A pool's bytes: a narrow tensor of the cache's type as it is, or float32 values the type holds.
-std::vector<uint8_t> read_pool(const ModelFile& file, std::string_view name, const KvCacheShape& s, int64_t d) {
+// A pool's bytes: a narrow tensor of the cache's type as it is (moved out of the file), or float32
+// values the type holds.
+std::vector<uint8_t> read_pool(ModelFile& file, std::string_view name, const KvCacheShape& s, int64_t d) {
   const Shape shape{s.pages, s.kv_heads, s.page_tokens, d};
-  if (const NarrowTensor* narrow = file.narrow_tensor(name)) {
-    if (narrow->type != s.type) {
+  for (auto& [narrow_name, narrow] : file.narrow_tensors) {
+    if (narrow_name != name) continue;
+    if (narrow.type != s.type) {
       throw IoError(fmt::format("{}: tensor \"{}\": expected {} values (entry \"type\"), got {}", file.source, name,
-                                storage_name(s.type), storage_name(narrow->type)));
+                                storage_name(s.type), storage_name(narrow.type)));
     }
-    expect_shape(file, name, narrow->shape, shape);
-    return narrow->bytes;
+    expect_shape(file, name, narrow.shape, shape);
+    return std::move(narrow.bytes);
   }
   return pool_bytes(tensor_of_shape(file, name, shape), s, file.source, name);
 }
@@ -161,7 +163,7 @@ std::string encode_kv_cache_file(const KvCacheState& state) {
 
 namespace {
 
-KvCacheState state_of(const ModelFile& file) {
+KvCacheState state_of(ModelFile file) {
   file.check_kind(kKind);
   KvCacheState state;
   KvCacheShape& s = state.shape;

@@ -49,13 +49,16 @@ std::optional<StorageType> type_of_code(uint8_t code) {
   return std::nullopt;
 }
 
-// Element i of a narrow tensor, when it is not finite (float16 and bfloat16 with every exponent bit set).
+// Element i of a narrow tensor, when it is not finite: float16 and bfloat16 with every exponent bit
+// set, found by their bits, so that a cache of a gigabyte is checked without converting each value.
 std::optional<float> non_finite_at(const NarrowTensor& t, size_t i) {
   if (t.type == StorageType::int8) return std::nullopt;
   uint16_t bits = 0;
   std::memcpy(&bits, t.bytes.data() + 2 * i, 2);
-  const float value = t.type == StorageType::float16 ? float_from_float16(bits) : float_from_bfloat16(bits);
-  return std::isfinite(value) ? std::nullopt : std::optional(value);
+  const bool float16 = t.type == StorageType::float16;
+  const uint16_t exponent = float16 ? 0x7C00 : 0x7F80;
+  if ((bits & exponent) != exponent) return std::nullopt;
+  return float16 ? float_from_float16(bits) : float_from_bfloat16(bits);
 }
 constexpr size_t kHeaderBytes = 8 + 4 + 8;  // magic, version, payload length
 constexpr size_t kChecksumBytes = 4;
@@ -277,21 +280,30 @@ uint32_t crc32(std::string_view bytes) {
 }
 
 std::string encode_model_file(const ModelFile& model) {
-  std::string payload;
-  put_string(payload, model.kind);
+  // The payload is written in place behind the header, its length filled in at the end, and room
+  // made first for the values and 4 KiB of names and entries (more only grows the string): a
+  // cache's pools are most of the file, and are copied once.
+  size_t value_bytes = 0;
+  for (const auto& [name, tensor] : model.tensors) value_bytes += static_cast<size_t>(tensor.numel()) * sizeof(float);
+  for (const auto& [name, tensor] : model.narrow_tensors) value_bytes += tensor.bytes.size();
+  std::string bytes(kModelFileMagic);
+  bytes.reserve(kHeaderBytes + value_bytes + 4096 + kChecksumBytes);
+  put(bytes, model.narrow_tensors.empty() ? uint32_t{1} : kModelFileVersion);
+  put(bytes, uint64_t{0});
+  put_string(bytes, model.kind);
   std::set<std::string_view> keys;
-  put(payload, static_cast<uint32_t>(model.metadata.size()));
+  put(bytes, static_cast<uint32_t>(model.metadata.size()));
   for (const auto& [key, text] : model.metadata) {
     if (!keys.insert(key).second) throw ValueError(fmt::format("model file: entry \"{}\" given twice", key));
-    put_string(payload, key);
-    put_string(payload, text);
+    put_string(bytes, key);
+    put_string(bytes, text);
   }
   std::set<std::string_view> names;
   const size_t count = model.tensors.size() + model.narrow_tensors.size();
   if (count > std::numeric_limits<uint32_t>::max()) {
     throw ValueError(fmt::format("model file: {} tensors, more than a u32 count can say", count));
   }
-  put(payload, static_cast<uint32_t>(count));
+  put(bytes, static_cast<uint32_t>(count));
   for (const auto& [name, tensor] : model.tensors) {
     if (!names.insert(name).second) throw ValueError(fmt::format("model file: tensor \"{}\" given twice", name));
     for (int64_t i = 0; i < tensor.numel(); ++i) {
@@ -300,9 +312,9 @@ std::string encode_model_file(const ModelFile& model) {
             fmt::format("model file: tensor \"{}\": value {} at flat index {} is not finite", name, tensor[i], i));
       }
     }
-    put_header(payload, name, StorageType::float32, tensor.shape());
+    put_header(bytes, name, StorageType::float32, tensor.shape());
     if (tensor.numel() > 0) {
-      payload.append(reinterpret_cast<const char*>(tensor.data()), static_cast<size_t>(tensor.numel()) * sizeof(float));
+      bytes.append(reinterpret_cast<const char*>(tensor.data()), static_cast<size_t>(tensor.numel()) * sizeof(float));
     }
   }
   for (const auto& [name, tensor] : model.narrow_tensors) {
@@ -327,13 +339,11 @@ std::string encode_model_file(const ModelFile& model) {
                                      storage_name(tensor.type), *value, i));
       }
     }
-    put_header(payload, name, tensor.type, tensor.shape);
-    payload.append(reinterpret_cast<const char*>(tensor.bytes.data()), tensor.bytes.size());
+    put_header(bytes, name, tensor.type, tensor.shape);
+    bytes.append(reinterpret_cast<const char*>(tensor.bytes.data()), tensor.bytes.size());
   }
-  std::string bytes(kModelFileMagic);
-  put(bytes, model.narrow_tensors.empty() ? uint32_t{1} : kModelFileVersion);
-  put(bytes, static_cast<uint64_t>(payload.size()));
-  bytes += payload;
+  const uint64_t length = bytes.size() - kHeaderBytes;
+  std::memcpy(bytes.data() + kModelFileMagic.size() + sizeof(uint32_t), &length, sizeof(length));
   put(bytes, crc32(bytes));
   return bytes;
 }
