@@ -1,9 +1,9 @@
 // qkv decode: new queries attending to stored keys and values, the step of autoregressive
 // decoding. K and V come from .npy files in any storage type (stored_input.hpp). They are attended
 // as stored, the fused kernel converting a tile at a time; or, with --cache TYPE, first appended to
-// a paged KvCache of that type a page at a time and attended there, as a decoder that keeps its
-// cache in that type would (the cache stores what it is given in its own type: int8 K/V given to
-// an int8 cache are dequantised and quantised again, with the cache's own scales). With
+// a paged KvCache of that type and attended there, as a decoder that keeps its cache in that type
+// would (the cache copies K and V of its own float type as they are and stores others in its type:
+// int8 K/V given to an int8 cache are dequantised and quantised again, with the cache's own scales). With
 // --cache-file the cache outlives the run: K and V are the tokens to append to the sequence the file
 // holds (all of them when the file does not exist yet), and the cache is written back with the
 // outputs.
@@ -54,24 +54,6 @@ TensorView<const float> float32_values(const StoredArray& a, std::optional<Tenso
   if (a.type == StorageType::float32) return std::get<Tensor<float>>(a.values).cview();
   copy = to_float32(a.view());
   return copy->cview();
-}
-
-// Tokens [start, start + n) of a stored [Hkv, T, D] operand as float32, the values KvCache::append
-// takes: one page's worth at a time, so that no float32 copy of a whole operand is made. int8
-// scales per token are taken for the same tokens; scales that broadcast along T stay as they are.
-Tensor<float> token_rows_float32(const StoredArray& a, int64_t start, int64_t n) {
-  StoredView rows = a.view();
-  rows.data = static_cast<const uint8_t*>(rows.data) + start * rows.strides[1] * storage_bytes(rows.type);
-  rows.shape[1] = n;
-  if (rows.scales && rows.scales->rank() >= 2) {
-    TensorView<const float>& scales = *rows.scales;
-    const int t_axis = scales.rank() - 2;
-    if (scales.shape[t_axis] != 1) {
-      scales.data += start * scales.strides[static_cast<size_t>(t_axis)];
-      scales.shape[t_axis] = n;
-    }
-  }
-  return to_float32(rows);
 }
 
 // An empty cache of one sequence, its pages added as tokens come.
@@ -208,10 +190,7 @@ void run_decode(const DecodeOptions& o) {
     const int64_t pages_needed = (c.length(id) + tk + page - 1) / page;
     const int64_t held = (c.length(id) + page - 1) / page;
     c.add_pages(std::max<int64_t>(0, pages_needed - held - c.free_pages()));
-    for (int64_t start = 0; start < tk; start += page) {
-      const int64_t n = std::min(page, tk - start);
-      c.append(id, token_rows_float32(k, start, n).cview(), token_rows_float32(v, start, n).cview());
-    }
+    c.append(id, k.view(), v.view());
     std::optional<Tensor<float>> q_copy;
     c.attend(
         id, float32_values(q, q_copy), outputs,

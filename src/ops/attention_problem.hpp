@@ -396,6 +396,12 @@ struct StoredOperands {
   StoredOperand q, k, v;
 };
 
+// A stored operand's data, type and scales against what the kernels take (int8 only where
+// int8_allowed, and then with finite scales that broadcast to its shape): those scales broadcast,
+// or none for the other types. ValueError or ShapeError naming `name` otherwise.
+std::optional<TensorView<const float>> checked_stored_scales(const StoredView& view, std::string_view name,
+                                                             bool int8_allowed);
+
 // The implementations behind attention_forward and attention_backward, on a problem built once
 // (attention.cpp: the reference; attention_fused.cpp: the fused kernel).
 template <class T>

@@ -16,11 +16,11 @@
 #include "qkv/ops/attention.hpp"
 
 namespace qkv {
-namespace {
 
-// The operand's type and scales against what the kernels take; its scales broadcast to its shape.
-std::optional<TensorView<const float>> checked_scales(const StoredView& view, std::string_view name,
-                                                      bool int8_allowed) {
+namespace detail {
+
+std::optional<TensorView<const float>> checked_stored_scales(const StoredView& view, std::string_view name,
+                                                             bool int8_allowed) {
   if (view.data == nullptr && view.shape.numel() > 0) {
     throw ValueError(fmt::format("{}: no data for shape {}", name, view.shape.str()));
   }
@@ -42,10 +42,17 @@ std::optional<TensorView<const float>> checked_scales(const StoredView& view, st
         fmt::format("{}.scales: an int8 {} needs its scales (value = scale · stored), got none", name, name));
   }
   const std::string scales_name = fmt::format("{}.scales", name);
+  if (view.scales->data == nullptr && view.scales->numel() > 0) {
+    throw ValueError(fmt::format("{}: no data for shape {}", scales_name, view.scales->shape.str()));
+  }
   const TensorView<const float> scales = broadcast_to(*view.scales, view.shape, scales_name);
   check_finite(*view.scales, scales_name);
   return scales;
 }
+
+}  // namespace detail
+
+namespace {
 
 // A float32 view with the operand's shape and strides: its data for a float32 operand, which the
 // kernels then read through the problem, and none for the others, whose shape is all the checks read.
@@ -81,9 +88,9 @@ struct CheckedCall {
 };
 
 CheckedCall check_call(const StoredAttentionParams& params) {
-  const auto q_scales = checked_scales(params.q, "q", false);
-  const auto k_scales = checked_scales(params.k, "k", true);
-  const auto v_scales = checked_scales(params.v, "v", true);
+  const auto q_scales = detail::checked_stored_scales(params.q, "q", false);
+  const auto k_scales = detail::checked_stored_scales(params.k, "k", true);
+  const auto v_scales = detail::checked_stored_scales(params.v, "v", true);
   if (params.mask.cu_seqlens_q || params.mask.cu_seqlens_k) {
     throw ValueError(
         "cu_seqlens_q: packed sequences are not taken with stored (float16, bfloat16, int8) operands; make one call "

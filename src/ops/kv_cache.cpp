@@ -7,9 +7,12 @@
 #include <cstring>
 #include <initializer_list>
 #include <limits>
+#include <optional>
 #include <string>
+#include <string_view>
 #include <tuple>
 #include <utility>
+#include <vector>
 
 #include "attention_problem.hpp"
 #include "qkv/core/error.hpp"
@@ -111,7 +114,7 @@ void KvCache::store_float_row(std::vector<uint8_t>& pool, int64_t at, const floa
 
 void KvCache::store_key(int64_t page, int64_t head, int64_t row, const float* k) {
   const int64_t dk = shape_.dk;
-  const int64_t first = (page * shape_.kv_heads + head) * head_elements(dk);  // the head's row 0 in the page
+  const int64_t first = row_at(page, head, 0, dk);
   const int64_t at = first + row * dk;
   if (shape_.type != StorageType::int8) {
     store_float_row(k_pool_, at, k, dk);
@@ -138,7 +141,7 @@ void KvCache::store_key(int64_t page, int64_t head, int64_t row, const float* k)
 
 void KvCache::store_value(int64_t page, int64_t head, int64_t row, const float* v) {
   const int64_t dv = shape_.dv;
-  const int64_t at = (page * shape_.kv_heads + head) * head_elements(dv) + row * dv;
+  const int64_t at = row_at(page, head, row, dv);
   if (shape_.type != StorageType::int8) {
     store_float_row(v_pool_, at, v, dv);
     return;
@@ -273,7 +276,75 @@ KvCache KvCache::from_state(KvCacheState state) {
   return cache;
 }
 
-void KvCache::append(int64_t id, TensorView<const float> k, TensorView<const float> v) {
+namespace {
+
+// Row (h, t) of a [Hkv, n, D] stored operand as float32 values, int8 ones by their scales broadcast.
+void float_row(const StoredView& x, const std::optional<TensorView<const float>>& scales, int64_t h, int64_t t,
+               float* row) {
+  const int64_t d = x.shape[2];
+  const int64_t at = h * x.strides[0] + t * x.strides[1], step = x.strides[2];
+  for (int64_t c = 0; c < d; ++c) {
+    const int64_t i = at + c * step;
+    switch (x.type) {
+      case StorageType::float32:
+        row[c] = static_cast<const float*>(x.data)[i];
+        break;
+      case StorageType::float16:
+        row[c] = float_from_float16(static_cast<const uint16_t*>(x.data)[i]);
+        break;
+      case StorageType::bfloat16:
+        row[c] = float_from_bfloat16(static_cast<const uint16_t*>(x.data)[i]);
+        break;
+      case StorageType::int8:
+        row[c] = static_cast<float>(static_cast<const int8_t*>(x.data)[i]) * (*scales)(h, t, c);
+        break;
+    }
+  }
+}
+
+// Row (h, t) of a [Hkv, n, D] operand of `bytes`-byte elements, copied to `out`.
+void copy_row(const StoredView& x, int64_t bytes, int64_t h, int64_t t, uint8_t* out) {
+  const int64_t d = x.shape[2];
+  const auto* first = static_cast<const uint8_t*>(x.data) + (h * x.strides[0] + t * x.strides[1]) * bytes;
+  if (x.strides[2] == 1) {
+    std::memcpy(out, first, static_cast<size_t>(d * bytes));
+    return;
+  }
+  for (int64_t c = 0; c < d; ++c) {
+    std::memcpy(out + c * bytes, first + c * x.strides[2] * bytes, static_cast<size_t>(bytes));
+  }
+}
+
+// Refuses the first value of a [Hkv, n, D] operand that a cache of `type` cannot hold: one past
+// float16's range for a float16 cache, or an int8 value that its scale takes past float32's. Such
+// a value would be stored as an infinity, which attention and a saved cache's file both refuse.
+void check_representable(const StoredView& x, const std::optional<TensorView<const float>>& scales, StorageType type,
+                         std::string_view name) {
+  const bool narrowing = (type == StorageType::float16 && x.type != StorageType::float16) ||
+                         (type == StorageType::bfloat16 && x.type == StorageType::float32);
+  if (!narrowing && x.type != StorageType::int8) return;
+  std::vector<float> row(static_cast<size_t>(x.shape[2]));
+  for (int64_t h = 0; h < x.shape[0]; ++h) {
+    for (int64_t t = 0; t < x.shape[1]; ++t) {
+      float_row(x, scales, h, t, row.data());
+      for (int64_t c = 0; c < x.shape[2]; ++c) {
+        const float value = row[static_cast<size_t>(c)];
+        const float stored = type == StorageType::float16    ? float_from_float16(float16_from_float(value))
+                             : type == StorageType::bfloat16 ? float_from_bfloat16(bfloat16_from_float(value))
+                                                             : value;
+        if (!std::isfinite(stored)) {
+          throw ValueError(fmt::format("{}: expected values that a {} cache holds (finite{}), got {} at [{}, {}, {}]",
+                                       name, storage_name(type), type == StorageType::float16 ? ", |x| < 65520" : "",
+                                       value, h, t, c));
+        }
+      }
+    }
+  }
+}
+
+}  // namespace
+
+void KvCache::append(int64_t id, const StoredView& k, const StoredView& v) {
   sequence(id);
   Sequence& s = sequences_[static_cast<size_t>(id)];
   if (k.rank() != 3) {
@@ -283,8 +354,12 @@ void KvCache::append(int64_t id, TensorView<const float> k, TensorView<const flo
   const int64_t n = k.shape[1];
   check_shape("k", k.shape, Shape{shape_.kv_heads, n, shape_.dk});
   check_shape("v", v.shape, Shape{shape_.kv_heads, n, shape_.dv});
+  const auto k_scales = detail::checked_stored_scales(k, "k", true);
+  const auto v_scales = detail::checked_stored_scales(v, "v", true);
   check_finite(k, "k");
   check_finite(v, "v");
+  check_representable(k, k_scales, shape_.type, "k");
+  check_representable(v, v_scales, shape_.type, "v");
   const int64_t pages_needed = (s.length + n + shape_.page_tokens - 1) / shape_.page_tokens;
   const int64_t more = pages_needed - static_cast<int64_t>(s.pages.size());
   if (more > free_pages()) {
@@ -303,16 +378,27 @@ void KvCache::append(int64_t id, TensorView<const float> k, TensorView<const flo
       std::fill(first, first + shape_.kv_heads * shape_.dk, 0.0f);
     }
   }
+  const int64_t bytes = storage_bytes(shape_.type);
+  const bool copy_k = k.type == shape_.type && shape_.type != StorageType::int8;
+  const bool copy_v = v.type == shape_.type && shape_.type != StorageType::int8;
   std::vector<float> row(static_cast<size_t>(std::max(shape_.dk, shape_.dv)));
   for (int64_t t = 0; t < n; ++t) {
     const int64_t token = s.length + t;
     const int64_t page = s.pages[static_cast<size_t>(token / shape_.page_tokens)];
     const int64_t slot = token % shape_.page_tokens;
     for (int64_t h = 0; h < shape_.kv_heads; ++h) {
-      for (int64_t c = 0; c < shape_.dk; ++c) row[static_cast<size_t>(c)] = k(h, t, c);
-      store_key(page, h, slot, row.data());
-      for (int64_t c = 0; c < shape_.dv; ++c) row[static_cast<size_t>(c)] = v(h, t, c);
-      store_value(page, h, slot, row.data());
+      if (copy_k) {
+        copy_row(k, bytes, h, t, k_pool_.data() + row_at(page, h, slot, shape_.dk) * bytes);
+      } else {
+        float_row(k, k_scales, h, t, row.data());
+        store_key(page, h, slot, row.data());
+      }
+      if (copy_v) {
+        copy_row(v, bytes, h, t, v_pool_.data() + row_at(page, h, slot, shape_.dv) * bytes);
+      } else {
+        float_row(v, v_scales, h, t, row.data());
+        store_value(page, h, slot, row.data());
+      }
     }
   }
   s.length += n;
@@ -327,7 +413,7 @@ Tensor<float> KvCache::read(int64_t id, bool keys) const {
     for (int64_t t = 0; t < s.length; ++t) {
       const int64_t page = s.pages[static_cast<size_t>(t / shape_.page_tokens)];
       const int64_t slot = t % shape_.page_tokens;
-      const int64_t at = (page * shape_.kv_heads + h) * head_elements(d) + slot * d;
+      const int64_t at = row_at(page, h, slot, d);
       for (int64_t c = 0; c < d; ++c) {
         float value = 0.0f;
         switch (shape_.type) {

@@ -187,6 +187,11 @@ def checks(s):
     s.refuse("--page-tokens without --cache", [*base, "--k", "k.npy", "--v", "v.npy", "--page-tokens", "8"],
              "--page-tokens", "--cache")
     s.refuse("sinks of the wrong length", [*base, "--k", "k.npy", "--v", "v.npy", "--sinks", "k8s.npy"], "--sinks")
+    k_big = k.copy()
+    k_big[1, 7, 4] = 7e4
+    s.save("k_big.npy", k_big)
+    s.refuse("a K value past float16's range for an f16 cache",
+             [*base, "--k", "k_big.npy", "--v", "v.npy", "--cache", "f16"], "--k", "float16 cache", "70000")
 
 
 if __name__ == "__main__":

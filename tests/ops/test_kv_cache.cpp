@@ -3,12 +3,14 @@
 // the fused kernel on the contiguous float32 values the cache holds; what it stores against what
 // was appended; its refusals.
 
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 
 #include <cmath>
 #include <functional>
 #include <limits>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "attention_checks.hpp"
@@ -17,6 +19,7 @@
 #include "qkv/core/storage.hpp"
 #include "qkv/ops/attention.hpp"
 #include "qkv/ops/kv_cache.hpp"
+#include "qkv/ops/quantize.hpp"
 #include "testing.hpp"
 
 namespace qkv {
@@ -199,6 +202,64 @@ TEST(KvCache, StoresWhatWasAppendedInItsType) {
   }
 }
 
+// An operand of any storage type appended in blocks of awkward sizes (a strided one among them)
+// holds, in every cache type, exactly what its float32 values appended would; one of the cache's
+// own float type is held bit for bit.
+TEST(KvCache, AppendsStoredOperandsAsTheirFloat32ValuesWould) {
+  Rng rng(11);
+  const Tensor<float> k32 = random_rows({2, 70, 16}, rng, 3.0), v32 = random_rows({2, 70, 24}, rng);
+  // k as [Hkv, T, Dk] seen through a transposed copy, so that its rows are not contiguous.
+  Tensor<float> k_t({16, 70, 2});
+  for (int64_t h = 0; h < 2; ++h)
+    for (int64_t t = 0; t < 70; ++t)
+      for (int64_t c = 0; c < 16; ++c) k_t.view()(c, t, h) = k32.view()(h, t, c);
+  const Tensor<uint16_t> k16 = to_float16(k32.cview()), v16 = to_float16(v32.cview());
+  const Tensor<uint16_t> kb = to_bfloat16(k32.cview()), vb = to_bfloat16(v32.cview());
+  const Int8Array k8 = quantize_int8(k32.cview(), QuantizeGroup::per_channel);
+  const Int8Array v8 = quantize_int8(v32.cview(), QuantizeGroup::per_token);
+  const TensorView<const float> k_strided{k_t.data(), Shape{2, 70, 16}, Strides{1, 2, 140}};
+  const std::pair<StoredView, StoredView> operands[] = {
+      {StoredView::float32(k_strided), StoredView::float32(v32.cview())},
+      {StoredView::float16(k16.cview()), StoredView::float16(v16.cview())},
+      {StoredView::bfloat16(kb.cview()), StoredView::bfloat16(vb.cview())},
+      {k8.stored(), v8.stored()},
+      {StoredView::float16(k16.cview()), v8.stored()},
+  };
+  // Tokens [start, start + n) of a [Hkv, T, D] operand, its per-token scales with them.
+  const auto tokens = [](StoredView x, int64_t start, int64_t n) {
+    x.data = static_cast<const uint8_t*>(x.data) + start * x.strides[1] * storage_bytes(x.type);
+    x.shape[1] = n;
+    if (x.scales && x.scales->shape[1] != 1) {
+      x.scales->data += start * x.scales->strides[1];
+      x.scales->shape[1] = n;
+    }
+    return x;
+  };
+  for (const StorageType type : kAllTypes) {
+    for (const auto& [k, v] : operands) {
+      SCOPED_TRACE(fmt::format("cache {}, k {}, v {}", storage_name(type), storage_name(k.type), storage_name(v.type)));
+      const KvCacheShape shape{.kv_heads = 2, .dk = 16, .dv = 24, .type = type, .page_tokens = 13, .pages = 6};
+      KvCache stored(shape), values(shape);
+      const int64_t id = stored.add_sequence();
+      values.add_sequence();
+      const Tensor<float> kf = to_float32(k), vf = to_float32(v);
+      int64_t start = 0;
+      for (const int64_t n : {1, 5, 13, 1, 50}) {
+        stored.append(id, tokens(k, start, n), tokens(v, start, n));
+        values.append(id, tokens(StoredView::float32(kf.cview()), start, n),
+                      tokens(StoredView::float32(vf.cview()), start, n));
+        start += n;
+      }
+      ASSERT_EQ(stored.length(id), 70);
+      const KvCacheState a = stored.state(), b = values.state();
+      EXPECT_EQ(a.k_pool, b.k_pool);
+      EXPECT_EQ(a.v_pool, b.v_pool);
+      EXPECT_EQ(a.k_scales, b.k_scales);
+      EXPECT_EQ(a.v_scales, b.v_scales);
+    }
+  }
+}
+
 TEST(KvCache, AnEmptySequenceGivesZerosAndMinusInfinity) {
   KvCache cache({.kv_heads = 1, .dk = 8, .dv = 8, .type = StorageType::float16, .page_tokens = 16, .pages = 2});
   const int64_t id = cache.add_sequence();
@@ -245,6 +306,43 @@ TEST(KvCache, BadCallsAreRefusedAndChangeNothing) {
         cache.append(id, nan_k.cview(), random_rows({2, 1, 8}, rng).cview());
       },
       "k: expected finite values");
+  const Int8Array k8 = quantize_int8(random_rows({2, 1, 16}, rng).cview(), QuantizeGroup::per_channel);
+  StoredView no_scales = k8.stored();
+  no_scales.scales.reset();
+  expect_refused<ValueError>(
+      [&] {
+        cache.append(id, no_scales, StoredView::float32(random_rows({2, 1, 8}, rng).cview()));
+      },
+      "k.scales: an int8 k needs its scales");
+  expect_refused<ValueError>(
+      [&] {
+        cache.append(id, StoredView::int8(k8.values.cview(), {}),
+                     StoredView::float32(random_rows({2, 1, 8}, rng).cview()));
+      },
+      "k.scales: no data for shape []");
+  Tensor<float> nan_scales = k8.scales;
+  nan_scales.view()(1, 0, 2) = std::nanf("");
+  expect_refused<ValueError>(
+      [&] {
+        cache.append(id, StoredView::int8(k8.values.cview(), nan_scales.cview()),
+                     StoredView::float32(random_rows({2, 1, 8}, rng).cview()));
+      },
+      "k.scales: expected finite values");
+  const Tensor<float> three_scales({3, 1, 16});
+  expect_refused<ShapeError>(
+      [&] {
+        cache.append(id, StoredView::int8(k8.values.cview(), three_scales.cview()),
+                     StoredView::float32(random_rows({2, 1, 8}, rng).cview()));
+      },
+      "k.scales");
+  Tensor<uint16_t> inf_bits = to_float16(random_rows({2, 1, 8}, rng).cview());
+  inf_bits.view()(0, 0, 5) = 0x7C00;
+  expect_refused<ValueError>(
+      [&] {
+        cache.append(id, StoredView::float32(random_rows({2, 1, 16}, rng).cview()),
+                     StoredView::float16(inf_bits.cview()));
+      },
+      "v: expected finite values");
   EXPECT_EQ(cache.length(id), 100);
   expect_refused<ShapeError>(
       [&] {
@@ -261,6 +359,37 @@ TEST(KvCache, BadCallsAreRefusedAndChangeNothing) {
   EXPECT_EQ(cache.free_pages(), 0);
   expect_refused<ValueError>([] { KvCache({.kv_heads = 0, .dk = 1, .dv = 1, .pages = 1}); },
                              "KvCacheShape.kv_heads: expected at least 1, got 0");
+}
+
+// A value the cache's type cannot hold would be stored as an infinity, which attention and a saved
+// cache's file refuse: the append is refused instead, before anything is stored.
+TEST(KvCache, ValuesItsTypeCannotHoldAreRefused) {
+  Rng rng(12);
+  KvCache half({.kv_heads = 1, .dk = 4, .dv = 4, .type = StorageType::float16, .page_tokens = 4, .pages = 2});
+  const int64_t id = half.add_sequence();
+  Tensor<float> k = random_rows({1, 3, 4}, rng);
+  k.view()(0, 2, 1) = 70000.0f;
+  expect_refused<ValueError>(
+      [&] {
+        half.append(id, k.cview(), random_rows({1, 3, 4}, rng).cview());
+      },
+      "k: expected values that a float16 cache holds (finite, |x| < 65520), got 70000 at [0, 2, 1]");
+  k.view()(0, 2, 1) = 65504.0f;
+  half.append(id, k.cview(), random_rows({1, 3, 4}, rng).cview());
+  EXPECT_EQ(half.keys(id).view()(0, 2, 1), 65504.0f);
+
+  KvCache wide({.kv_heads = 1, .dk = 4, .dv = 4, .type = StorageType::float32, .page_tokens = 4, .pages = 2});
+  const int64_t other = wide.add_sequence();
+  Int8Array v = quantize_int8(random_rows({1, 3, 4}, rng).cview(), QuantizeGroup::per_token);
+  v.scales.view()(0, 1, 0) = 1e37f;
+  for (int64_t c = 0; c < 4; ++c) v.values.view()(0, 1, c) = c == 3 ? -127 : 10;
+  expect_refused<ValueError>(
+      [&] {
+        wide.append(other, StoredView::float32(random_rows({1, 3, 4}, rng).cview()), v.stored());
+      },
+      "v: expected values that a float32 cache holds (finite), got -inf at [0, 1, 3]");
+  EXPECT_EQ(half.length(id), 3);
+  EXPECT_EQ(wide.length(other), 0);
 }
 
 TEST(KvCache, ItsStateMakesTheSameCacheAndGrowsIt) {

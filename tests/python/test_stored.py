@@ -226,6 +226,28 @@ def test_kv_cache_is_saved_and_loaded_whole(rng, tmp_path, dtype):
         qkv.KvCache.load(str(tmp_path / "missing.qkvc"))
 
 
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16", "int8"])
+@pytest.mark.parametrize("kind", ["float16", "bfloat16", "int8"])
+def test_kv_cache_appends_stored_arrays_as_their_values(rng, dtype, kind):
+    k, v = randn(rng, (2, 11, 8)), randn(rng, (2, 11, 4))
+    (ks, kkw, kf), (vs, vkw, vf) = stored(k, kind, "channel"), stored(v, kind, "token")
+    kw = {"bf16": bool(kkw.get("bf16"))}
+    if "scales" in kkw:
+        kw.update(k_scales=kkw["scales"], v_scales=vkw["scales"])
+    as_stored, as_values = (qkv.KvCache(2, 8, 4, dtype=dtype, page_tokens=4, pages=3) for _ in range(2))
+    for cache in (as_stored, as_values):
+        cache.add_sequence()
+    for part in (slice(0, 6), slice(6, 11)):  # per-token scales go with their tokens
+        scales = {name: s[:, part] if s.shape[1] > 1 else s for name, s in kw.items() if name != "bf16"}
+        as_stored.append(0, ks[:, part], vs[:, part], **{**kw, **scales})
+        as_values.append(0, kf[:, part], vf[:, part])
+    assert as_stored.length(0) == 11
+    assert np.array_equal(as_stored.keys(0), as_values.keys(0))
+    assert np.array_equal(as_stored.values(0), as_values.values(0))
+    if dtype == kind == "float16":
+        assert np.array_equal(as_stored.keys(0), kf)
+
+
 def test_kv_cache_refusals(rng):
     cache = qkv.KvCache(2, 4, 4, dtype="f16", page_tokens=4, pages=2)
     seq = cache.add_sequence()
@@ -237,6 +259,21 @@ def test_kv_cache_refusals(rng):
         cache.append(seq, randn(rng, (3, 1, 4)), randn(rng, (2, 1, 4)))
     with pytest.raises(ValueError, match="k: expected finite values"):
         cache.append(seq, np.full((2, 1, 4), np.nan, np.float32), randn(rng, (2, 1, 4)))
+    with pytest.raises(ValueError, match=r"k: expected values that a float16 cache holds \(finite, \|x\| < 65520\), "
+                       r"got 70000 at \[1, 0, 2\]"):
+        big = np.zeros((2, 1, 4), np.float32)
+        big[1, 0, 2] = 7e4
+        cache.append(seq, big, randn(rng, (2, 1, 4)))
+    values, scales = qkv.quantize_int8(randn(rng, (2, 1, 4)), "channel")
+    with pytest.raises(ValueError, match="k_scales: expected the scales of int8 k"):
+        cache.append(seq, values, randn(rng, (2, 1, 4)))
+    with pytest.raises(ValueError, match="k_scales: expected finite values"):
+        cache.append(seq, values, randn(rng, (2, 1, 4)), k_scales=np.full_like(scales, np.nan))
+    with pytest.raises(ValueError, match="k_scales"):
+        cache.append(seq, values, randn(rng, (2, 1, 4)), k_scales=np.ones((3, 1, 4), np.float32))
+    with pytest.raises(ValueError, match="bf16: True says which uint16 arrays"):
+        cache.append(seq, randn(rng, (2, 1, 4)), randn(rng, (2, 1, 4)), bf16=True)
+    assert cache.length(seq) == 6
     with pytest.raises(ValueError, match=r"q: expected \[H, Tq, Dk\] with Dk = 4"):
         cache.attend(seq, randn(rng, (2, 1, 1, 4)))
     with pytest.raises(ValueError, match="no sequence 7"):

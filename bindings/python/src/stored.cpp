@@ -146,12 +146,23 @@ class PyKvCache {
     return cache_.free_pages();
   }
 
-  void append(int64_t id, const py::object& k, const py::object& v) {
+  void append(int64_t id, const py::object& k, const py::object& v, const py::object& k_scales,
+              const py::object& v_scales, bool bf16) {
+    // float64, what numpy makes by default, is rounded to float32 as every other float input is.
+    const auto narrowed = [](const py::object& x) -> py::object {
+      const py::array array = py::array::ensure(x);
+      if (array && array.dtype().kind() == 'f' && array.itemsize() == 8) return array.attr("astype")("float32");
+      return x;
+    };
     Inputs in;
-    const TensorView<const float> kf = float32_operand(in, k, "k"), vf = float32_operand(in, v, "v");
+    const StoredView ks = in.stored(narrowed(k), "k", k_scales, "k_scales", bf16, false);
+    const StoredView vs = in.stored(narrowed(v), "v", v_scales, "v_scales", bf16, false);
+    if (bf16 && ks.type != StorageType::bfloat16 && vs.type != StorageType::bfloat16) {
+      throw ValueError("bf16: True says which uint16 arrays hold bfloat16 bits, but neither k nor v is uint16");
+    }
     run_without_gil([&] {
       std::unique_lock lock(mutex_);
-      cache_.append(id, kf, vf);
+      cache_.append(id, ks, vs);
     });
   }
 
@@ -254,9 +265,12 @@ void add_stored(py::module_& m) {
       .def("length", &PyKvCache::length, "id"_a, "The tokens the sequence holds.")
       .def_property_readonly("free_pages", &PyKvCache::free_pages, "Pages of the pool that no sequence holds.")
       .def_property_readonly("shape", &PyKvCache::shape, "kv_heads, dk, dv, dtype, page_tokens and pages, as a dict.")
-      .def("append", &PyKvCache::append, "id"_a, "k"_a, "v"_a,
-           "Appends n tokens to the sequence: k [Hkv, n, Dk] and v [Hkv, n, Dv], finite floats, stored in the "
-           "cache's dtype. Refused whole (MemoryError, nothing appended) when the pool has too few free pages.")
+      .def("append", &PyKvCache::append, "id"_a, "k"_a, "v"_a, py::kw_only(), "k_scales"_a = py::none(),
+           "v_scales"_a = py::none(), "bf16"_a = false,
+           "Appends n tokens to the sequence: k [Hkv, n, Dk] and v [Hkv, n, Dv], finite, stored in the cache's "
+           "dtype. They may be float32, float64, float16, bfloat16 bits (uint16, with bf16=True) or int8 with "
+           "k_scales / v_scales, as attention() takes them; an array of the cache's own dtype is copied as it is. "
+           "Refused whole (MemoryError, nothing appended) when the pool has too few free pages.")
       .def("keys", &PyKvCache::keys, "id"_a, "The sequence's keys as attend() reads them: float32 [Hkv, length, Dk].")
       .def("values", &PyKvCache::values, "id"_a,
            "The sequence's values as attend() reads them: float32 [Hkv, length, Dv].")

@@ -48,9 +48,16 @@ class KvCache {
   // Ids handed out so far, removed sequences included.
   int64_t sequence_count() const { return static_cast<int64_t>(sequences_.size()); }
 
-  // Appends n tokens to the sequence: k [Hkv, n, Dk] and v [Hkv, n, Dv], finite float32, stored in
-  // the cache's type. Refused whole (nothing appended) when the pool has too few free pages.
-  void append(int64_t id, TensorView<const float> k, TensorView<const float> v);
+  // Appends n tokens to the sequence: k [Hkv, n, Dk] and v [Hkv, n, Dv], finite, stored in the
+  // cache's type. They may be stored in any type (int8 with its scales, as attention takes them):
+  // an operand of the cache's own float type is copied bit for bit, any other is stored from its
+  // float32 values (rounded to the cache's type, or quantised to its int8 scales). Refused whole
+  // (nothing appended) when the pool has too few free pages or an operand is not one the cache
+  // takes.
+  void append(int64_t id, const StoredView& k, const StoredView& v);
+  void append(int64_t id, TensorView<const float> k, TensorView<const float> v) {
+    append(id, StoredView::float32(k), StoredView::float32(v));
+  }
 
   // The sequence's keys (values) as the kernels read them, float32 [Hkv, length, Dk (Dv)].
   Tensor<float> keys(int64_t id) const;
@@ -78,6 +85,10 @@ class KvCache {
   KvCache(const KvCacheShape& shape, Unallocated);
   const Sequence& sequence(int64_t id) const;
   int64_t head_elements(int64_t d) const { return shape_.page_tokens * d; }  // one head's rows in a page
+  // Element offset of a head's row in a page of a pool of rows of d elements.
+  int64_t row_at(int64_t page, int64_t head, int64_t row, int64_t d) const {
+    return (page * shape_.kv_heads + head) * head_elements(d) + row * d;
+  }
   // Row `at` (in elements) of a float32, float16 or bfloat16 pool: d values of x, converted.
   void store_float_row(std::vector<uint8_t>& pool, int64_t at, const float* x, int64_t d) const;
   void store_key(int64_t page, int64_t head, int64_t row, const float* k);
