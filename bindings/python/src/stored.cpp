@@ -154,9 +154,10 @@ class PyKvCache {
       if (array && array.dtype().kind() == 'f' && array.itemsize() == 8) return array.attr("astype")("float32");
       return x;
     };
+    // The cache checks the values itself, with no remedy to offer: append has no allow_nonfinite.
     Inputs in;
-    const StoredView ks = in.stored(narrowed(k), "k", k_scales, "k_scales", bf16, false);
-    const StoredView vs = in.stored(narrowed(v), "v", v_scales, "v_scales", bf16, false);
+    const StoredView ks = in.stored(narrowed(k), "k", k_scales, "k_scales", bf16, true);
+    const StoredView vs = in.stored(narrowed(v), "v", v_scales, "v_scales", bf16, true);
     if (bf16 && ks.type != StorageType::bfloat16 && vs.type != StorageType::bfloat16) {
       throw ValueError("bf16: True says which uint16 arrays hold bfloat16 bits, but neither k nor v is uint16");
     }
