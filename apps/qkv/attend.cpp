@@ -52,8 +52,9 @@ on the values they stand for: float16 '<f2'; bfloat16 as its bits in a '<u2' fil
 bf16; int8 '|i1' (K and V) with float32 scales that broadcast to it (--k-scales [..., 1, Dk] per
 channel, --v-scales [..., Tk, 1] per token; qkv quantize makes both). The fused kernels read them
 in place, a block of rows at a time, with the float32 results on those values, except where the
-library says otherwise (bfloat16 Q, K and V without --lse take the CPU's bf16 dot product where it
-has one; int8 K and V without --lse for a few queries scale the query and the weights), and no
+library says otherwise (bfloat16 Q and K sum their scores on the CPU's bf16 dot product where it
+has one, and with V bfloat16 too and no --lse round the weights to bfloat16 on it; int8 K and V
+without --lse for a few queries scale the query and the weights), and no
 copy of them is made; with --weights, --heatmap, --dropout, --cu-seqlens-q/-k, --score additive or
 a float64 operand they are converted to float32 (float64) first. An int8 file has at most four
 dims. See also qkv decode. --score additive runs in float32 only.

@@ -1,14 +1,17 @@
 #pragma once
-// The fused forward's two products on bfloat16 operands by the CPU's bf16 dot product (AVX512_BF16's
+// The fused kernel's products on bfloat16 operands by the CPU's bf16 dot product (AVX512_BF16's
 // vdpbf16ps: each float32 lane adds a₀·b₀ + a₁·b₁ of a pair of bfloat16 elements, exactly, to its
 // accumulator). Highway 1.0.3 has no such operation, so these are intrinsics, compiled for that
 // instruction set alone in attention_bf16.cpp and run only where bf16_dot_available() says so.
 //
-// They serve the query-vector layout of attention_fused-inl.h when Q, K and V are all stored as
-// bfloat16, in the same transposed tiles as its float32 products, with the depth of each product
-// taken two elements at a time:
-//   Sᵀ [nk][ld] = K·Qᵀ   over pairs of dims (Qᵀ packed by pack_queries, K rows read in place);
-//   oᵀ [dv][ld] += Vᵀ·Pᵀ over pairs of keys (V packed by pack_values, Pᵀ by pack_weights).
+// They serve the query-vector layouts of attention_fused-inl.h, in the same tiles as its float32
+// products, with the depth of each product taken two elements at a time:
+//   Sᵀ [nk][ld] = K·Qᵀ   over pairs of dims (Qᵀ packed by pack_queries, K rows read in place), the
+//                        forward's scores and the backward's with keys as rows; the backward's with
+//                        queries as rows swap the two (Kᵀ packed by pack_queries), which sums each
+//                        score in the same chain: Q and K stored as bfloat16;
+//   oᵀ [dv][ld] += Vᵀ·Pᵀ over pairs of keys (V packed by pack_values, Pᵀ by pack_weights): V too,
+//                        in forwards that return no lse.
 // The scores are exact products summed in float32, as the float32 kernel's (the instruction takes
 // subnormal inputs, below 1.2·10⁻³⁸, as 0 and flushes subnormal sums); the weights P are
 // rounded to bfloat16 before the second product (as every bf16 attention does), which is the one

@@ -45,7 +45,8 @@
 // float32 in the worker's scratch (F16C's conversion or its emulation, a shift, or int8 widened
 // and multiplied by its scale), and the block is then used exactly as a float32 input's would be: every value is
 // the one to_float32 gives, and every later operation is the float32 kernel's, so the result is
-// bit-identical to the float32 kernel on the converted arrays, on every target; the conversion's
+// bit-identical to the float32 kernel on the converted arrays, on every target (bfloat16 Q and K
+// on a CPU with the bf16 dot product excepted: UsesBf16Scores); the conversion's
 // load and store per element are nothing beside a tile's 2·Br multiply-adds per K and V element.
 // The few-query layout (decode), which uses each element once, converts it in registers as it
 // loads it (LoadRow, the same operations), so that it reads half or a quarter of the bytes at the
@@ -68,7 +69,9 @@
 // order, chunks of kDepthChunk from zero, chunk sums added in order. Lanes never meet in it, so
 // the chain is the same whichever operand runs along the lanes (queries, keys) and however many
 // lanes a vector has: the query-vector forward and both backward layouts give identical scores
-// on every target, from AVX-512's 16 lanes to the scalar target's one. The few-query layout sums
+// on every target, from AVX-512's 16 lanes to the scalar target's one. Scores by the bf16 dot
+// product (UsesBf16Scores) are one lane's chain of pairs of dims in the same chunks, and so the
+// same in all three layouts too. The few-query layout sums
 // across lanes (an order that depends on the lane count) and so only serves forwards that return
 // no lse, which no backward can read. Nor may the compiler fuse a multiply and an add that the
 // code writes apart (libqkv is compiled with -ffp-contract=off): it would do so only on targets
@@ -922,19 +925,45 @@ inline bool Bf16Products() {
 #endif
 }
 
-// Whether the query-vector layout takes the bf16 dot product for its two products: Q, K and V all
-// stored as bfloat16, on a target that has it. Only forwards whose scores need not follow the
-// backward's chain take it (`few` below), since its weights are rounded to bfloat16: a backward
-// then differentiates the float32 forward on the same values.
+// Whether the query-vector layouts, forward and backward, compute the scores q·k by the bf16 dot
+// product: Q and K both stored as bfloat16, on a target that has it. Its products of bfloat16
+// pairs are exact in float32 and summed as TileUpdate sums (pairs of dims in order, chunks of 64
+// dims from zero, chunk sums added in order), each score one lane's chain whichever operand runs
+// along the lanes, so that the backward's two layouts recompute the very scores of the forward's
+// lse, as Accuracy requires; they differ from the float32 kernel's on the same values only in the
+// order of their sums.
 template <class T>
-bool UsesBf16Products(const Inputs<T>& in) {
+bool UsesBf16Scores(const Inputs<T>& in) {
   return std::is_same_v<T, float> && in.q_stored.type == StorageType::bfloat16 &&
-         in.k_stored.type == StorageType::bfloat16 && in.v_stored.type == StorageType::bfloat16 && Bf16Products();
+         in.k_stored.type == StorageType::bfloat16 && Bf16Products();
 }
+
+// Whether the forward's second product, P·V, takes the bf16 dot product too: V stored as bfloat16
+// as well. Only forwards that return no lse take it (`few` below), since it rounds the weights to
+// bfloat16: out would then be off the function a backward differentiates by more than the
+// float32 rule allows.
+template <class T>
+bool UsesBf16Values(const Inputs<T>& in) {
+  return UsesBf16Scores(in) && in.v_stored.type == StorageType::bfloat16;
+}
+
+// The addresses of a block's bfloat16 rows, as the bf16 dot product's tiles take them.
+struct Bf16RowTable {
+  std::array<const uint16_t*, std::max(kQueryBlock, kKeyBlock)> rows{};
+
+  // Rows [t0, t0 + n) of a stored operand of head (b, h).
+  const uint16_t* const* operator()(const fused::StoredRows& x, int64_t b, int64_t h, int64_t t0, size_t n) {
+    for (size_t t = 0; t < n; ++t) {
+      rows[t] = reinterpret_cast<const uint16_t*>(x.row(b, h, t0 + static_cast<int64_t>(t)));
+    }
+    return rows.data();
+  }
+};
 
 template <class T>
 struct ForwardScratch {
-  bool bf16_products;   // UsesBf16Products
+  bool bf16_scores;     // UsesBf16Scores
+  bool bf16_values;     // UsesBf16Values
   size_t few_row;       // Dv rounded up to whole vectors
   Buffer<T> qt;         // [Dk][Br]       Qᵀ of the query block (scores come out as Sᵀ, queries along vectors)
   Buffer<T> st;         // [Bc][Br]       Sᵀ of one key block, then exp(Sᵀ − m)
@@ -956,10 +985,11 @@ struct ForwardScratch {
   Buffer<uint32_t> qt_pairs;  // [⌈Dk/2⌉][Br]
   Buffer<uint32_t> p_pairs;   // [Bc/2][Br]
   Buffer<uint32_t> v_pairs;   // [Bc/2][Dv]
-  std::array<const uint16_t*, std::max(kQueryBlock, kKeyBlock)> rows{};
+  Bf16RowTable Bf16Rows;
 
   ForwardScratch(size_t dk, size_t dv, size_t dv_pad, const Inputs<T>& in)
-      : bf16_products(UsesBf16Products(in)),
+      : bf16_scores(UsesBf16Scores(in)),
+        bf16_values(UsesBf16Values(in)),
         few_row(dv_pad),
         qt(Allocate<T>(dk * kQueryBlock)),
         st(Allocate<T>(kKeyBlock * kQueryBlock)),
@@ -974,17 +1004,9 @@ struct ForwardScratch {
         q_stage(Allocate<T>(in.q_stored ? kQueryBlock * dk : 0)),
         k_stage(Allocate<T>(in.k_stored ? kKeyBlock * dk : 0)),
         v_stage(Allocate<T>(in.v_stored ? kKeyBlock * dv : 0)),
-        qt_pairs(Allocate<uint32_t>(bf16_products ? DivCeil(dk, 2) * kQueryBlock : 0)),
-        p_pairs(Allocate<uint32_t>(bf16_products ? kKeyBlock / 2 * kQueryBlock : 0)),
-        v_pairs(Allocate<uint32_t>(bf16_products ? kKeyBlock / 2 * dv : 0)) {}
-
-  // The bfloat16 rows [t0, t0 + n) of a stored operand, in `rows`.
-  const uint16_t* const* Bf16Rows(const fused::StoredRows& x, int64_t b, int64_t h, int64_t t0, size_t n) {
-    for (size_t t = 0; t < n; ++t) {
-      rows[t] = reinterpret_cast<const uint16_t*>(x.row(b, h, t0 + static_cast<int64_t>(t)));
-    }
-    return rows.data();
-  }
+        qt_pairs(Allocate<uint32_t>(bf16_scores ? DivCeil(dk, 2) * kQueryBlock : 0)),
+        p_pairs(Allocate<uint32_t>(bf16_values ? kKeyBlock / 2 * kQueryBlock : 0)),
+        v_pairs(Allocate<uint32_t>(bf16_values ? kKeyBlock / 2 * dv : 0)) {}
 
   // o(i, c): the unnormalised output of query i of the block, column c.
   T output(size_t i, size_t c) const { return acc[c * kQueryBlock + i]; }
@@ -1289,7 +1311,7 @@ void BeginQueryBlock(D d, const Inputs<T>& in, int64_t b, int64_t h, int64_t q0,
   }
   std::fill(s.acc.get(), s.acc.get() + ToSize(in.dv) * kQueryBlock, T{0});
   const size_t dk = ToSize(in.dk);
-  if (s.bf16_products && few) {
+  if (s.bf16_scores) {
     bf16::pack_queries(s.Bf16Rows(in.q_stored, b, h, q0, nq), nq, dk, ld, s.qt_pairs.get());
     return;
   }
@@ -1304,7 +1326,7 @@ void EndQueryBlock(const Inputs<T>& in, size_t nq, bool few, ForwardScratch<T>& 
   }
 }
 
-// Sᵀ [nk][ld] = K·Qᵀ of a key block by bf16 products (UsesBf16Products, which only float takes).
+// Sᵀ [nk][ld] = K·Qᵀ of a key block by bf16 products (UsesBf16Scores, which only float takes).
 template <class T>
 void Bf16Scores(const Inputs<T>& in, int64_t b, int64_t hk, int64_t j0, size_t nk, size_t ld, ForwardScratch<T>& s) {
   if constexpr (std::is_same_v<T, float>) {
@@ -1349,9 +1371,8 @@ void ContinueQueryBlock(D d, const Inputs<T>& in, int64_t b, int64_t h, int64_t 
       PrefetchRows(in.k, in.k_stored, b, hk, next, next_n, ToSize(in.dk));
       PrefetchRows(in.v, in.v_stored, b, hk, next, next_n, dv);
     }
-    const bool bf16_products = s.bf16_products && few;
     // Sᵀ [nk][ld] = K · Qᵀ
-    if (bf16_products) {
+    if (s.bf16_scores) {
       Bf16Scores(in, b, hk, j0, nk, ld, s);
     } else {
       const RowBlock<T> keys = StageRows(d, in.k, in.k_stored, b, hk, j0, nk, ToSize(in.dk), s.k_stage.get());
@@ -1386,7 +1407,7 @@ void ContinueQueryBlock(D d, const Inputs<T>& in, int64_t b, int64_t h, int64_t 
     // oᵀ [Dv][nq] += Vᵀ · Pᵀ: V's elements are broadcast, each once per key block, and the vectors
     // come from Pᵀ, which the softmax step has just left in L1; the other way round (o += P·V,
     // vectors of V rows) reads every V row once per 4 queries.
-    if (bf16_products) {
+    if (s.bf16_values && few) {
       Bf16AddValues(in, b, hk, j0, nk, ld, s);
       continue;
     }
@@ -1632,6 +1653,10 @@ struct BackwardScratch {
   Buffer<T> q_stage;  // [Br][Dk]      the query block's rows in T, when Q is stored narrower (StageRows)
   Buffer<T> k_stage;  // [Bc][Dk]      the key block's, when K is
   Buffer<T> v_stage;  // [Bc][Dv]      the value block's, when V is
+  // With bf16 scores (UsesBf16Scores): Kᵀ (one pass and pass 1) or Qᵀ (pass 2) in pairs of
+  // bfloat16 dims, and the rows of the other side.
+  Buffer<uint32_t> t_pairs;  // [⌈Dk/2⌉][max(Br, Bc)]
+  Bf16RowTable Bf16Rows;
 
   BackwardScratch(const fused::Inputs<T>& in, size_t dk, size_t dv, size_t lanes)
       : kt(Allocate<T>(dk * kKeyBlock)),
@@ -1651,7 +1676,8 @@ struct BackwardScratch {
         panel(Allocate<T>(std::max(kQueryBlock, kKeyBlock) * lanes)),
         q_stage(Allocate<T>(in.q_stored ? kQueryBlock * dk : 0)),
         k_stage(Allocate<T>(in.k_stored ? kKeyBlock * dk : 0)),
-        v_stage(Allocate<T>(in.v_stored ? kKeyBlock * dv : 0)) {}
+        v_stage(Allocate<T>(in.v_stored ? kKeyBlock * dv : 0)),
+        t_pairs(Allocate<uint32_t>(UsesBf16Scores(in) ? DivCeil(dk, 2) * std::max(kQueryBlock, kKeyBlock) : 0)) {}
 };
 
 // P = exp((s − lse_hi) − lse_lo) and dS = P ∘ (dP − D) for one vector of (query, key) pairs, in
@@ -1794,6 +1820,7 @@ class BackwardKernel {
         dv_(ToSize(in_.dv)),
         dk_pad_(RoundUp(dk_, N_)),
         dv_pad_(RoundUp(dv_, N_)),
+        bf16_scores_(UsesBf16Scores(in_)),
         delta_(RowDeltas(p)) {
     const bool share_heads = dbias_ && dbias_.head_stride == 0 && in_.heads > 1;
     groups_ = HeadGroups{.batch = in_.batch,
@@ -1862,7 +1889,11 @@ class BackwardKernel {
     const size_t nk = ToSize(std::min(static_cast<int64_t>(kKeyBlock), in_.tk - j0));
     const size_t ld = RoundUp(nk, N_);
     const RowBlock<T> keys = StageRows(d, in_.k, in_.k_stored, b, hk, j0, nk, dk_, s.k_stage.get());
-    PackTransposed(keys, nk, dk_, ld, s.kt.get());
+    if (bf16_scores_) {
+      bf16::pack_queries(s.Bf16Rows(in_.k_stored, b, hk, j0, nk), nk, dk_, ld, s.t_pairs.get());
+    } else {
+      PackTransposed(keys, nk, dk_, ld, s.kt.get());
+    }
     PackTransposed(StageRows(d, in_.v, in_.v_stored, b, hk, j0, nk, dv_, s.v_stage.get()), nk, dv_, ld, s.vt.get());
     std::fill(s.dk_acc.get(), s.dk_acc.get() + nk * dk_pad_, T{0});
     std::fill(s.dv_acc.get(), s.dv_acc.get() + nk * dv_pad_, T{0});
@@ -1872,7 +1903,8 @@ class BackwardKernel {
       if (!in_.BandTouches(q0, static_cast<int64_t>(nq), j0, static_cast<int64_t>(nk))) continue;
       // S [nq][ld] = Q·Kᵀ and dP = dO·Vᵀ
       const RowBlock<T> queries = StageRows(d, in_.q, in_.q_stored, b, h, q0, nq, dk_, s.q_stage.get());
-      ScoreProducts(queries, RowsOf(p_.dout, b, h, q0), nq, s.kt.get(), s.vt.get(), ld, s);
+      ScoreProducts(queries, RowsOf(p_.dout, b, h, q0), nq, s.kt.get(), s.vt.get(), ld, s,
+                    bf16_scores_ ? s.Bf16Rows(in_.q_stored, b, h, q0, nq) : nullptr);
       for (size_t i = 0; i < nq; ++i) {
         const int64_t qi = q0 + static_cast<int64_t>(i);
         const hn::Vec<D> lse_hi = hn::Set(d, p_.lse_hi[RowIndex(b, h, qi)]);
@@ -1923,7 +1955,11 @@ class BackwardKernel {
     const int64_t q0 = qb * static_cast<int64_t>(kQueryBlock);
     const size_t nq = ToSize(std::min(static_cast<int64_t>(kQueryBlock), in_.tq - q0));
     const size_t ld = RoundUp(nq, N_);
-    PackTransposed(StageRows(d, in_.q, in_.q_stored, b, h, q0, nq, dk_, s.q_stage.get()), nq, dk_, ld, s.qt.get());
+    if (bf16_scores_) {
+      bf16::pack_queries(s.Bf16Rows(in_.q_stored, b, h, q0, nq), nq, dk_, ld, s.t_pairs.get());
+    } else {
+      PackTransposed(StageRows(d, in_.q, in_.q_stored, b, h, q0, nq, dk_, s.q_stage.get()), nq, dk_, ld, s.qt.get());
+    }
     PackTransposed(RowsOf(p_.dout, b, h, q0), nq, dv_, ld, s.dot.get());
     for (size_t i = 0; i < ld; ++i) {
       const int64_t qi = q0 + static_cast<int64_t>(i);
@@ -1939,7 +1975,7 @@ class BackwardKernel {
       const int64_t hk = in_.kv_head(h);
       const RowBlock<T> keys = StageRows(d, in_.k, in_.k_stored, b, hk, j0, nk, dk_, s.k_stage.get());
       ScoreProducts(keys, StageRows(d, in_.v, in_.v_stored, b, hk, j0, nk, dv_, s.v_stage.get()), nk, s.qt.get(),
-                    s.dot.get(), ld, s);
+                    s.dot.get(), ld, s, bf16_scores_ ? s.Bf16Rows(in_.k_stored, b, hk, j0, nk) : nullptr);
       if (in_.dropout_scale != 0) FillDropoutTile(in_, b, h, q0, nq, j0, nk, ld, s.drop.get());
       for (size_t j = 0; j < nk; ++j) {
         const int64_t kj = j0 + static_cast<int64_t>(j);
@@ -1959,21 +1995,26 @@ class BackwardKernel {
 
   // The two products every tile starts from, in either layout: s.p = A·Bᵀ over Dk and
   // s.ds = A'·B'ᵀ over Dv, for `rows` rows of A and A' (Q and dO, or K and V, in place or staged),
-  // against the other side packed transposed (Kᵀ and Vᵀ, or Qᵀ and dOᵀ) with `ld` columns.
+  // against the other side packed transposed (Kᵀ and Vᵀ, or Qᵀ and dOᵀ) with `ld` columns. With
+  // bf16 scores, s.p is A's bfloat16 rows `a_bf16` against s.t_pairs instead.
   void ScoreProducts(const RowBlock<T>& a, const RowBlock<T>& a_dv, size_t rows, const T* b_dk, const T* b_dv,
-                     size_t ld, BackwardScratch<T>& s) const {
+                     size_t ld, BackwardScratch<T>& s, const uint16_t* const* a_bf16) const {
     const D d;
-    MatMul<false>(d,
-                  Gemm<T>{.a = a.rows,
-                          .a_row = a.stride,
-                          .a_depth = 1,
-                          .b = b_dk,
-                          .b_row = ld,
-                          .c = s.p.get(),
-                          .c_row = ld,
-                          .rows = rows,
-                          .depth = dk_},
-                  ld / N_);
+    if (a_bf16 != nullptr) {
+      if constexpr (std::is_same_v<T, float>) bf16::scores(a_bf16, rows, dk_, s.t_pairs.get(), ld, s.p.get());
+    } else {
+      MatMul<false>(d,
+                    Gemm<T>{.a = a.rows,
+                            .a_row = a.stride,
+                            .a_depth = 1,
+                            .b = b_dk,
+                            .b_row = ld,
+                            .c = s.p.get(),
+                            .c_row = ld,
+                            .rows = rows,
+                            .depth = dk_},
+                    ld / N_);
+    }
     MatMul<false>(d,
                   Gemm<T>{.a = a_dv.rows,
                           .a_row = a_dv.stride,
@@ -2009,6 +2050,7 @@ class BackwardKernel {
   const Inputs<T>& in_;
   fused::ScoresView<T> dbias_;  // absent when not wanted or broadcast over the keys
   size_t N_, dk_, dv_, dk_pad_, dv_pad_;
+  bool bf16_scores_;      // UsesBf16Scores
   std::vector<T> delta_;  // [B·H·Tq] D_i
   HeadGroups groups_;
   std::vector<BackwardScratch<T>> scratch_;

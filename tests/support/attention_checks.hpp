@@ -85,13 +85,23 @@ inline void on_every_target(const std::function<void()>& body) {
   }
 }
 
-// The fused float32 forward and backward against the float64 reference, each tensor within the
-// suite's tolerance rule (attention_tolerance), on every SIMD target this CPU runs. The forward runs
-// with and without lse (the two take different layouts for few queries). The backward runs twice:
+// How an attention under test is run: its forward, with or without lse, and its backward, from the
+// forward's saved out and lse or recomputing the forward itself. No forward_out_only: the forward
+// without lse is held to its own rule elsewhere.
+struct FusedRuns {
+  std::function<Forward(bool with_lse)> forward;
+  std::function<Grads(const Tensor<double>& dout, bool saved)> backward;
+  bool forward_out_only = true;
+};
+
+// A fused forward and backward against the float64 reference, each tensor within the suite's
+// tolerance rule (attention_tolerance), on every SIMD target this CPU runs. The forward runs with
+// and without lse (the two take different layouts for few queries). The backward runs twice:
 // recomputing the forward itself (it then keeps lse in two parts and the rule applies as is), and
 // from a saved float32 lse, whose rounding (a relative error of up to ρ on each row's P) a softmax
 // computed from scratch does not have: the rule then adds its bound.
-inline void expect_float32_matches_reference(const AttentionProblem& p, uint64_t seed, const std::string& label) {
+inline void expect_matches_reference(const AttentionProblem& p, uint64_t seed, const std::string& label,
+                                     const FusedRuns& runs) {
   SCOPED_TRACE(label);
   const Tensor<double> dout = random_dout(p, seed);
   const AttentionYardsticks y = attention_yardsticks(p, dout);
@@ -100,14 +110,16 @@ inline void expect_float32_matches_reference(const AttentionProblem& p, uint64_t
   const double rho = lse_rounding(want.lse);
   using R = NaiveResult;
   on_every_target([&] {
-    const Forward got = run_forward<float>(p, AttentionImpl::fused);
+    const Forward got = runs.forward(true);
     EXPECT_TRUE(all_close("out", got.out, want.out, attention_tolerance(y, R::out, want.out)));
     EXPECT_TRUE(all_close("lse", got.lse, want.lse, attention_tolerance(y, R::lse, want.lse)));
-    const Forward out_only = run_forward<float>(p, AttentionImpl::fused, false);
-    EXPECT_TRUE(all_close("out without lse", out_only.out, want.out, attention_tolerance(y, R::out, want.out)));
+    if (runs.forward_out_only) {
+      const Forward out_only = runs.forward(false);
+      EXPECT_TRUE(all_close("out without lse", out_only.out, want.out, attention_tolerance(y, R::out, want.out)));
+    }
     for (const bool saved : {false, true}) {
       SCOPED_TRACE(saved ? "with the saved lse" : "recomputing the forward");
-      const Grads gg = run_backward<float>(p, dout, AttentionImpl::fused, saved);
+      const Grads gg = runs.backward(dout, saved);
       const double r = saved ? rho : 0.0;
       EXPECT_TRUE(all_close("dq", gg.dq, gw.dq, attention_tolerance(y, R::dq, gw.dq, r)));
       EXPECT_TRUE(all_close("dk", gg.dk, gw.dk, attention_tolerance(y, R::dk, gw.dk, r)));
@@ -120,6 +132,15 @@ inline void expect_float32_matches_reference(const AttentionProblem& p, uint64_t
       }
     }
   });
+}
+
+// The fused float32 kernel against the float64 reference (expect_matches_reference).
+inline void expect_float32_matches_reference(const AttentionProblem& p, uint64_t seed, const std::string& label) {
+  expect_matches_reference(
+      p, seed, label,
+      {.forward = [&](bool with_lse) { return run_forward<float>(p, AttentionImpl::fused, with_lse); },
+       .backward = [&](const Tensor<double>& dout,
+                       bool saved) { return run_backward<float>(p, dout, AttentionImpl::fused, saved); }});
 }
 
 // Runs the body with parallel_for limited to `workers` threads, restoring the previous limit.

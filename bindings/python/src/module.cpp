@@ -45,5 +45,6 @@ PYBIND11_MODULE(_qkv, m) {
   m.def("cpu_summary", &qkv::cpu_summary, "The CPU model and its caches, in one line.");
   m.def("attention_bf16_products", &qkv::attention_bf16_products,
         "Whether this CPU, at the SIMD target in use, runs attention on bfloat16 q, k and v (out alone, blocks of "
-        "more than 8 queries) with its bf16 dot product (AVX512_BF16), which rounds the weights to bfloat16.");
+        "more than 8 queries) with its bf16 dot product (AVX512_BF16), which rounds the weights to bfloat16; "
+        "and whether bfloat16 q and k take it for the scores of every forward and backward.");
 }

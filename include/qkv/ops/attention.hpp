@@ -169,12 +169,14 @@ void attention_backward(const AttentionParams<T>& params, TensorView<const T> do
 // float32 computation on the values the operands stand for (to_float32), and the fused forward is
 // bit-identical to attention_forward on those values converted first. It converts them where it
 // reads them, a tile of rows at a time, so no float32 copy of K or V is ever made.
-// One exception, where attention_bf16_products() says so: a fused forward that returns no lse on
-// Q, K and V all in bfloat16 runs its blocks of more than 8 queries on the CPU's bf16 dot product
-// (AVX512_BF16), which rounds the softmax's weights to bfloat16 before they multiply V (scores are
-// still exact products summed in float32). Its out is then within the rule of a bf16 computation
-// (docs/low-precision.md), not bit-identical. A forward that returns lse, which a backward reads,
-// never takes it; nor does Q stored as float32.
+// The exceptions, where attention_bf16_products() says so, take the CPU's bf16 dot product
+// (AVX512_BF16). With Q and K both in bfloat16, the fused forward and backward compute every score
+// by it: exact products summed in float32 in pairs of dims, as accurate as the float32 kernel's
+// but summed in another order, so within the float32 rule rather than bit-identical, and the same
+// in the forward and in the backward that reads its lse. A fused forward that returns no lse on V
+// in bfloat16 too runs its blocks of more than 8 queries with both products on it, rounding the
+// softmax's weights to bfloat16 before they multiply V: its out is within the rule of a bf16
+// computation (docs/low-precision.md). Q stored as float32 keeps the float32 arithmetic.
 struct StoredAttentionParams {
   StoredView q;  // float32, float16 or bfloat16
   StoredView k;  // any StorageType; int8 with scales (one per channel, [..., Hkv, 1, Dk], keeps
