@@ -157,6 +157,20 @@ void check_finite(const StoredView& view, std::string_view name, std::string_vie
   if (bad) check_finite(to_float32(view).cview(), name, NonFinite::refused, remedy);
 }
 
+float stored_value(StorageType type, const void* data, int64_t at, float scale) {
+  switch (type) {
+    case StorageType::float32:
+      return static_cast<const float*>(data)[at];
+    case StorageType::float16:
+      return float_from_float16(static_cast<const uint16_t*>(data)[at]);
+    case StorageType::bfloat16:
+      return float_from_bfloat16(static_cast<const uint16_t*>(data)[at]);
+    case StorageType::int8:
+      return static_cast<float>(static_cast<const int8_t*>(data)[at]) * scale;
+  }
+  return 0.0f;
+}
+
 Tensor<float> to_float32(const StoredView& view) {
   Tensor<float> out(view.shape);
   if (view.type == StorageType::int8 && !view.scales) {
@@ -165,23 +179,8 @@ Tensor<float> to_float32(const StoredView& view) {
   std::optional<TensorView<const float>> scales;
   if (view.scales) scales = broadcast_to(*view.scales, view.shape, "scales");
   for (int64_t flat = 0; flat < out.numel(); ++flat) {
-    const int64_t at = strided_offset(view.shape, view.strides, flat);
-    switch (view.type) {
-      case StorageType::float32:
-        out[flat] = static_cast<const float*>(view.data)[at];
-        break;
-      case StorageType::float16:
-        out[flat] = float_from_float16(static_cast<const uint16_t*>(view.data)[at]);
-        break;
-      case StorageType::bfloat16:
-        out[flat] = float_from_bfloat16(static_cast<const uint16_t*>(view.data)[at]);
-        break;
-      case StorageType::int8: {
-        const float scale = scales->data[strided_offset(view.shape, scales->strides, flat)];
-        out[flat] = static_cast<float>(static_cast<const int8_t*>(view.data)[at]) * scale;
-        break;
-      }
-    }
+    const float scale = scales ? scales->data[strided_offset(view.shape, scales->strides, flat)] : 1.0f;
+    out[flat] = stored_value(view.type, view.data, strided_offset(view.shape, view.strides, flat), scale);
   }
   return out;
 }

@@ -284,21 +284,7 @@ void float_row(const StoredView& x, const std::optional<TensorView<const float>>
   const int64_t d = x.shape[2];
   const int64_t at = h * x.strides[0] + t * x.strides[1], step = x.strides[2];
   for (int64_t c = 0; c < d; ++c) {
-    const int64_t i = at + c * step;
-    switch (x.type) {
-      case StorageType::float32:
-        row[c] = static_cast<const float*>(x.data)[i];
-        break;
-      case StorageType::float16:
-        row[c] = float_from_float16(static_cast<const uint16_t*>(x.data)[i]);
-        break;
-      case StorageType::bfloat16:
-        row[c] = float_from_bfloat16(static_cast<const uint16_t*>(x.data)[i]);
-        break;
-      case StorageType::int8:
-        row[c] = static_cast<float>(static_cast<const int8_t*>(x.data)[i]) * (*scales)(h, t, c);
-        break;
-    }
+    row[c] = stored_value(x.type, x.data, at + c * step, scales ? (*scales)(h, t, c) : 1.0f);
   }
 }
 
@@ -415,26 +401,12 @@ Tensor<float> KvCache::read(int64_t id, bool keys) const {
       const int64_t slot = t % shape_.page_tokens;
       const int64_t at = row_at(page, h, slot, d);
       for (int64_t c = 0; c < d; ++c) {
-        float value = 0.0f;
-        switch (shape_.type) {
-          case StorageType::float32:
-            std::memcpy(&value, pool.data() + (at + c) * 4, 4);
-            break;
-          case StorageType::float16:
-            value = float_from_float16(reinterpret_cast<const uint16_t*>(pool.data())[at + c]);
-            break;
-          case StorageType::bfloat16:
-            value = float_from_bfloat16(reinterpret_cast<const uint16_t*>(pool.data())[at + c]);
-            break;
-          case StorageType::int8: {
-            const float scale =
-                keys ? k_scales_[static_cast<size_t>((page * shape_.kv_heads + h) * d + c)]
-                     : v_scales_[static_cast<size_t>((page * shape_.kv_heads + h) * shape_.page_tokens + slot)];
-            value = static_cast<float>(reinterpret_cast<const int8_t*>(pool.data())[at + c]) * scale;
-            break;
-          }
+        float scale = 1.0f;
+        if (shape_.type == StorageType::int8) {
+          scale = keys ? k_scales_[static_cast<size_t>((page * shape_.kv_heads + h) * d + c)]
+                       : v_scales_[static_cast<size_t>((page * shape_.kv_heads + h) * shape_.page_tokens + slot)];
         }
-        out.view()(h, t, c) = value;
+        out.view()(h, t, c) = stored_value(shape_.type, pool.data(), at + c, scale);
       }
     }
   }

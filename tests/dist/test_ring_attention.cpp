@@ -322,7 +322,7 @@ TEST(RingAttention, MatchesTheReferenceWithAMaskAndAFullyMaskedRow) {
   constexpr int64_t kT = 30, kMasked = 17;
   AttentionProblem p = random_problem({.b = 1, .h = 2, .tq = kT, .tk = kT, .dk = 6, .dv = 4, .causal = true}, 41);
   Tensor<uint8_t> allowed = random_mask({kT, kT}, 0.6, 42);
-  for (int64_t j = 0; j < kT; ++j) allowed[kMasked * kT + j] = 0;
+  for (int64_t j = 0; j < kT; ++j) allowed.view()(kMasked, j) = 0;
   p.allowed = allowed;
   for (const ShardLayout layout : kLayouts) {
     expect_ring_matches_reference(p, layout, 43, "mask");

@@ -256,9 +256,7 @@ TEST(AttentionFused, FewQueriesWithHugeLogitsKeepTheBackwardAccurate) {
   uint64_t seed = 990;
   for (const int64_t tq : {int64_t{1}, int64_t{4}, int64_t{8}}) {
     Problem p = random_problem({1, 2, tq, 8, 8, 8}, seed);
-    for (int64_t i = 0; i < p.q.numel(); ++i) p.q[i] *= 40.0;
-    for (int64_t i = 0; i < p.k.numel(); ++i) p.k[i] *= 40.0;
-    p.scale = 1.0;
+    testing::make_logits_huge(p);
     expect_float32_matches_reference(p, seed + 1, fmt::format("huge logits Tq={}", tq));
     seed += 2;
   }

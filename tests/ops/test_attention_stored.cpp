@@ -457,8 +457,7 @@ TEST(AttentionStored, BackwardConvertsTileByTileToTheFloatBackwardsBits) {
   }
 }
 
-// |q·k| ≈ 10⁴, where an ulp of a score is 10⁻³: a backward whose scores are not, bit for bit, those
-// its lse came from is off by as much in every P. bfloat16 Q and K take the bf16 dot product for
+// Huge logits (testing::make_logits_huge, |q·k| ≈ 10⁴ at d = 64). bfloat16 Q and K take the bf16 dot product for
 // the scores of the forward with lse and of both of the backward's layouts (one head on 2 threads
 // takes two passes, on 1 thread one): within the rule of the float64 reference, and the same bits
 // on 1 and 2 threads; on every target, decode (Tq = 1) included.
@@ -466,9 +465,7 @@ TEST(AttentionStored, Bf16ScoresKeepTheBackwardAccurateOnHugeLogits) {
   uint64_t seed = 500;
   for (const int64_t tq : {int64_t{1}, int64_t{8}, int64_t{70}}) {
     Problem p = random_problem({1, 1, tq, 90, 64, 48}, seed);
-    for (int64_t i = 0; i < p.q.numel(); ++i) p.q[i] *= 40.0;
-    for (int64_t i = 0; i < p.k.numel(); ++i) p.k[i] *= 40.0;
-    p.scale = 1.0;
+    testing::make_logits_huge(p);
     const Stored s = store_problem(p, StorageType::bfloat16, StorageType::bfloat16);
     const std::string label = fmt::format("huge logits, bfloat16, Tq={}", tq);
     testing::expect_matches_reference(p, seed + 1, label, stored_runs(p, s));

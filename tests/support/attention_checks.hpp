@@ -85,6 +85,15 @@ inline void on_every_target(const std::function<void()>& body) {
   }
 }
 
+// Multiplies q and k of unit variance by 40, with scale 1: |q·k| ≈ 1600·√d (10⁴ at d = 64), where
+// an ulp of a score is 10⁻³, and a backward whose scores are not, bit for bit, those its lse came
+// from is off by as much in every P.
+inline void make_logits_huge(AttentionProblem& p) {
+  for (int64_t i = 0; i < p.q.numel(); ++i) p.q[i] *= 40.0;
+  for (int64_t i = 0; i < p.k.numel(); ++i) p.k[i] *= 40.0;
+  p.scale = 1.0;
+}
+
 // How an attention under test is run: its forward, with or without lse, and its backward, from the
 // forward's saved out and lse or recomputing the forward itself. No forward_out_only: the forward
 // without lse is held to its own rule elsewhere.

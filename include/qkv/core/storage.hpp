@@ -59,6 +59,10 @@ struct StoredView {
   int rank() const { return shape.rank(); }
 };
 
+// Element `at` (counted in elements) of data stored as `type`, as float32: exact for float16 and
+// bfloat16, scale·x rounded once for int8 (`scale` is unused for the others).
+float stored_value(StorageType type, const void* data, int64_t at, float scale);
+
 // Refuses a NaN or an infinity among the values `view` stands for, as check_finite does (naming the
 // first; `remedy` appended). int8 values are always finite; their scales are the op's to check.
 void check_finite(const StoredView& view, std::string_view name, std::string_view remedy = {});
