@@ -157,20 +157,6 @@ void check_finite(const StoredView& view, std::string_view name, std::string_vie
   if (bad) check_finite(to_float32(view).cview(), name, NonFinite::refused, remedy);
 }
 
-float stored_value(StorageType type, const void* data, int64_t at, float scale) {
-  switch (type) {
-    case StorageType::float32:
-      return static_cast<const float*>(data)[at];
-    case StorageType::float16:
-      return float_from_float16(static_cast<const uint16_t*>(data)[at]);
-    case StorageType::bfloat16:
-      return float_from_bfloat16(static_cast<const uint16_t*>(data)[at]);
-    case StorageType::int8:
-      return static_cast<float>(static_cast<const int8_t*>(data)[at]) * scale;
-  }
-  return 0.0f;
-}
-
 Tensor<float> to_float32(const StoredView& view) {
   Tensor<float> out(view.shape);
   if (view.type == StorageType::int8 && !view.scales) {

@@ -6,6 +6,7 @@
 #include <fmt/format.h>
 #include <gtest/gtest.h>
 
+#include <bit>
 #include <cmath>
 #include <functional>
 #include <limits>
@@ -377,6 +378,19 @@ TEST(KvCache, ValuesItsTypeCannotHoldAreRefused) {
   k.view()(0, 2, 1) = 65504.0f;
   half.append(id, k.cview(), random_rows({1, 3, 4}, rng).cview());
   EXPECT_EQ(half.keys(id).view()(0, 2, 1), 65504.0f);
+
+  KvCache brain({.kv_heads = 1, .dk = 1, .dv = 1, .type = StorageType::bfloat16, .page_tokens = 4, .pages = 1});
+  const int64_t seq = brain.add_sequence();
+  const float largest = float_from_bfloat16(0x7F7F);  // rounds to itself; half an ulp more, to infinity
+  Tensor<float> near({1, 2, 1});
+  near[0] = largest;
+  near[1] = -std::nextafter(std::bit_cast<float>(uint32_t{0x7F7F8000}), 0.0f);
+  brain.append(seq, near.cview(), near.cview());
+  EXPECT_EQ(brain.keys(seq)[1], -largest);
+  near[1] = std::bit_cast<float>(uint32_t{0x7F7F8000});
+  expect_refused<ValueError>([&] { brain.append(seq, near.cview(), near.cview()); },
+                             "k: expected values that a bfloat16 cache holds (finite), got");
+  EXPECT_EQ(brain.length(seq), 2);
 
   KvCache wide({.kv_heads = 1, .dk = 4, .dv = 4, .type = StorageType::float32, .page_tokens = 4, .pages = 2});
   const int64_t other = wide.add_sequence();

@@ -60,8 +60,21 @@ struct StoredView {
 };
 
 // Element `at` (counted in elements) of data stored as `type`, as float32: exact for float16 and
-// bfloat16, scale·x rounded once for int8 (`scale` is unused for the others).
-float stored_value(StorageType type, const void* data, int64_t at, float scale);
+// bfloat16, scale·x rounded once for int8 (`scale` is unused for the others). Inline: loops over
+// every element of an operand call it.
+inline float stored_value(StorageType type, const void* data, int64_t at, float scale) {
+  switch (type) {
+    case StorageType::float32:
+      return static_cast<const float*>(data)[at];
+    case StorageType::float16:
+      return float_from_float16(static_cast<const uint16_t*>(data)[at]);
+    case StorageType::bfloat16:
+      return float_from_bfloat16(static_cast<const uint16_t*>(data)[at]);
+    case StorageType::int8:
+      return static_cast<float>(static_cast<const int8_t*>(data)[at]) * scale;
+  }
+  return 0.0f;
+}
 
 // Refuses a NaN or an infinity among the values `view` stands for, as check_finite does (naming the
 // first; `remedy` appended). int8 values are always finite; their scales are the op's to check.
