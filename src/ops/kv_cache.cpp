@@ -302,9 +302,10 @@ void copy_row(const StoredView& x, int64_t bytes, int64_t h, int64_t t, uint8_t*
   }
 }
 
-// Refuses the first value of a [Hkv, n, D] operand that a cache of `type` cannot hold: one past
-// float16's range for a float16 cache, or an int8 value that its scale takes past float32's. Such
-// a value would be stored as an infinity, which attention and a saved cache's file both refuse.
+// Refuses the first value of a [Hkv, n, D] operand that a cache of `type` cannot hold: one that
+// rounds past float16's or bfloat16's largest value for such a cache, or an int8 value that its
+// scale takes past float32's. Such a value would be stored as an infinity, which attention and a
+// saved cache's file both refuse.
 void check_representable(const StoredView& x, const std::optional<TensorView<const float>>& scales, StorageType type,
                          std::string_view name) {
   const bool narrowing = (type == StorageType::float16 && x.type != StorageType::float16) ||
