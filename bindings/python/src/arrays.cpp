@@ -177,6 +177,15 @@ StoredView Inputs::stored(const py::object& operand, std::string_view name, cons
   return view;
 }
 
+void check_bf16_flag(bool bf16, std::initializer_list<const StoredView*> operands, std::string_view names) {
+  if (!bf16) return;
+  for (const StoredView* operand : operands) {
+    if (operand->type == StorageType::bfloat16) return;
+  }
+  throw ValueError(
+      fmt::format("bf16: True says which uint16 arrays hold bfloat16 bits, but none of {} is uint16", names));
+}
+
 template <class T>
 AttentionMask<T> Inputs::mask(const py::object& mask, bool causal, bool allow_nonfinite) {
   AttentionMask<T> result;

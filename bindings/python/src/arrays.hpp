@@ -11,6 +11,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <initializer_list>
 #include <optional>
 #include <string>
 #include <string_view>
@@ -69,6 +70,10 @@ class Inputs {
   py::array hold(py::array array);
   std::vector<py::array> held_;
 };
+
+// Refuses bf16=True when none of the stored operands (named `names`, as "q, k, v") holds bfloat16
+// bits: the flag says which uint16 arrays are bfloat16, so it must name one.
+void check_bf16_flag(bool bf16, std::initializer_list<const StoredView*> operands, std::string_view names);
 
 // A new C-contiguous array of `shape` (zero-filled when `zeroed`), refused first with MemoryError
 // (ResourceError) naming `what` when it would not fit in the memory available.

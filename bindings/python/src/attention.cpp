@@ -120,10 +120,7 @@ StoredAttentionParams stored_params(Inputs& in, const py::object& q, const py::o
                           .scale = r.scale,
                           .mask = mask_of<float>(in, r),
                           .softcap = r.softcap};
-  if (r.bf16 && p.q.type != StorageType::bfloat16 && p.k.type != StorageType::bfloat16 &&
-      p.v.type != StorageType::bfloat16) {
-    throw ValueError("bf16: True says which uint16 arrays hold bfloat16 bits, but none of q, k, v is uint16");
-  }
+  check_bf16_flag(r.bf16, {&p.q, &p.k, &p.v}, "q, k, v");
   set_head_options<float>(in, r, Dims::dim(p.q.shape, "q", 1), p.mask, p.sinks);
   return p;
 }

@@ -158,9 +158,7 @@ class PyKvCache {
     Inputs in;
     const StoredView ks = in.stored(narrowed(k), "k", k_scales, "k_scales", bf16, true);
     const StoredView vs = in.stored(narrowed(v), "v", v_scales, "v_scales", bf16, true);
-    if (bf16 && ks.type != StorageType::bfloat16 && vs.type != StorageType::bfloat16) {
-      throw ValueError("bf16: True says which uint16 arrays hold bfloat16 bits, but neither k nor v is uint16");
-    }
+    check_bf16_flag(bf16, {&ks, &vs}, "k, v");
     run_without_gil([&] {
       std::unique_lock lock(mutex_);
       cache_.append(id, ks, vs);
