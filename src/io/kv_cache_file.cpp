@@ -24,18 +24,31 @@ namespace {
 
 constexpr std::string_view kKind = "kv_cache";
 
-// A float32 pool as a tensor [pages, Hkv, page_tokens, d].
-Tensor<float> float32_pool(const std::vector<uint8_t>& pool, const KvCacheShape& s, int64_t d) {
-  Tensor<float> values(Shape{s.pages, s.kv_heads, s.page_tokens, d});
+// The tensors' names; files written while a pool held each page's heads together ([pages, Hkv, …])
+// name them k_pool, v_pool, k_scales and v_scales, and are read too.
+struct TensorNames {
+  const char *keys, *values, *key_scales, *value_scales;
+};
+constexpr TensorNames kHeadsFirst{"keys", "values", "key_scales", "value_scales"};
+constexpr TensorNames kPagesFirst{"k_pool", "v_pool", "k_scales", "v_scales"};
+
+// A pool's shape, [Hkv, pages, page_tokens, d], or the pages first.
+Shape pool_shape(const KvCacheShape& s, int64_t d, bool pages_first = false) {
+  return pages_first ? Shape{s.pages, s.kv_heads, s.page_tokens, d} : Shape{s.kv_heads, s.pages, s.page_tokens, d};
+}
+
+// A float32 pool as a tensor [Hkv, pages, page_tokens, d].
+Tensor<float> float32_pool(const PoolBytes& pool, const KvCacheShape& s, int64_t d) {
+  Tensor<float> values(pool_shape(s, d));
   if (values.numel() > 0) std::memcpy(values.data(), pool.data(), pool.size());
   return values;
 }
 
 // The pool's bytes from its values as float32, each of which the type must hold exactly: how files
 // of format version 1 (float32 tensors alone) keep float16, bfloat16 and int8 pools.
-std::vector<uint8_t> pool_bytes(const Tensor<float>& values, const KvCacheShape& s, const std::string& source,
-                                std::string_view name) {
-  std::vector<uint8_t> pool(static_cast<size_t>(values.numel() * storage_bytes(s.type)));
+PoolBytes pool_bytes(const Tensor<float>& values, const KvCacheShape& s, const std::string& source,
+                     std::string_view name) {
+  PoolBytes pool(static_cast<size_t>(values.numel() * storage_bytes(s.type)));
   for (int64_t i = 0; i < values.numel(); ++i) {
     const float x = values[i];
     bool exact = true;
@@ -93,16 +106,35 @@ void expect_shape(const ModelFile& file, std::string_view name, const Shape& act
   }
 }
 
+bool has_tensor(const ModelFile& file, std::string_view name) {
+  return file.narrow_tensor(name) != nullptr ||
+         std::any_of(file.tensors.begin(), file.tensors.end(), [&](const auto& t) { return t.first == name; });
+}
+
+// [pages][heads][…] as [heads][pages][…].
+template <class Vector>
+Vector heads_first(const Vector& x, int64_t pages, int64_t heads) {
+  Vector out(x.size());
+  const auto blocks = static_cast<size_t>(pages * heads);
+  const size_t inner = x.size() / blocks;
+  for (size_t p = 0; p < static_cast<size_t>(pages); ++p) {
+    for (size_t h = 0; h < static_cast<size_t>(heads); ++h) {
+      std::copy_n(x.begin() + static_cast<ptrdiff_t>((p * static_cast<size_t>(heads) + h) * inner), inner,
+                  out.begin() + static_cast<ptrdiff_t>((h * static_cast<size_t>(pages) + p) * inner));
+    }
+  }
+  return out;
+}
+
 const Tensor<float>& tensor_of_shape(const ModelFile& file, std::string_view name, const Shape& shape) {
   const Tensor<float>& t = file.tensor(name);
   expect_shape(file, name, t.shape(), shape);
   return t;
 }
 
-// A pool's bytes: a narrow tensor of the cache's type as it is (moved out of the file), or float32
-// values the type holds.
-std::vector<uint8_t> read_pool(ModelFile& file, std::string_view name, const KvCacheShape& s, int64_t d) {
-  const Shape shape{s.pages, s.kv_heads, s.page_tokens, d};
+// A pool's bytes: a narrow tensor of the cache's type as it is, or float32 values the type holds.
+PoolBytes read_pool(ModelFile& file, std::string_view name, const KvCacheShape& s, int64_t d, bool pages_first) {
+  const Shape shape = pool_shape(s, d, pages_first);
   for (auto& [narrow_name, narrow] : file.narrow_tensors) {
     if (narrow_name != name) continue;
     if (narrow.type != s.type) {
@@ -110,7 +142,7 @@ std::vector<uint8_t> read_pool(ModelFile& file, std::string_view name, const KvC
                                 storage_name(s.type), storage_name(narrow.type)));
     }
     expect_shape(file, name, narrow.shape, shape);
-    return std::move(narrow.bytes);
+    return {narrow.bytes.begin(), narrow.bytes.end()};
   }
   return pool_bytes(tensor_of_shape(file, name, shape), s, file.source, name);
 }
@@ -144,19 +176,22 @@ std::string encode_kv_cache_file(const KvCacheState& state) {
   file.set("sequence_lengths", fmt::format("{}", fmt::join(lengths, " ")));
   file.set("sequence_pages", fmt::format("{}", fmt::join(pages, ";")));
   if (s.type == StorageType::float32) {
-    file.tensors.emplace_back("k_pool", float32_pool(state.k_pool, s, s.dk));
-    file.tensors.emplace_back("v_pool", float32_pool(state.v_pool, s, s.dv));
+    file.tensors.emplace_back(kHeadsFirst.keys, float32_pool(state.k_pool, s, s.dk));
+    file.tensors.emplace_back(kHeadsFirst.values, float32_pool(state.v_pool, s, s.dv));
   } else {
     file.narrow_tensors.emplace_back(
-        "k_pool",
-        NarrowTensor{.type = s.type, .shape = Shape{s.pages, s.kv_heads, s.page_tokens, s.dk}, .bytes = state.k_pool});
+        kHeadsFirst.keys,
+        NarrowTensor{
+            .type = s.type, .shape = pool_shape(s, s.dk), .bytes = {state.k_pool.begin(), state.k_pool.end()}});
     file.narrow_tensors.emplace_back(
-        "v_pool",
-        NarrowTensor{.type = s.type, .shape = Shape{s.pages, s.kv_heads, s.page_tokens, s.dv}, .bytes = state.v_pool});
+        kHeadsFirst.values,
+        NarrowTensor{
+            .type = s.type, .shape = pool_shape(s, s.dv), .bytes = {state.v_pool.begin(), state.v_pool.end()}});
   }
   if (s.type == StorageType::int8) {
-    file.tensors.emplace_back("k_scales", Tensor<float>(Shape{s.pages, s.kv_heads, s.dk}, state.k_scales));
-    file.tensors.emplace_back("v_scales", Tensor<float>(Shape{s.pages, s.kv_heads, s.page_tokens}, state.v_scales));
+    file.tensors.emplace_back(kHeadsFirst.key_scales, Tensor<float>(Shape{s.kv_heads, s.pages, s.dk}, state.k_scales));
+    file.tensors.emplace_back(kHeadsFirst.value_scales,
+                              Tensor<float>(Shape{s.kv_heads, s.pages, s.page_tokens}, state.v_scales));
   }
   return encode_model_file(file);
 }
@@ -201,13 +236,22 @@ KvCacheState state_of(ModelFile file) {
         fmt::format("{}: entry \"sequence_pages\": expected no pages for no sequence, got \"{}\"", file.source, pages));
   }
   try {
-    state.k_pool = read_pool(file, "k_pool", s, s.dk);
-    state.v_pool = read_pool(file, "v_pool", s, s.dv);
+    const bool pages_first = has_tensor(file, kPagesFirst.keys);
+    const TensorNames& names = pages_first ? kPagesFirst : kHeadsFirst;
+    state.k_pool = read_pool(file, names.keys, s, s.dk, pages_first);
+    state.v_pool = read_pool(file, names.values, s, s.dv, pages_first);
     if (s.type == StorageType::int8) {
-      const Tensor<float>& ks = tensor_of_shape(file, "k_scales", Shape{s.pages, s.kv_heads, s.dk});
-      const Tensor<float>& vs = tensor_of_shape(file, "v_scales", Shape{s.pages, s.kv_heads, s.page_tokens});
-      state.k_scales.assign(ks.data(), ks.data() + ks.numel());
-      state.v_scales.assign(vs.data(), vs.data() + vs.numel());
+      const auto scales = [&](const char* name, int64_t n) {
+        const Tensor<float>& t =
+            tensor_of_shape(file, name, pages_first ? Shape{s.pages, s.kv_heads, n} : Shape{s.kv_heads, s.pages, n});
+        return std::vector<float>(t.data(), t.data() + t.numel());
+      };
+      state.k_scales = scales(names.key_scales, s.dk);
+      state.v_scales = scales(names.value_scales, s.page_tokens);
+    }
+    if (pages_first) {
+      for (auto* pool : {&state.k_pool, &state.v_pool}) *pool = heads_first(*pool, s.pages, s.kv_heads);
+      for (auto* scales : {&state.k_scales, &state.v_scales}) *scales = heads_first(*scales, s.pages, s.kv_heads);
     }
   } catch (const IoError&) {
     throw;

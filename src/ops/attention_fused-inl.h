@@ -132,6 +132,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <utility>
 
 #include "qkv/core/rng.hpp"
 #include "qkv/core/storage.hpp"
@@ -181,18 +182,21 @@ struct StoredRows {
   // Whether the kernels read this instead of the operand's RowsView.
   explicit operator bool() const { return type != StorageType::float32 || pages != nullptr; }
   size_t element_bytes() const { return static_cast<size_t>(storage_bytes(type)); }
+  // Paged: row t's entry in its batch entry's page table, and its row in that page.
+  std::pair<int64_t, int64_t> PageAndSlot(int64_t t) const { return {t / page_tokens, t % page_tokens}; }
   const uint8_t* row(int64_t b, int64_t h, int64_t t) const {
     if (pages != nullptr) {
-      const int64_t page = pages[b * page_table_stride + t / page_tokens];
-      return data +
-             static_cast<size_t>(page * page_stride + h * head_stride + t % page_tokens * row_stride) * element_bytes();
+      const auto [index, slot] = PageAndSlot(t);
+      const int64_t page = pages[b * page_table_stride + index];
+      return data + static_cast<size_t>(page * page_stride + h * head_stride + slot * row_stride) * element_bytes();
     }
     return data + static_cast<size_t>(b * batch_stride + h * head_stride + t * row_stride) * element_bytes();
   }
   const float* scale_row(int64_t b, int64_t h, int64_t t) const {
     if (pages != nullptr) {
-      const int64_t page = pages[b * page_table_stride + t / page_tokens];
-      return scales.data + page * scale_page_stride + h * scales.head_stride + t % page_tokens * scales.row_stride;
+      const auto [index, slot] = PageAndSlot(t);
+      const int64_t page = pages[b * page_table_stride + index];
+      return scales.data + page * scale_page_stride + h * scales.head_stride + slot * scales.row_stride;
     }
     return scales.row(b, h, t);
   }
@@ -645,33 +649,55 @@ HWY_INLINE float RowAt(const StoredRow<S>& row, size_t c) {
   }
 }
 
-// Rows t0, t0 + 1, … of a stored operand as StoredRow<S>: row(j) is row t0 + j, at a fixed stride
-// from the first while it lies in the first's page (or always, unpaged), else found through the
-// page table (whose divisions by the page size would otherwise cost more than a narrow row's work).
-// Row t0 must exist: its address is found when the range is made.
+// Rows [t0, t0 + n) of a stored operand as StoredRow<S>: row(j) is row t0 + j. Unpaged, the rows
+// lie at a fixed stride from the first. Paged, so do the rows of the first's page and of the
+// pages that follow it in memory (the next page in the table being the next in the pool, as a
+// sequence that grew alone has them): those form one run, read as an unpaged operand's rows are.
+// The page after the run is found once, and rows beyond it through the page table. While a block's
+// rows past its first page were found otherwise, decoding from pages of 256 tokens ran 0.86× as
+// fast as from pages of 4096 laid out the same; as one run, 1.04–1.08× (Zen 5, float16).
 template <StorageType S>
 class StoredRowRange {
  public:
-  StoredRowRange(const fused::StoredRows& x, int64_t b, int64_t h, int64_t t0)
-      : x_(x),
-        b_(b),
-        h_(h),
-        t0_(t0),
-        first_(x.row(b, h, t0)),
-        first_scale_(S == StorageType::int8 ? x.scale_row(b, h, t0) : nullptr),
-        rows_in_first_page_(x.pages != nullptr ? ToSize(x.page_tokens - t0 % x.page_tokens)
-                                               : std::numeric_limits<size_t>::max()) {}
+  StoredRowRange(const fused::StoredRows& x, int64_t b, int64_t h, int64_t t0, size_t n)
+      : x_(x), b_(b), h_(h), t0_(t0), first_(x.row(b, h, t0)) {
+    if constexpr (S == StorageType::int8) first_scale_ = x.scale_row(b, h, t0);
+    if (x.pages == nullptr) return;
+    const auto [index, slot] = x.PageAndSlot(t0);
+    run_ = ToSize(x.page_tokens - slot);
+    next_page_ = x.pages + b * x.page_table_stride + index + 1;
+    const bool pages_abut = x.page_stride == x.page_tokens * x.row_stride &&
+                            (S != StorageType::int8 || x.scale_page_stride == x.page_tokens * x.scales.row_stride);
+    while (pages_abut && run_ < n && *next_page_ == next_page_[-1] + 1) {
+      run_ += ToSize(x.page_tokens);
+      ++next_page_;
+    }
+  }
 
   StoredRow<S> row(size_t j) const {
     constexpr auto kBytes = static_cast<size_t>(storage_bytes(S));
-    const bool strided = j < rows_in_first_page_;
+    if (j < run_) {
+      const uint8_t* data = first_ + j * static_cast<size_t>(x_.row_stride) * kBytes;
+      if constexpr (S != StorageType::int8) return {data};
+      return {data, first_scale_ + static_cast<int64_t>(j) * x_.scales.row_stride, x_.scales.col_stride};
+    }
+    const auto in_next = static_cast<int64_t>(j - run_);
+    if (in_next < x_.page_tokens) {
+      const int64_t page = *next_page_;
+      const uint8_t* data =
+          x_.data + static_cast<size_t>(page * x_.page_stride + h_ * x_.head_stride + in_next * x_.row_stride) * kBytes;
+      if constexpr (S != StorageType::int8) return {data};
+      const float* scale =
+          x_.scales.data + page * x_.scale_page_stride + h_ * x_.scales.head_stride + in_next * x_.scales.row_stride;
+      return {data, scale, x_.scales.col_stride};
+    }
     const int64_t t = t0_ + static_cast<int64_t>(j);
-    const uint8_t* data = strided ? first_ + j * static_cast<size_t>(x_.row_stride) * kBytes : x_.row(b_, h_, t);
-    if constexpr (S != StorageType::int8) return {data};
-    const float* scale =
-        strided ? first_scale_ + static_cast<int64_t>(j) * x_.scales.row_stride : x_.scale_row(b_, h_, t);
-    return {data, scale, x_.scales.col_stride};
+    if constexpr (S != StorageType::int8) return {x_.row(b_, h_, t)};
+    return {x_.row(b_, h_, t), x_.scale_row(b_, h_, t), x_.scales.col_stride};
   }
+  // Rows [0, run()) lie at a fixed stride from the first.
+  size_t run() const { return run_; }
+  const float* first() const { return reinterpret_cast<const float*>(first_); }
   // Row j's integers alone (int8).
   struct Integers {
     const StoredRowRange& rows;
@@ -682,26 +708,32 @@ class StoredRowRange {
   const fused::StoredRows& x_;
   int64_t b_, h_, t0_;
   const uint8_t* first_;
-  const float* first_scale_;
-  size_t rows_in_first_page_;
+  const float* first_scale_ = nullptr;
+  size_t run_ = std::numeric_limits<size_t>::max();  // rows at a fixed stride from the first
+  const int64_t* next_page_ = nullptr;               // paged: the table's entry for row t0 + run_
 };
 
-// Calls f with rows [t0, …) of an operand as the kernels read them in place: a RowBlock<T> when it
-// is stored as T, else the StoredRowRange of its storage type (chosen here, once per call).
+// Calls f with rows [t0, t0 + n) of an operand as the kernels read them in place: a RowBlock<T>
+// when it is stored as T, else the StoredRowRange of its storage type (chosen here, once per call).
+// Paged float32 rows in one run are a RowBlock too, read as contiguous float32 is: through their
+// StoredRowRange, decoding from a cache ran 0.88× as fast as from contiguous K and V (Zen 5).
 template <class T, class F>
 HWY_INLINE void WithRowsInPlace(const fused::RowsView<const T>& x, const fused::StoredRows& stored, int64_t b,
-                                int64_t h, int64_t t0, F&& f) {
+                                int64_t h, int64_t t0, size_t n, F&& f) {
   if constexpr (std::is_same_v<T, float>) {
     if (stored) {
       switch (stored.type) {
-        case StorageType::float32:
-          return f(StoredRowRange<StorageType::float32>(stored, b, h, t0));
+        case StorageType::float32: {
+          const StoredRowRange<StorageType::float32> rows(stored, b, h, t0, n);
+          if (rows.run() >= n) return f(RowBlock<T>{rows.first(), ToSize(stored.row_stride)});
+          return f(rows);
+        }
         case StorageType::float16:
-          return f(StoredRowRange<StorageType::float16>(stored, b, h, t0));
+          return f(StoredRowRange<StorageType::float16>(stored, b, h, t0, n));
         case StorageType::bfloat16:
-          return f(StoredRowRange<StorageType::bfloat16>(stored, b, h, t0));
+          return f(StoredRowRange<StorageType::bfloat16>(stored, b, h, t0, n));
         case StorageType::int8:
-          return f(StoredRowRange<StorageType::int8>(stored, b, h, t0));
+          return f(StoredRowRange<StorageType::int8>(stored, b, h, t0, n));
       }
     }
   }
@@ -721,7 +753,7 @@ HWY_INLINE void WithStreamedRows(D d, const fused::RowsView<const T>& x, const f
     const size_t shift = reinterpret_cast<uintptr_t>(rows.rows) % vector_bytes / sizeof(T);
     if (shift != 0 && rows.stride * sizeof(T) % vector_bytes == 0) return f(RealignedRows<D>(d, rows, shift));
   }
-  WithRowsInPlace(x, stored, b, h, t0, std::forward<F>(f));
+  WithRowsInPlace(x, stored, b, h, t0, n, std::forward<F>(f));
 }
 
 // Asks for rows [t0, t0 + n) of an operand (as stored) to be brought into the caches, so that
@@ -733,24 +765,11 @@ void PrefetchRows(const fused::RowsView<const T>& x, const fused::StoredRows& st
   if (n <= 0) return;
   constexpr size_t kLine = 64;
   const size_t bytes = cols * (stored ? stored.element_bytes() : sizeof(T));
-  WithRowsInPlace(x, stored, b, h, t0, [&](const auto& rows) {
+  WithRowsInPlace(x, stored, b, h, t0, ToSize(n), [&](const auto& rows) {
     for (size_t j = 0; j < ToSize(n); ++j) {
       const auto* row = reinterpret_cast<const uint8_t*>(RowAddress(rows.row(j)));
       for (size_t c = 0; c < bytes; c += kLine) hwy::Prefetch(row + c);
     }
-  });
-}
-
-// Row t of a stored operand as `cols` float32 values in `out`.
-template <class D, class T = hn::TFromD<D>>
-HWY_INLINE void ConvertRow(D d, const fused::StoredRows& x, int64_t b, int64_t h, int64_t t, size_t cols,
-                           T* HWY_RESTRICT out) {
-  WithRowsInPlace(fused::RowsView<const T>{}, x, b, h, t, [&](const auto& rows) {
-    const auto row = rows.row(0);
-    const size_t N = hn::Lanes(d);
-    size_t c = 0;
-    for (; c + N <= cols; c += N) hn::StoreU(LoadRow(d, row, c), d, out + c);
-    for (; c < cols; ++c) out[c] = RowAt(row, c);
   });
 }
 
@@ -761,7 +780,17 @@ template <class D, class T = hn::TFromD<D>>
 HWY_INLINE RowBlock<T> StageRows(D d, const fused::RowsView<const T>& x, const fused::StoredRows& stored, int64_t b,
                                  int64_t h, int64_t t0, size_t n, size_t cols, T* HWY_RESTRICT stage) {
   if (!stored) return RowsOf(x, b, h, t0);
-  for (size_t j = 0; j < n; ++j) ConvertRow(d, stored, b, h, t0 + static_cast<int64_t>(j), cols, stage + j * cols);
+  if (n == 0) return {stage, cols};
+  WithRowsInPlace(fused::RowsView<const T>{}, stored, b, h, t0, n, [&](const auto& rows) {
+    const size_t N = hn::Lanes(d);
+    for (size_t j = 0; j < n; ++j) {
+      const auto row = rows.row(j);
+      T* HWY_RESTRICT out = stage + j * cols;
+      size_t c = 0;
+      for (; c + N <= cols; c += N) hn::StoreU(LoadRow(d, row, c), d, out + c);
+      for (; c < cols; ++c) out[c] = RowAt(row, c);
+    }
+  });
   return {stage, cols};
 }
 

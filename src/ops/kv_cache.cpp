@@ -53,20 +53,35 @@ PoolSizes pool_sizes(const KvCacheShape& shape) {
   at_least_one(shape.pages, "pages");
   const int64_t bytes = storage_bytes(shape.type);
   const auto pool = [&](int64_t d, std::string_view name) {
-    return checked_product({shape.pages, shape.kv_heads, shape.page_tokens, d, bytes},
+    return checked_product({shape.kv_heads, shape.pages, shape.page_tokens, d, bytes},
                            fmt::format("KvCacheShape: {} of {} pages", name, shape.pages));
   };
   PoolSizes sizes{.k_pool = static_cast<size_t>(pool(shape.dk, "the keys")),
                   .v_pool = static_cast<size_t>(pool(shape.dv, "the values"))};
   if (shape.type == StorageType::int8) {
-    sizes.k_scales = static_cast<size_t>(checked_product({shape.pages, shape.kv_heads, shape.dk}, "KvCacheShape"));
+    sizes.k_scales = static_cast<size_t>(checked_product({shape.kv_heads, shape.pages, shape.dk}, "KvCacheShape"));
     sizes.v_scales =
-        static_cast<size_t>(checked_product({shape.pages, shape.kv_heads, shape.page_tokens}, "KvCacheShape"));
+        static_cast<size_t>(checked_product({shape.kv_heads, shape.pages, shape.page_tokens}, "KvCacheShape"));
   }
   check_allocation_fits(static_cast<double>(sizes.k_pool) + static_cast<double>(sizes.v_pool) +
                             4.0 * static_cast<double>(sizes.k_scales + sizes.v_scales),
                         "the KV cache's pages");
   return sizes;
+}
+
+// A pool [heads][pages][…] just grown to more pages, whose heads' first `old_head` elements still
+// lie where the fewer pages put them: moves each head to its place, the last head first so that
+// none is overwritten before it moves, and zeroes the pages it gains.
+template <class Vector>
+void spread_heads(Vector& pool, int64_t heads, size_t old_head) {
+  using T = typename Vector::value_type;
+  if (pool.empty()) return;
+  const size_t head = pool.size() / static_cast<size_t>(heads);
+  for (size_t h = static_cast<size_t>(heads); h-- > 0;) {
+    std::memmove(pool.data() + h * head, pool.data() + h * old_head, old_head * sizeof(T));
+    std::fill(pool.begin() + static_cast<ptrdiff_t>(h * head + old_head),
+              pool.begin() + static_cast<ptrdiff_t>((h + 1) * head), T{0});
+  }
 }
 
 }  // namespace
@@ -102,7 +117,7 @@ void KvCache::remove_sequence(int64_t id) {
 
 int64_t KvCache::length(int64_t id) const { return sequence(id).length; }
 
-void KvCache::store_float_row(std::vector<uint8_t>& pool, int64_t at, const float* x, int64_t d) const {
+void KvCache::store_float_row(PoolBytes& pool, int64_t at, const float* x, int64_t d) const {
   if (shape_.type == StorageType::float32) {
     std::memcpy(pool.data() + at * 4, x, static_cast<size_t>(d) * 4);
     return;
@@ -122,7 +137,7 @@ void KvCache::store_key(int64_t page, int64_t head, int64_t row, const float* k)
     return;
   }
   auto* q = reinterpret_cast<int8_t*>(k_pool_.data());
-  float* scale = k_scales_.data() + (page * shape_.kv_heads + head) * dk;
+  float* scale = k_scales_.data() + (head * shape_.pages + page) * dk;
   for (int64_t c = 0; c < dk; ++c) {
     const float magnitude = std::abs(k[c]);
     if (magnitude > scale[c] * 127.0f) {
@@ -150,7 +165,7 @@ void KvCache::store_value(int64_t page, int64_t head, int64_t row, const float* 
   float magnitude = 0.0f;
   for (int64_t c = 0; c < dv; ++c) magnitude = std::max(magnitude, std::abs(v[c]));
   const float scale = magnitude > 0.0f ? magnitude / 127.0f : 1.0f;
-  v_scales_[static_cast<size_t>((page * shape_.kv_heads + head) * shape_.page_tokens + row)] = scale;
+  v_scales_[static_cast<size_t>((head * shape_.pages + page) * shape_.page_tokens + row)] = scale;
   auto* q = reinterpret_cast<int8_t*>(v_pool_.data()) + at;
   for (int64_t c = 0; c < dv; ++c) q[c] = quantize(v[c], scale);
 }
@@ -178,6 +193,11 @@ void KvCache::add_pages(int64_t count) {
     v_scales_.resize(before.v_scales);
     throw;
   }
+  const int64_t heads = shape_.kv_heads;
+  spread_heads(k_pool_, heads, before.k_pool / static_cast<size_t>(heads));
+  spread_heads(v_pool_, heads, before.v_pool / static_cast<size_t>(heads));
+  spread_heads(k_scales_, heads, before.k_scales / static_cast<size_t>(heads));
+  spread_heads(v_scales_, heads, before.v_scales / static_cast<size_t>(heads));
   // The new pages go under the free ones, which keep their order.
   std::vector<int64_t> added;
   for (int64_t page = pages - 1; page >= shape_.pages; --page) added.push_back(page);
@@ -214,11 +234,11 @@ KvCache KvCache::from_state(KvCacheState state) {
   const auto bytes = static_cast<size_t>(storage_bytes(sh.type));
   const std::string type(storage_name(sh.type));
   expect_size("k_pool", state.k_pool.size(), sizes.k_pool,
-              fmt::format("bytes of [pages, Hkv, page_tokens, Dk] {}", type));
+              fmt::format("bytes of [Hkv, pages, page_tokens, Dk] {}", type));
   expect_size("v_pool", state.v_pool.size(), sizes.v_pool,
-              fmt::format("bytes of [pages, Hkv, page_tokens, Dv] {}", type));
-  expect_size("k_scales", state.k_scales.size(), sizes.k_scales, "[pages, Hkv, Dk] for int8, else none");
-  expect_size("v_scales", state.v_scales.size(), sizes.v_scales, "[pages, Hkv, page_tokens] for int8, else none");
+              fmt::format("bytes of [Hkv, pages, page_tokens, Dv] {}", type));
+  expect_size("k_scales", state.k_scales.size(), sizes.k_scales, "[Hkv, pages, Dk] for int8, else none");
+  expect_size("v_scales", state.v_scales.size(), sizes.v_scales, "[Hkv, pages, page_tokens] for int8, else none");
   std::vector<uint8_t> held(static_cast<size_t>(sh.pages), 0);
   const auto hold = [&](int64_t page, std::string_view where) {
     if (page < 0 || page >= sh.pages) {
@@ -364,8 +384,10 @@ void KvCache::append(int64_t id, const StoredView& k, const StoredView& v) {
     free_.pop_back();
     s.pages.push_back(page);
     if (shape_.type == StorageType::int8) {
-      const auto first = k_scales_.begin() + page * shape_.kv_heads * shape_.dk;
-      std::fill(first, first + shape_.kv_heads * shape_.dk, 0.0f);
+      for (int64_t h = 0; h < shape_.kv_heads; ++h) {
+        const auto first = k_scales_.begin() + (h * shape_.pages + page) * shape_.dk;
+        std::fill(first, first + shape_.dk, 0.0f);
+      }
     }
   }
   const int64_t bytes = storage_bytes(shape_.type);
@@ -397,7 +419,7 @@ void KvCache::append(int64_t id, const StoredView& k, const StoredView& v) {
 Tensor<float> KvCache::read(int64_t id, bool keys) const {
   const Sequence& s = sequence(id);
   const int64_t d = keys ? shape_.dk : shape_.dv;
-  const std::vector<uint8_t>& pool = keys ? k_pool_ : v_pool_;
+  const PoolBytes& pool = keys ? k_pool_ : v_pool_;
   Tensor<float> out({shape_.kv_heads, s.length, d});
   for (int64_t h = 0; h < shape_.kv_heads; ++h) {
     for (int64_t t = 0; t < s.length; ++t) {
@@ -407,8 +429,8 @@ Tensor<float> KvCache::read(int64_t id, bool keys) const {
       for (int64_t c = 0; c < d; ++c) {
         float scale = 1.0f;
         if (shape_.type == StorageType::int8) {
-          scale = keys ? k_scales_[static_cast<size_t>((page * shape_.kv_heads + h) * d + c)]
-                       : v_scales_[static_cast<size_t>((page * shape_.kv_heads + h) * shape_.page_tokens + slot)];
+          scale = keys ? k_scales_[static_cast<size_t>((h * shape_.pages + page) * d + c)]
+                       : v_scales_[static_cast<size_t>((h * shape_.pages + page) * shape_.page_tokens + slot)];
         }
         out.view()(h, t, c) = stored_value(shape_.type, pool.data(), at + c, scale);
       }
@@ -439,21 +461,21 @@ void KvCache::attend(int64_t id, TensorView<const float> q, const AttentionOutpu
   const detail::AttentionProblem<float> problem = detail::make_attention_problem(params);
   if (outputs.weights)
     throw ValueError("weights: a KV cache's attention runs the fused kernel, which gives no weights");
-  const auto operand = [&](const std::vector<uint8_t>& pool, int64_t d, const std::vector<float>& scales,
-                           bool per_channel) {
+  const auto operand = [&](const PoolBytes& pool, int64_t d, const std::vector<float>& scales, bool per_channel) {
     detail::StoredOperand o{.type = shape_.type,
                             .data = pool.data(),
-                            .strides = {0, page * d, d, 1},
+                            .strides = {0, shape_.pages * page * d, d, 1},
                             .scales = std::nullopt,
                             .pages = s.pages.data(),
                             .page_tokens = page,
-                            .page_stride = hkv * page * d,
+                            .page_stride = page * d,
                             .scale_page_stride = 0};
     if (shape_.type == StorageType::int8) {
       // Keys: one scale per channel of a page's head; values: one per token.
-      o.scales = TensorView<const float>{scales.data(), Shape{1, hkv, page, d},
-                                         per_channel ? Strides{0, d, 0, 1} : Strides{0, page, 1, 0}};
-      o.scale_page_stride = hkv * (per_channel ? d : page);
+      o.scales = TensorView<const float>{
+          scales.data(), Shape{1, hkv, page, d},
+          per_channel ? Strides{0, shape_.pages * d, 0, 1} : Strides{0, shape_.pages * page, 1, 0}};
+      o.scale_page_stride = per_channel ? d : page;
     }
     return o;
   };

@@ -1,14 +1,18 @@
 // KV cache files (include/qkv/io/kv_cache_file.hpp): a round trip keeps every byte of the cache in
-// every storage type, and the file holds each pool in the cache's own type; files of format version
-// 1, whose pools are float32 values, still read to the same cache; values the type cannot hold,
-// pools of another type, missing entries and tensors of the wrong shape are refused naming the file.
+// every storage type, and the file holds each pool in the cache's own type; files whose pools hold
+// the pages first, of format version 1 (float32 values) or 2, still read to the same cache; values
+// the type cannot hold, pools of another type, missing entries and tensors of the wrong shape are
+// refused naming the file.
 
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 
 #include <cstdint>
 #include <cstring>
 #include <functional>
 #include <string>
+#include <tuple>
+#include <vector>
 
 #include "qkv/core/error.hpp"
 #include "qkv/core/rng.hpp"
@@ -60,21 +64,62 @@ TEST(KvCacheFile, RoundTripKeepsEveryByte) {
   }
 }
 
-// The cache file of `type` as format version 1 kept it: every pool as the float32 values it holds.
-ModelFile version1_file(StorageType type) {
-  ModelFile file = decode_model_file(encode_kv_cache_file(some_state(type)), "c.qkvc");
-  for (const auto& [name, pool] : file.narrow_tensors) {
-    Tensor<float> values(pool.shape);
+// [heads][pages][inner] elements of `bytes` bytes as [pages][heads][inner].
+template <class Bytes>
+std::vector<uint8_t> pages_first(const Bytes& x, int64_t heads, int64_t pages, int64_t bytes) {
+  std::vector<uint8_t> out(x.size());
+  const auto inner = static_cast<int64_t>(x.size()) / (heads * pages * bytes) * bytes;
+  for (int64_t h = 0; h < heads; ++h) {
+    for (int64_t p = 0; p < pages; ++p) {
+      std::memcpy(out.data() + (p * heads + h) * inner, x.data() + (h * pages + p) * inner, static_cast<size_t>(inner));
+    }
+  }
+  return out;
+}
+
+// The cache file of `type` as files written while the pools kept each page's heads together hold
+// it: tensors k_pool, v_pool [pages, Hkv, page_tokens, D] and k_scales, v_scales [pages, Hkv, …].
+// In format version 2, the pools in the cache's type; in version 1, every pool as the float32
+// values it holds.
+ModelFile pages_first_file(StorageType type, uint32_t version = 1) {
+  const KvCacheState state = some_state(type);
+  const KvCacheShape& s = state.shape;
+  ModelFile file = decode_model_file(encode_kv_cache_file(state), "c.qkvc");
+  file.tensors.clear();
+  file.narrow_tensors.clear();
+  const auto bytes = storage_bytes(type);
+  for (const auto& [name, pool, d] :
+       {std::tuple{"k_pool", &state.k_pool, s.dk}, std::tuple{"v_pool", &state.v_pool, s.dv}}) {
+    NarrowTensor t{.type = type,
+                   .shape = Shape{s.pages, s.kv_heads, s.page_tokens, d},
+                   .bytes = pages_first(*pool, s.kv_heads, s.pages, bytes)};
+    if (version == 2 && type != StorageType::float32) {
+      file.narrow_tensors.emplace_back(name, std::move(t));
+      continue;
+    }
+    Tensor<float> values(t.shape);
     for (int64_t i = 0; i < values.numel(); ++i) {
       uint16_t bits = 0;
-      if (type != StorageType::int8) std::memcpy(&bits, pool.bytes.data() + 2 * i, 2);
+      if (bytes == 2) std::memcpy(&bits, t.bytes.data() + 2 * i, 2);
       values[i] = type == StorageType::float16    ? float_from_float16(bits)
                   : type == StorageType::bfloat16 ? float_from_bfloat16(bits)
-                                                  : static_cast<float>(static_cast<int8_t>(pool.bytes[i]));
+                  : type == StorageType::int8     ? static_cast<float>(static_cast<int8_t>(t.bytes[i]))
+                                                  : 0.0f;
+      if (type == StorageType::float32) std::memcpy(&values[i], t.bytes.data() + 4 * i, 4);
     }
     file.tensors.emplace_back(name, std::move(values));
   }
-  file.narrow_tensors.clear();
+  if (type == StorageType::int8) {
+    for (const auto& [name, scales, n] :
+         {std::tuple{"k_scales", &state.k_scales, s.dk}, std::tuple{"v_scales", &state.v_scales, s.page_tokens}}) {
+      const std::vector<uint8_t> raw(reinterpret_cast<const uint8_t*>(scales->data()),
+                                     reinterpret_cast<const uint8_t*>(scales->data() + scales->size()));
+      const std::vector<uint8_t> moved = pages_first(raw, s.kv_heads, s.pages, 4);
+      Tensor<float> t(Shape{s.pages, s.kv_heads, n});
+      std::memcpy(t.data(), moved.data(), moved.size());
+      file.tensors.emplace_back(name, std::move(t));
+    }
+  }
   return file;
 }
 
@@ -89,29 +134,33 @@ TEST(KvCacheFile, PoolsTakeTheirOwnTypesBytes) {
   for (const StorageType type : {StorageType::float16, StorageType::bfloat16, StorageType::int8}) {
     SCOPED_TRACE(storage_name(type));
     const ModelFile file = decode_model_file(encode_kv_cache_file(some_state(type)), "c.qkvc");
-    ASSERT_NE(file.narrow_tensor("k_pool"), nullptr);
-    EXPECT_EQ(file.narrow_tensor("k_pool")->type, type);
-    EXPECT_EQ(file.narrow_tensor("v_pool")->type, type);
+    ASSERT_NE(file.narrow_tensor("keys"), nullptr);
+    EXPECT_EQ(file.narrow_tensor("keys")->type, type);
+    EXPECT_EQ(file.narrow_tensor("values")->type, type);
   }
 }
 
-TEST(KvCacheFile, Version1FilesReadToTheSameCache) {
-  for (const StorageType type : {StorageType::float16, StorageType::bfloat16, StorageType::int8}) {
-    SCOPED_TRACE(storage_name(type));
-    const KvCacheState state = some_state(type);
-    const std::string old = encode_model_file(version1_file(type));
-    uint32_t version = 0;
-    std::memcpy(&version, old.data() + 8, 4);
-    EXPECT_EQ(version, 1U);
-    const KvCacheState back = decode_kv_cache_file(old, "old.qkvc");
-    EXPECT_EQ(back.k_pool, state.k_pool);
-    EXPECT_EQ(back.v_pool, state.v_pool);
-    EXPECT_EQ(back.k_scales, state.k_scales);
+TEST(KvCacheFile, PagesFirstFilesReadToTheSameCache) {
+  for (const StorageType type :
+       {StorageType::float32, StorageType::float16, StorageType::bfloat16, StorageType::int8}) {
+    for (const uint32_t version : {1U, 2U}) {
+      SCOPED_TRACE(fmt::format("{}, format version {}", storage_name(type), version));
+      const KvCacheState state = some_state(type);
+      const std::string old = encode_model_file(pages_first_file(type, version));
+      uint32_t written = 0;
+      std::memcpy(&written, old.data() + 8, 4);
+      EXPECT_EQ(written, type == StorageType::float32 ? 1U : version);
+      const KvCacheState back = decode_kv_cache_file(old, "old.qkvc");
+      EXPECT_EQ(back.k_pool, state.k_pool);
+      EXPECT_EQ(back.v_pool, state.v_pool);
+      EXPECT_EQ(back.k_scales, state.k_scales);
+      EXPECT_EQ(back.v_scales, state.v_scales);
+    }
   }
 }
 
 void expect_refused(StorageType type, const std::function<void(ModelFile&)>& spoil, const std::string& message) {
-  ModelFile file = version1_file(type);
+  ModelFile file = pages_first_file(type);
   spoil(file);
   try {
     decode_kv_cache_file(encode_model_file(file), "c.qkvc");
@@ -133,12 +182,15 @@ TEST(KvCacheFile, PoolsOfAnotherTypeOrShapeAreRefused) {
   file.set("type", "bfloat16");
   EXPECT_TRUE(testing::throws_naming<IoError>(
       [&] { decode_kv_cache_file(encode_model_file(file), "c.qkvc"); },
-      {"c.qkvc", "tensor \"k_pool\"", "expected bfloat16 values (entry \"type\")", "got float16"}));
+      {"c.qkvc", "tensor \"keys\"", "expected bfloat16 values (entry \"type\")", "got float16"}));
   file.set("type", "float16");
-  file.narrow_tensors[1].second.shape = Shape{6, 2, 3, 4};
+  file.narrow_tensors[1].second.shape = Shape{6, 2, 4, 3};
   EXPECT_TRUE(testing::throws_naming<IoError>(
       [&] { decode_kv_cache_file(encode_model_file(file), "c.qkvc"); },
-      {"c.qkvc", "tensor \"v_pool\"", "expected shape [6, 2, 4, 3]", "got [6, 2, 3, 4]"}));
+      {"c.qkvc", "tensor \"values\"", "expected shape [2, 6, 4, 3]", "got [6, 2, 4, 3]"}));
+  file.narrow_tensors.clear();
+  EXPECT_TRUE(testing::throws_naming<IoError>([&] { decode_kv_cache_file(encode_model_file(file), "c.qkvc"); },
+                                              {"c.qkvc", "\"keys\""}));
 }
 
 TEST(KvCacheFile, WhatTheCacheCannotHoldIsRefused) {

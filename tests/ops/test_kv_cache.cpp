@@ -425,6 +425,11 @@ TEST(KvCache, ItsStateMakesTheSameCacheAndGrowsIt) {
     copy.add_pages(5);
     EXPECT_EQ(copy.free_pages(), cache.free_pages() + 5);
     EXPECT_EQ(copy.shape().pages, 17);
+    // Each head's pages moved apart to make room for the new ones: what they hold is unchanged.
+    for (const int64_t id : {a, b}) {
+      EXPECT_TRUE(bit_identical(cast<double>(copy.keys(id)), cast<double>(cache.keys(id))));
+      EXPECT_TRUE(bit_identical(cast<double>(copy.values(id)), cast<double>(cache.values(id))));
+    }
     const Tensor<float> k = random_rows({2, 40, 24}, rng, 5.0), v = random_rows({2, 40, 8}, rng);
     for (KvCache* c : {&cache, &copy}) c->append(b, k.cview(), v.cview());
     const Tensor<float> q = random_rows({4, 3, 24}, rng);
@@ -433,6 +438,11 @@ TEST(KvCache, ItsStateMakesTheSameCacheAndGrowsIt) {
     // The added pages are used once the first ones run out.
     copy.append(a, random_rows({2, 100, 24}, rng).cview(), random_rows({2, 100, 8}, rng).cview());
     EXPECT_EQ(copy.length(a), 136);
+    const KvCacheState grown = copy.state();
+    EXPECT_NO_THROW(KvCache::from_state(grown));
+    // Pools start on a cache line, so that rows of whole lines are read without split loads.
+    EXPECT_EQ(reinterpret_cast<uintptr_t>(grown.k_pool.data()) % 64, 0U);
+    EXPECT_EQ(reinterpret_cast<uintptr_t>(grown.v_pool.data()) % 64, 0U);
   }
 }
 
@@ -448,7 +458,7 @@ TEST(KvCache, AStateThatDoesNotFitIsRefused) {
     expect_refused<ValueError>([&] { KvCache::from_state(state); }, message);
   };
   refused([](KvCacheState& s) { s.k_pool.pop_back(); },
-          "k_pool: expected 128 (bytes of [pages, Hkv, page_tokens, Dk] float16), got 127");
+          "k_pool: expected 128 (bytes of [Hkv, pages, page_tokens, Dk] float16), got 127");
   refused([](KvCacheState& s) { s.v_scales.push_back(1); }, "v_scales: expected 0");
   refused([](KvCacheState& s) { s.free_pages.push_back(9); }, "free_pages: expected pages 0 to 3, got page 9");
   refused([](KvCacheState& s) { s.free_pages.push_back(s.sequences[0].pages[0]); }, "is held twice");

@@ -4,11 +4,13 @@
 // (type, kv_heads, dk, dv, page_tokens, pages), the free pages, the sequences' lengths (-1 for a
 // removed one) and their pages (lists separated by ';'), so that they stay few however many
 // sequences there are;
-// its tensors the pools in the cache's own type, k_pool [pages, Hkv, page_tokens, Dk] and v_pool
+// its tensors the pools in the cache's own type, keys [Hkv, pages, page_tokens, Dk] and values
 // [..., Dv] (float16, bfloat16 and int8 as the model file's narrow tensors, so the file is the
-// size of the cache in memory), and for int8 the scales, k_scales [pages, Hkv, Dk] and v_scales
-// [pages, Hkv, page_tokens]. Pools written as float32 values, as files of format version 1 keep
-// every type, are read too: each value is converted back exactly, and one the cache's type cannot
+// size of the cache in memory and reads without a copy), and for int8 the scales, key_scales
+// [Hkv, pages, Dk] and value_scales [Hkv, pages, page_tokens]. Files written before the pools kept
+// each head's pages together hold k_pool, v_pool, k_scales and v_scales, pages first ([pages, Hkv,
+// …]), and are read too. Pools written as float32 values, as files of format version 1 keep every
+// type, are read as well: each value is converted back exactly, and one the cache's type cannot
 // hold is refused. Whether the state makes a cache (pages held once, lengths that fit them) is
 // KvCache::from_state's to check.
 

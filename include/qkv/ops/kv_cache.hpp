@@ -4,7 +4,11 @@
 // them, with a table of pages per sequence (vLLM's paged layout: a sequence grows without moving
 // what it holds, and a finished one gives its pages back). K and V are stored in any StorageType;
 // attend() runs the fused kernel over a sequence's pages in place, converting a block of rows at a
-// time as it reads them, with the split of the keys that decoding takes.
+// time as it reads them, with the split of the keys that decoding takes. The pools keep each
+// head's pages together and pages are handed out in order, so that the pages of a sequence that
+// grew alone are one stream per head, which the kernel reads as it reads contiguous K and V: with
+// a page's heads together instead, decoding from pages of 256 tokens ran 0.7× as fast as from
+// contiguous arrays (Zen 5), and pages of 2048 were needed to close the gap.
 //
 // int8 keys have one scale per channel and page (the step of each channel over the page's
 // tokens, as KIVI argues for keys); a token whose channel exceeds its page's scale raises that
@@ -87,18 +91,18 @@ class KvCache {
   int64_t head_elements(int64_t d) const { return shape_.page_tokens * d; }  // one head's rows in a page
   // Element offset of a head's row in a page of a pool of rows of d elements.
   int64_t row_at(int64_t page, int64_t head, int64_t row, int64_t d) const {
-    return (page * shape_.kv_heads + head) * head_elements(d) + row * d;
+    return (head * shape_.pages + page) * head_elements(d) + row * d;
   }
   // Row `at` (in elements) of a float32, float16 or bfloat16 pool: d values of x, converted.
-  void store_float_row(std::vector<uint8_t>& pool, int64_t at, const float* x, int64_t d) const;
+  void store_float_row(PoolBytes& pool, int64_t at, const float* x, int64_t d) const;
   void store_key(int64_t page, int64_t head, int64_t row, const float* k);
   void store_value(int64_t page, int64_t head, int64_t row, const float* v);
   Tensor<float> read(int64_t id, bool keys) const;
 
   KvCacheShape shape_;
-  // Pools [pages][Hkv][page_tokens][D] of the storage type's elements (bytes), and for int8 the
-  // scales: keys [pages][Hkv][Dk] (per channel and page), values [pages][Hkv][page_tokens].
-  std::vector<uint8_t> k_pool_, v_pool_;
+  // Pools [Hkv][pages][page_tokens][D] of the storage type's elements (bytes), and for int8 the
+  // scales: keys [Hkv][pages][Dk] (per channel and page), values [Hkv][pages][page_tokens].
+  PoolBytes k_pool_, v_pool_;
   std::vector<float> k_scales_, v_scales_;
   std::vector<int64_t> free_;  // free pages, the next one last
   std::vector<Sequence> sequences_;
