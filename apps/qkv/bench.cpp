@@ -1147,8 +1147,10 @@ std::vector<DecodeResult> measure_decode(const BenchOptions& o, const Variant& v
       // At most 1000 appends a sample, one sample a round and the warm-up.
       cached.emplace(p, tk, d, variant.kv_heads, 1000 * (o.repeats + 1));
       calls.front() = [&] {
+        // Not causal, as the contiguous call: one query sees every key either way.
         cached->cache.attend(cached->id, make_view<const float>(p.q.data(), {heads, 1, d}),
-                             {.out = make_view(p.out.data(), {heads, 1, d}), .weights = {}, .lse = {}});
+                             {.out = make_view(p.out.data(), {heads, 1, d}), .weights = {}, .lse = {}},
+                             {.causal = false});
       };
       calls.emplace_back([&] { p.run(variant, false, impl); });
       calls.emplace_back(
