@@ -92,7 +92,8 @@ KvCache::KvCache(const KvCacheShape& shape) : shape_(shape) {
   v_pool_.resize(sizes.v_pool);
   k_scales_.resize(sizes.k_scales);
   v_scales_.resize(sizes.v_scales);
-  for (int64_t page = shape.pages - 1; page >= 0; --page) free_.push_back(page);
+  free_.assign(static_cast<size_t>(shape.pages), 1);
+  free_count_ = shape.pages;
 }
 
 int64_t KvCache::add_sequence() {
@@ -111,7 +112,8 @@ const KvCache::Sequence& KvCache::sequence(int64_t id) const {
 void KvCache::remove_sequence(int64_t id) {
   sequence(id);
   Sequence& s = sequences_[static_cast<size_t>(id)];
-  for (auto page = s.pages.rbegin(); page != s.pages.rend(); ++page) free_.push_back(*page);
+  for (const int64_t page : s.pages) free_[static_cast<size_t>(page)] = 1;
+  free_count_ += static_cast<int64_t>(s.pages.size());
   s = {.pages = {}, .length = 0, .live = false};
 }
 
@@ -198,14 +200,51 @@ void KvCache::add_pages(int64_t count) {
   spread_heads(v_pool_, heads, before.v_pool / static_cast<size_t>(heads));
   spread_heads(k_scales_, heads, before.k_scales / static_cast<size_t>(heads));
   spread_heads(v_scales_, heads, before.v_scales / static_cast<size_t>(heads));
-  // The new pages go under the free ones, which keep their order.
-  std::vector<int64_t> added;
-  for (int64_t page = pages - 1; page >= shape_.pages; --page) added.push_back(page);
-  free_.insert(free_.begin(), added.begin(), added.end());
+  free_.resize(static_cast<size_t>(pages), 1);
+  free_count_ += count;
   shape_.pages = pages;
 }
 
 KvCache::KvCache(const KvCacheShape& shape, Unallocated) : shape_(shape) {}
+
+std::vector<int64_t> KvCache::free_list() const {
+  std::vector<int64_t> pages;
+  for (size_t page = 0; page < free_.size(); ++page) {
+    if (free_[page] != 0) pages.push_back(static_cast<int64_t>(page));
+  }
+  return pages;
+}
+
+int64_t KvCache::next_page(const Sequence& s) const {
+  const auto pages = static_cast<size_t>(shape_.pages);
+  if (!s.pages.empty()) {
+    const auto after = static_cast<size_t>(s.pages.back()) + 1;
+    if (after < pages && free_[after] != 0) return static_cast<int64_t>(after);
+  }
+  // The pages where other sequences would grow next.
+  std::vector<uint8_t> wanted(pages, 0);
+  for (const Sequence& other : sequences_) {
+    if (!other.pages.empty() && static_cast<size_t>(other.pages.back()) + 1 < pages) {
+      wanted[static_cast<size_t>(other.pages.back()) + 1] = 1;
+    }
+  }
+  size_t best = pages, best_room = 0;
+  for (size_t start = 0; start < pages;) {
+    if (free_[start] == 0) {
+      ++start;
+      continue;
+    }
+    size_t end = start;
+    while (end < pages && free_[end] != 0) ++end;
+    const size_t first = wanted[start] != 0 ? start + (end - start) / 2 : start;
+    if (end - first > best_room) {
+      best = first;
+      best_room = end - first;
+    }
+    start = end;
+  }
+  return static_cast<int64_t>(best);
+}
 
 KvCacheState KvCache::state() const {
   return {.shape = shape_,
@@ -213,7 +252,7 @@ KvCacheState KvCache::state() const {
           .v_pool = v_pool_,
           .k_scales = k_scales_,
           .v_scales = v_scales_,
-          .free_pages = free_,
+          .free_pages = free_list(),
           .sequences = sequences_};
 }
 
@@ -292,7 +331,9 @@ KvCache KvCache::from_state(KvCacheState state) {
   cache.v_pool_ = std::move(state.v_pool);
   cache.k_scales_ = std::move(state.k_scales);
   cache.v_scales_ = std::move(state.v_scales);
-  cache.free_ = std::move(state.free_pages);
+  cache.free_.assign(static_cast<size_t>(sh.pages), 0);
+  for (const int64_t page : state.free_pages) cache.free_[static_cast<size_t>(page)] = 1;
+  cache.free_count_ = static_cast<int64_t>(state.free_pages.size());
   cache.sequences_ = std::move(state.sequences);
   return cache;
 }
@@ -380,8 +421,9 @@ void KvCache::append(int64_t id, const StoredView& k, const StoredView& v) {
                     n, id, s.length, more, shape_.page_tokens, free_pages(), shape_.pages));
   }
   for (int64_t p = 0; p < more; ++p) {
-    const int64_t page = free_.back();
-    free_.pop_back();
+    const int64_t page = next_page(s);
+    free_[static_cast<size_t>(page)] = 0;
+    --free_count_;
     s.pages.push_back(page);
     if (shape_.type == StorageType::int8) {
       for (int64_t h = 0; h < shape_.kv_heads; ++h) {

@@ -406,6 +406,45 @@ TEST(KvCache, ValuesItsTypeCannotHoldAreRefused) {
   EXPECT_EQ(wide.length(other), 0);
 }
 
+// Whether the pages lie one after another in the pool.
+bool consecutive(const std::vector<int64_t>& pages) {
+  for (size_t i = 1; i < pages.size(); ++i) {
+    if (pages[i] != pages[i - 1] + 1) return false;
+  }
+  return true;
+}
+
+TEST(KvCache, SequencesAppendedInTurnEachLieInOneRun) {
+  KvCache cache({.kv_heads = 1, .dk = 4, .dv = 4, .type = StorageType::float16, .page_tokens = 4, .pages = 40});
+  const int64_t a = cache.add_sequence(), b = cache.add_sequence();
+  Rng rng(3);
+  const Tensor<float> k = random_rows({1, 1, 4}, rng), v = random_rows({1, 1, 4}, rng);
+  for (int t = 0; t < 80; ++t) {
+    for (const int64_t id : {a, b}) cache.append(id, k.cview(), v.cview());
+  }
+  // b starts halfway through the pages a grows into, and each takes its half.
+  KvCacheState state = cache.state();
+  EXPECT_EQ(state.sequences[0].pages.front(), 0);
+  EXPECT_EQ(state.sequences[1].pages.front(), 20);
+  EXPECT_TRUE(consecutive(state.sequences[0].pages));
+  EXPECT_TRUE(consecutive(state.sequences[1].pages));
+  // A sequence that starts where a removed one lay takes the start of its run.
+  cache.remove_sequence(a);
+  const int64_t c = cache.add_sequence();
+  cache.append(c, random_rows({1, 9, 4}, rng).cview(), random_rows({1, 9, 4}, rng).cview());
+  state = cache.state();
+  EXPECT_EQ(state.sequences[static_cast<size_t>(c)].pages, (std::vector<int64_t>{0, 1, 2}));
+  // Once they meet, a sequence goes on in the largest free run.
+  KvCache full({.kv_heads = 1, .dk = 4, .dv = 4, .type = StorageType::float16, .page_tokens = 4, .pages = 12});
+  const int64_t x = full.add_sequence(), y = full.add_sequence();
+  for (int t = 0; t < 20; ++t) {
+    for (const int64_t id : {x, y}) full.append(id, k.cview(), v.cview());
+  }
+  full.append(x, random_rows({1, 8, 4}, rng).cview(), random_rows({1, 8, 4}, rng).cview());
+  EXPECT_EQ(full.state().sequences[1].pages, (std::vector<int64_t>{6, 7, 8, 9, 10}));
+  EXPECT_EQ(full.state().sequences[0].pages, (std::vector<int64_t>{0, 1, 2, 3, 4, 5, 11}));
+}
+
 TEST(KvCache, ItsStateMakesTheSameCacheAndGrowsIt) {
   for (const StorageType type : kAllTypes) {
     SCOPED_TRACE(storage_name(type));

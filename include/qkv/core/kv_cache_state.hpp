@@ -53,7 +53,7 @@ struct KvCacheState {
   // keys [Hkv][pages][Dk] and values [Hkv][pages][page_tokens] (empty for the other types).
   PoolBytes k_pool, v_pool;
   std::vector<float> k_scales, v_scales;
-  std::vector<int64_t> free_pages;         // the next one handed out last
+  std::vector<int64_t> free_pages;         // in any order
   std::vector<KvCacheSequence> sequences;  // by id
 };
 
