@@ -660,12 +660,19 @@ template <StorageType S>
 class StoredRowRange {
  public:
   StoredRowRange(const fused::StoredRows& x, int64_t b, int64_t h, int64_t t0, size_t n)
-      : x_(x), b_(b), h_(h), t0_(t0), first_(x.row(b, h, t0)) {
-    if constexpr (S == StorageType::int8) first_scale_ = x.scale_row(b, h, t0);
-    if (x.pages == nullptr) return;
+      : x_(x), b_(b), h_(h), t0_(t0) {
+    if (x.pages == nullptr) {
+      first_ = x.row(b, h, t0);
+      if constexpr (S == StorageType::int8) first_scale_ = x.scale_row(b, h, t0);
+      return;
+    }
+    // The row and its scales from one division (x.row and x.scale_row would each divide).
     const auto [index, slot] = x.PageAndSlot(t0);
+    next_page_ = x.pages + b * x.page_table_stride + index;
+    first_ = PageRow(*next_page_, slot);
+    if constexpr (S == StorageType::int8) first_scale_ = PageScales(*next_page_, slot);
+    ++next_page_;
     run_ = ToSize(x.page_tokens - slot);
-    next_page_ = x.pages + b * x.page_table_stride + index + 1;
     const bool pages_abut = x.page_stride == x.page_tokens * x.row_stride &&
                             (S != StorageType::int8 || x.scale_page_stride == x.page_tokens * x.scales.row_stride);
     while (pages_abut && run_ < n && *next_page_ == next_page_[-1] + 1) {
@@ -683,13 +690,8 @@ class StoredRowRange {
     }
     const auto in_next = static_cast<int64_t>(j - run_);
     if (in_next < x_.page_tokens) {
-      const int64_t page = *next_page_;
-      const uint8_t* data =
-          x_.data + static_cast<size_t>(page * x_.page_stride + h_ * x_.head_stride + in_next * x_.row_stride) * kBytes;
-      if constexpr (S != StorageType::int8) return {data};
-      const float* scale =
-          x_.scales.data + page * x_.scale_page_stride + h_ * x_.scales.head_stride + in_next * x_.scales.row_stride;
-      return {data, scale, x_.scales.col_stride};
+      if constexpr (S != StorageType::int8) return {PageRow(*next_page_, in_next)};
+      return {PageRow(*next_page_, in_next), PageScales(*next_page_, in_next), x_.scales.col_stride};
     }
     const int64_t t = t0_ + static_cast<int64_t>(j);
     if constexpr (S != StorageType::int8) return {x_.row(b_, h_, t)};
@@ -705,9 +707,18 @@ class StoredRowRange {
   };
 
  private:
+  // Row `slot` of page `page` of the range's head, and its scales.
+  const uint8_t* PageRow(int64_t page, int64_t slot) const {
+    return x_.data + static_cast<size_t>(page * x_.page_stride + h_ * x_.head_stride + slot * x_.row_stride) *
+                         static_cast<size_t>(storage_bytes(S));
+  }
+  const float* PageScales(int64_t page, int64_t slot) const {
+    return x_.scales.data + page * x_.scale_page_stride + h_ * x_.scales.head_stride + slot * x_.scales.row_stride;
+  }
+
   const fused::StoredRows& x_;
   int64_t b_, h_, t0_;
-  const uint8_t* first_;
+  const uint8_t* first_ = nullptr;
   const float* first_scale_ = nullptr;
   size_t run_ = std::numeric_limits<size_t>::max();  // rows at a fixed stride from the first
   const int64_t* next_page_ = nullptr;               // paged: the table's entry for row t0 + run_
