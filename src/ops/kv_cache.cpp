@@ -420,14 +420,26 @@ void KvCache::append(int64_t id, const StoredView& k, const StoredView& v) {
                     "free",
                     n, id, s.length, more, shape_.page_tokens, free_pages(), shape_.pages));
   }
-  for (int64_t p = 0; p < more; ++p) {
-    const int64_t page = next_page(s);
-    free_[static_cast<size_t>(page)] = 0;
-    --free_count_;
-    s.pages.push_back(page);
-    if (shape_.type == StorageType::int8) {
+  std::vector<float> row(static_cast<size_t>(std::max(shape_.dk, shape_.dv)));
+  const size_t held = s.pages.size();
+  try {
+    for (int64_t p = 0; p < more; ++p) {
+      const int64_t page = next_page(s);
+      s.pages.push_back(page);
+      free_[static_cast<size_t>(page)] = 0;
+      --free_count_;
+    }
+  } catch (...) {
+    // Choosing a page allocates: a failure gives back the pages taken so far.
+    for (size_t i = held; i < s.pages.size(); ++i) free_[static_cast<size_t>(s.pages[i])] = 1;
+    free_count_ += static_cast<int64_t>(s.pages.size() - held);
+    s.pages.resize(held);
+    throw;
+  }
+  if (shape_.type == StorageType::int8) {
+    for (size_t i = held; i < s.pages.size(); ++i) {
       for (int64_t h = 0; h < shape_.kv_heads; ++h) {
-        const auto first = k_scales_.begin() + (h * shape_.pages + page) * shape_.dk;
+        const auto first = k_scales_.begin() + (h * shape_.pages + s.pages[i]) * shape_.dk;
         std::fill(first, first + shape_.dk, 0.0f);
       }
     }
@@ -435,7 +447,6 @@ void KvCache::append(int64_t id, const StoredView& k, const StoredView& v) {
   const int64_t bytes = storage_bytes(shape_.type);
   const bool copy_k = k.type == shape_.type && shape_.type != StorageType::int8;
   const bool copy_v = v.type == shape_.type && shape_.type != StorageType::int8;
-  std::vector<float> row(static_cast<size_t>(std::max(shape_.dk, shape_.dv)));
   for (int64_t t = 0; t < n; ++t) {
     const int64_t token = s.length + t;
     const int64_t page = s.pages[static_cast<size_t>(token / shape_.page_tokens)];
