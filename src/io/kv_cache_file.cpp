@@ -142,7 +142,11 @@ PoolBytes read_pool(ModelFile& file, std::string_view name, const KvCacheShape& 
                                 storage_name(s.type), storage_name(narrow.type)));
     }
     expect_shape(file, name, narrow.shape, shape);
-    return {narrow.bytes.begin(), narrow.bytes.end()};
+    // Copied onto a cache line's boundary, and the file's copy freed at once, so that the memory
+    // reading a cache takes peaks while the file is decoded, not here.
+    PoolBytes pool(narrow.bytes.begin(), narrow.bytes.end());
+    std::vector<uint8_t>().swap(narrow.bytes);
+    return pool;
   }
   return pool_bytes(tensor_of_shape(file, name, shape), s, file.source, name);
 }

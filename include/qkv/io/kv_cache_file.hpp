@@ -6,7 +6,7 @@
 // sequences there are;
 // its tensors the pools in the cache's own type, keys [Hkv, pages, page_tokens, Dk] and values
 // [..., Dv] (float16, bfloat16 and int8 as the model file's narrow tensors, so the file is the
-// size of the cache in memory and reads without a copy), and for int8 the scales, key_scales
+// size of the cache in memory), and for int8 the scales, key_scales
 // [Hkv, pages, Dk] and value_scales [Hkv, pages, page_tokens]. Files written before the pools kept
 // each head's pages together hold k_pool, v_pool, k_scales and v_scales, pages first ([pages, Hkv,
 // …]), and are read too. Pools written as float32 values, as files of format version 1 keep every
