@@ -139,7 +139,7 @@ void KvCache::store_key(int64_t page, int64_t head, int64_t row, const float* k)
     return;
   }
   auto* q = reinterpret_cast<int8_t*>(k_pool_.data());
-  float* scale = k_scales_.data() + (head * shape_.pages + page) * dk;
+  float* scale = k_scales_.data() + block_of(page, head) * dk;
   for (int64_t c = 0; c < dk; ++c) {
     const float magnitude = std::abs(k[c]);
     if (magnitude > scale[c] * 127.0f) {
@@ -167,7 +167,7 @@ void KvCache::store_value(int64_t page, int64_t head, int64_t row, const float* 
   float magnitude = 0.0f;
   for (int64_t c = 0; c < dv; ++c) magnitude = std::max(magnitude, std::abs(v[c]));
   const float scale = magnitude > 0.0f ? magnitude / 127.0f : 1.0f;
-  v_scales_[static_cast<size_t>((head * shape_.pages + page) * shape_.page_tokens + row)] = scale;
+  v_scales_[static_cast<size_t>(block_of(page, head) * shape_.page_tokens + row)] = scale;
   auto* q = reinterpret_cast<int8_t*>(v_pool_.data()) + at;
   for (int64_t c = 0; c < dv; ++c) q[c] = quantize(v[c], scale);
 }
@@ -439,7 +439,7 @@ void KvCache::append(int64_t id, const StoredView& k, const StoredView& v) {
   if (shape_.type == StorageType::int8) {
     for (size_t i = held; i < s.pages.size(); ++i) {
       for (int64_t h = 0; h < shape_.kv_heads; ++h) {
-        const auto first = k_scales_.begin() + (h * shape_.pages + s.pages[i]) * shape_.dk;
+        const auto first = k_scales_.begin() + block_of(s.pages[i], h) * shape_.dk;
         std::fill(first, first + shape_.dk, 0.0f);
       }
     }
@@ -482,8 +482,8 @@ Tensor<float> KvCache::read(int64_t id, bool keys) const {
       for (int64_t c = 0; c < d; ++c) {
         float scale = 1.0f;
         if (shape_.type == StorageType::int8) {
-          scale = keys ? k_scales_[static_cast<size_t>((h * shape_.pages + page) * d + c)]
-                       : v_scales_[static_cast<size_t>((h * shape_.pages + page) * shape_.page_tokens + slot)];
+          scale = keys ? k_scales_[static_cast<size_t>(block_of(page, h) * d + c)]
+                       : v_scales_[static_cast<size_t>(block_of(page, h) * shape_.page_tokens + slot)];
         }
         out.view()(h, t, c) = stored_value(shape_.type, pool.data(), at + c, scale);
       }

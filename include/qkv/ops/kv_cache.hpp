@@ -94,9 +94,12 @@ class KvCache {
   KvCache(const KvCacheShape& shape, Unallocated);
   const Sequence& sequence(int64_t id) const;
   int64_t head_elements(int64_t d) const { return shape_.page_tokens * d; }  // one head's rows in a page
+  // A head's page among the pools' [Hkv][pages] blocks: its rows, its key scales (Dk) and its
+  // value scales (page_tokens) are the block's.
+  int64_t block_of(int64_t page, int64_t head) const { return head * shape_.pages + page; }
   // Element offset of a head's row in a page of a pool of rows of d elements.
   int64_t row_at(int64_t page, int64_t head, int64_t row, int64_t d) const {
-    return (head * shape_.pages + page) * head_elements(d) + row * d;
+    return block_of(page, head) * head_elements(d) + row * d;
   }
   // Row `at` (in elements) of a float32, float16 or bfloat16 pool: d values of x, converted.
   void store_float_row(PoolBytes& pool, int64_t at, const float* x, int64_t d) const;
