@@ -84,6 +84,33 @@ void spread_heads(Vector& pool, int64_t heads, size_t old_head) {
   }
 }
 
+// Moves page p of every head of a pool [heads][pages][block] to page dest[p] (dest a permutation of
+// the pages) in place: each cycle of the permutation is followed with one block set aside (in
+// `aside`, at least a block long), so the move needs a block more memory, not a second pool.
+// `moved` has an element per page.
+template <class Vector, class Aside>
+void permute_pages(Vector& pool, int64_t heads, const std::vector<int64_t>& dest, Aside& aside,
+                   std::vector<uint8_t>& moved) {
+  const size_t pages = dest.size();
+  if (pool.empty() || pages == 0) return;
+  const size_t block = pool.size() / static_cast<size_t>(heads) / pages;
+  const auto aside_end = aside.begin() + static_cast<ptrdiff_t>(block);
+  for (size_t h = 0; h < static_cast<size_t>(heads); ++h) {
+    const auto at = [&](size_t page) { return pool.begin() + static_cast<ptrdiff_t>((h * pages + page) * block); };
+    std::fill(moved.begin(), moved.end(), 0);
+    for (size_t start = 0; start < pages; ++start) {
+      if (moved[start] != 0 || static_cast<size_t>(dest[start]) == start) continue;
+      std::copy(at(start), at(start) + static_cast<ptrdiff_t>(block), aside.begin());
+      size_t page = start;
+      do {
+        page = static_cast<size_t>(dest[page]);
+        std::swap_ranges(aside.begin(), aside_end, at(page));
+        moved[page] = 1;
+      } while (page != start);
+    }
+  }
+}
+
 }  // namespace
 
 KvCache::KvCache(const KvCacheShape& shape) : shape_(shape) {
@@ -203,6 +230,36 @@ void KvCache::add_pages(int64_t count) {
   free_.resize(static_cast<size_t>(pages), 1);
   free_count_ += count;
   shape_.pages = pages;
+}
+
+void KvCache::compact() {
+  const auto pages = static_cast<size_t>(shape_.pages);
+  if (pages == 0) return;
+  std::vector<int64_t> dest(pages, -1);
+  int64_t next = 0;
+  for (const Sequence& s : sequences_) {
+    for (const int64_t page : s.pages) dest[static_cast<size_t>(page)] = next++;
+  }
+  // The free pages keep their order after the held ones.
+  for (size_t page = 0; page < pages; ++page) {
+    if (dest[page] < 0) dest[page] = next++;
+  }
+  // Everything the moves need is allocated before the first moves.
+  const auto per_block = [&](size_t size) { return size / static_cast<size_t>(shape_.kv_heads) / pages; };
+  PoolBytes row_aside(std::max(per_block(k_pool_.size()), per_block(v_pool_.size())));
+  std::vector<float> scale_aside(std::max(per_block(k_scales_.size()), per_block(v_scales_.size())));
+  std::vector<uint8_t> moved(pages);
+  const int64_t heads = shape_.kv_heads;
+  permute_pages(k_pool_, heads, dest, row_aside, moved);
+  permute_pages(v_pool_, heads, dest, row_aside, moved);
+  permute_pages(k_scales_, heads, dest, scale_aside, moved);
+  permute_pages(v_scales_, heads, dest, scale_aside, moved);
+  for (Sequence& s : sequences_) {
+    for (int64_t& page : s.pages) page = dest[static_cast<size_t>(page)];
+  }
+  const int64_t held = shape_.pages - free_count_;
+  std::fill(free_.begin(), free_.begin() + static_cast<ptrdiff_t>(held), 0);
+  std::fill(free_.begin() + static_cast<ptrdiff_t>(held), free_.end(), 1);
 }
 
 KvCache::KvCache(const KvCacheShape& shape, Unallocated) : shape_(shape) {}

@@ -445,6 +445,52 @@ TEST(KvCache, SequencesAppendedInTurnEachLieInOneRun) {
   EXPECT_EQ(full.state().sequences[0].pages, (std::vector<int64_t>{0, 1, 2, 3, 4, 5, 11}));
 }
 
+TEST(KvCache, CompactingPutsEachSequenceInOneRunAndChangesNothingElse) {
+  for (const StorageType type : kAllTypes) {
+    SCOPED_TRACE(storage_name(type));
+    KvCache cache({.kv_heads = 2, .dk = 24, .dv = 8, .type = type, .page_tokens = 4, .pages = 30});
+    const int64_t a = cache.add_sequence(), gone = cache.add_sequence(), b = cache.add_sequence();
+    Rng rng(41 + static_cast<uint64_t>(type));
+    // Appended in turn until they meet, then on in pieces: a and b each end up in several runs.
+    for (const int64_t n : {9, 13, 6, 3}) {
+      for (const int64_t id : {a, gone, b}) {
+        cache.append(id, random_rows({2, n, 24}, rng, 3.0).cview(), random_rows({2, n, 8}, rng).cview());
+      }
+    }
+    cache.remove_sequence(gone);
+    ASSERT_FALSE(consecutive(cache.state().sequences[static_cast<size_t>(a)].pages) &&
+                 consecutive(cache.state().sequences[static_cast<size_t>(b)].pages));
+    const KvCache before = KvCache::from_state(cache.state());
+    const Tensor<float> q = random_rows({4, 3, 24}, rng);
+    cache.compact();
+    const KvCacheState state = cache.state();
+    const std::vector<int64_t>& pages_a = state.sequences[static_cast<size_t>(a)].pages;
+    const std::vector<int64_t>& pages_b = state.sequences[static_cast<size_t>(b)].pages;
+    EXPECT_EQ(pages_a.front(), 0);
+    EXPECT_TRUE(consecutive(pages_a));
+    EXPECT_EQ(pages_b.front(), pages_a.back() + 1);
+    EXPECT_TRUE(consecutive(pages_b));
+    EXPECT_EQ(state.free_pages.front(), pages_b.back() + 1);
+    EXPECT_TRUE(consecutive(state.free_pages));
+    EXPECT_EQ(cache.free_pages(), before.free_pages());
+    EXPECT_THROW(cache.length(gone), ValueError);
+    for (const int64_t id : {a, b}) {
+      EXPECT_EQ(cache.length(id), before.length(id));
+      EXPECT_TRUE(bit_identical(cast<double>(cache.keys(id)), cast<double>(before.keys(id))));
+      EXPECT_TRUE(bit_identical(cast<double>(cache.values(id)), cast<double>(before.values(id))));
+      EXPECT_TRUE(bit_identical(from_cache(cache, id, q, {}).out, from_cache(before, id, q, {}).out));
+      EXPECT_TRUE(bit_identical(from_cache(cache, id, q, {}).lse, from_cache(before, id, q, {}).lse));
+    }
+    // It grows on as the cache it was would (the same int8 scales raised), from its new place.
+    KvCache grown = KvCache::from_state(before.state());
+    const Tensor<float> k = random_rows({2, 10, 24}, rng, 5.0), v = random_rows({2, 10, 8}, rng);
+    for (KvCache* c : {&cache, &grown}) c->append(a, k.cview(), v.cview());
+    EXPECT_TRUE(bit_identical(cast<double>(cache.keys(a)), cast<double>(grown.keys(a))));
+    EXPECT_TRUE(bit_identical(from_cache(cache, a, q, {}).out, from_cache(grown, a, q, {}).out));
+    EXPECT_NO_THROW(KvCache::from_state(cache.state()));
+  }
+}
+
 TEST(KvCache, ItsStateMakesTheSameCacheAndGrowsIt) {
   for (const StorageType type : kAllTypes) {
     SCOPED_TRACE(storage_name(type));

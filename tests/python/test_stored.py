@@ -198,6 +198,22 @@ def test_kv_cache_decodes_as_attention_on_what_it_holds(rng, target, dtype):
     assert cache.free_pages == 12 - 1
 
 
+@pytest.mark.parametrize("dtype", ["float32", "int8"])
+def test_kv_cache_compact_keeps_what_each_sequence_holds(rng, dtype):
+    cache = qkv.KvCache(1, 8, 4, dtype=dtype, page_tokens=2, pages=20)
+    first, second = cache.add_sequence(), cache.add_sequence()
+    for n in (5, 7, 3):
+        for seq in (first, second):
+            cache.append(seq, randn(rng, (1, n, 8)), randn(rng, (1, n, 4)))
+    q = randn(rng, (2, 1, 8))
+    held = [(cache.keys(s), cache.values(s), cache.attend(s, q)) for s in (first, second)]
+    cache.compact()
+    for seq, (keys, values, out) in zip((first, second), held):
+        assert np.array_equal(cache.keys(seq), keys) and np.array_equal(cache.values(seq), values)
+        assert np.array_equal(cache.attend(seq, q), out)
+    assert cache.free_pages == 20 - 8 - 8
+
+
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16", "int8"])
 def test_kv_cache_is_saved_and_loaded_whole(rng, tmp_path, dtype):
     cache = qkv.KvCache(2, 8, 4, dtype=dtype, page_tokens=4, pages=6)

@@ -136,6 +136,13 @@ class PyKvCache {
     cache_.remove_sequence(id);
   }
 
+  void compact() {
+    run_without_gil([&] {
+      std::unique_lock lock(mutex_);
+      cache_.compact();
+    });
+  }
+
   int64_t length(int64_t id) {
     std::shared_lock lock(mutex_);
     return cache_.length(id);
@@ -261,6 +268,10 @@ void add_stored(py::module_& m) {
       .def("add_sequence", &PyKvCache::add_sequence, "A new, empty sequence: its id.")
       .def("remove_sequence", &PyKvCache::remove_sequence, "id"_a,
            "Gives the sequence's pages back to the pool; its id is not used again.")
+      .def("compact", &PyKvCache::compact,
+           "Moves the pages so that each sequence's lie in one run (in the order of their ids, the free pages "
+           "after them): sequences appended in turn that grew into each other's way are read as one stream again. "
+           "What each sequence holds, and its id, are unchanged.")
       .def("length", &PyKvCache::length, "id"_a, "The tokens the sequence holds.")
       .def_property_readonly("free_pages", &PyKvCache::free_pages, "Pages of the pool that no sequence holds.")
       .def_property_readonly("shape", &PyKvCache::shape, "kv_heads, dk, dv, dtype, page_tokens and pages, as a dict.")

@@ -13,7 +13,7 @@
 // free run, or, when that run follows the last page of a sequence (which will want to grow into
 // it), its middle. Sequences appended in turn then each lie in one run until they meet: one of two
 // such sequences decoded at 0.61× the pace of a sequence alone (256-token pages) when pages were
-// handed out in the order they were asked for.
+// handed out in the order they were asked for. Once they meet, compact() puts each back in one run.
 //
 // int8 keys have one scale per channel and page (the step of each channel over the page's
 // tokens, as KIVI argues for keys); a token whose channel exceeds its page's scale raises that
@@ -74,6 +74,11 @@ class KvCache {
 
   // Makes the pool `count` pages larger (count >= 0); what the sequences hold stays where it is.
   void add_pages(int64_t count);
+  // Moves the pages so that each sequence's lie in one run, the sequences one after another in the
+  // order of their ids and the free pages after them: sequences that grew into each other's way
+  // read one stream again. Contents, lengths and ids are unchanged; an allocation failure (of one
+  // page's worth of memory) leaves the cache as it was.
+  void compact();
 
   // The cache as plain arrays, and the cache of such arrays: from_state checks everything a file
   // could get wrong (the shape, the arrays' sizes, every page in range and held exactly once, each
