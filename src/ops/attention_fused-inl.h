@@ -1110,11 +1110,11 @@ HWY_INLINE void OnlineSoftmaxStep(D d, const Inputs<T>& in, int64_t b, int64_t h
   }
 }
 
-// q·k for one query and one key, the key's row (a pointer or a StoredRow) read once from start to
-// end: four chains of products summed lane-wise, added, then summed across the lanes; the last
-// partial vector of columns, if any, one column at a time.
+// q·k for one query and one key over the whole vectors of `cols`, the key's row (a pointer or a
+// StoredRow) read once from start to end: four chains of products summed lane-wise, then added,
+// left in the lanes (SumLanesOfEach sums them for a block of keys at once).
 template <class D, class Row, class T = hn::TFromD<D>>
-HWY_INLINE T RowDot(D d, const T* HWY_RESTRICT q, const Row& k, size_t cols) {
+HWY_INLINE hn::Vec<D> RowDotLanes(D d, const T* HWY_RESTRICT q, const Row& k, size_t cols) {
   const size_t N = hn::Lanes(d);
   hn::Vec<D> a0 = hn::Zero(d), a1 = hn::Zero(d), a2 = hn::Zero(d), a3 = hn::Zero(d);
   size_t c = 0;
@@ -1125,9 +1125,62 @@ HWY_INLINE T RowDot(D d, const T* HWY_RESTRICT q, const Row& k, size_t cols) {
     a3 = hn::MulAdd(hn::LoadU(d, q + c + 3 * N), LoadRow(d, k, c + 3 * N), a3);
   }
   for (; c + N <= cols; c += N) a0 = hn::MulAdd(hn::LoadU(d, q + c), LoadRow(d, k, c), a0);
-  T dot = hn::GetLane(hn::SumOfLanes(d, hn::Add(hn::Add(a0, a1), hn::Add(a2, a3))));
-  for (; c < cols; ++c) dot += q[c] * RowAt(k, c);
+  return hn::Add(hn::Add(a0, a1), hn::Add(a2, a3));
+}
+
+// RowDotLanes of the nk keys of a block, for a query of exactly kVectors vectors held in registers
+// rather than loaded again for each key: the same chains in the same order, so the same sums.
+// query(j, changed) is key j's query, `changed` true when it is not key j − 1's; key(j) its row.
+// With q loaded once per block, a key costs the loads (and conversions) of its own row alone:
+// decode ran 1.11–1.28× as fast from float16 K and V and 1.32–1.36× from bfloat16 (with
+// SumLanesOfEach; Zen 5, two builds alternated in one process, medians of per-round ratios).
+// float32, bound by memory, and int8 moved by no more than the machine's drift (0.90–1.15×,
+// 1.00–1.03×), nor did grouped-query float32 (1.01×); grouped-query float16 gained 1.22×.
+template <size_t kVectors, class D, class Query, class Key>
+HWY_INLINE void HeldRowDotLanes(D d, size_t nk, const Query& query, const Key& key, hn::Vec<D>* HWY_RESTRICT lanes) {
+  const size_t N = hn::Lanes(d);
+  hn::Vec<D> held[kVectors];
+  for (size_t j = 0; j < nk; ++j) {
+    bool changed = false;
+    const auto* HWY_RESTRICT q = query(j, changed);
+    if (changed) {
+      HWY_UNROLL(8)
+      for (size_t g = 0; g < kVectors; ++g) held[g] = hn::LoadU(d, q + g * N);
+    }
+    const auto k = key(j);
+    hn::Vec<D> a[4] = {hn::Zero(d), hn::Zero(d), hn::Zero(d), hn::Zero(d)};
+    HWY_UNROLL(8)
+    for (size_t g = 0; g < kVectors; ++g) a[g % 4] = hn::MulAdd(held[g], LoadRow(d, k, g * N), a[g % 4]);
+    lanes[j] = hn::Add(hn::Add(a[0], a[1]), hn::Add(a[2], a[3]));
+  }
+}
+
+// q·k over the columns past the last whole vector, one at a time.
+template <class D, class Row, class T = hn::TFromD<D>>
+HWY_INLINE T RowDotTail(D d, const T* HWY_RESTRICT q, const Row& k, size_t cols) {
+  T dot = 0;
+  for (size_t c = cols / hn::Lanes(d) * hn::Lanes(d); c < cols; ++c) dot += q[c] * RowAt(k, c);
   return dot;
+}
+
+// A vector whose lane j is the sum of the lanes of v[j], for the N vectors v[0..N) (v is
+// overwritten): each level adds the even lanes of a pair of vectors to their odd lanes, ConcatEven
+// and ConcatOdd placing the first vector's in the lower half, so that after log2 N levels the sums
+// are in key order. N − 1 pairs in all, where reducing each vector alone took log2 N shuffles and
+// adds per key, a broadcast, and a store per sum that the block's scores were loaded back from, on
+// the chain from the block's loads to its softmax.
+template <class D>
+HWY_INLINE hn::Vec<D> SumLanesOfEach(D d, hn::Vec<D>* HWY_RESTRICT v) {
+#if HWY_TARGET != HWY_SCALAR
+  for (size_t n = hn::MaxLanes(d); n > 1; n /= 2) {
+    for (size_t j = 0; j < n / 2; ++j) {
+      v[j] = hn::Add(hn::ConcatEven(d, v[2 * j + 1], v[2 * j]), hn::ConcatOdd(d, v[2 * j + 1], v[2 * j]));
+    }
+  }
+#else
+  (void)d;
+#endif
+  return v[0];
 }
 
 // o_row[c, c + C·N) ← corr·o_row + Σ_j p[j]·v_j[c, c + C·N) over the block's nk keys (v.row(j) a
@@ -1214,33 +1267,67 @@ HWY_INLINE void AccumulateWeightedRows(D d, const Rows& v, size_t nk, const T* H
   }
 }
 
-// p[j] = q·k_j for the nk keys of a block, q being query i of AttendFewQueries. An int8 key's
-// scales multiply the dot product (one scale per key) or the query (one per channel, kept in
-// s.q_scaled while the keys share them), not each element, which makes int8 decode bound by
-// memory rather than by a multiply per element (measured 1.8× on Zen 3): the scores then differ
+// Lane j = q·k_j for the nk keys of a block (0 past nk), q being query i of AttendFewQueries. An
+// int8 key's scales multiply the dot product (one scale per key) or the query (one per channel,
+// kept in s.q_scaled while the keys share them), not each element, which makes int8 decode bound
+// by memory rather than by a multiply per element (measured 1.8× on Zen 3): the scores then differ
 // from the float32 kernel's on to_float32's values by the rounding of those products, within the
 // same tolerance.
 template <class D, class Rows, class T = hn::TFromD<D>>
-HWY_INLINE void KeyDots(D d, const Rows& keys, size_t nk, const T* HWY_RESTRICT q, size_t i, size_t dk,
-                        ForwardScratch<T>& s, T* HWY_RESTRICT p) {
-  if constexpr (std::is_same_v<Rows, StoredRowRange<StorageType::int8>>) {
-    for (size_t j = 0; j < nk; ++j) {
+HWY_INLINE hn::Vec<D> KeyDots(D d, const Rows& keys, size_t nk, const T* HWY_RESTRICT q, size_t i, size_t dk,
+                              ForwardScratch<T>& s) {
+  constexpr bool kInt8 = std::is_same_v<Rows, StoredRowRange<StorageType::int8>>;
+  constexpr size_t kN = hn::MaxLanes(D());
+  hn::Vec<D> lanes[kN];
+  HWY_ALIGN T tails[kN] = {};
+  HWY_ALIGN T key_scales[kN] = {};
+  bool per_key = false;
+  const auto query = [&](size_t j, bool& changed) -> const T* {
+    changed = j == 0;
+    if constexpr (kInt8) {
       const StoredRow<StorageType::int8> k = keys.row(j);
-      const Int8Integers integers{reinterpret_cast<const int8_t*>(k.data)};
       if (k.scale_step == 0) {
-        p[j] = RowDot(d, q, integers, dk) * k.scale[0];
-        continue;
+        per_key = true;
+        key_scales[j] = k.scale[0];
+        return q;
       }
       T* HWY_RESTRICT scaled = s.q_scaled.get() + i * dk;
       if (s.q_scaled_by[i] != k.scale) {
         for (size_t c = 0; c < dk; ++c) scaled[c] = q[c] * k.scale[static_cast<int64_t>(c) * k.scale_step];
         s.q_scaled_by[i] = k.scale;
+        changed = true;
       }
-      p[j] = RowDot(d, scaled, integers, dk);
+      return scaled;
+    } else {
+      return q;
     }
+  };
+  // An int8 key's integers alone: its scales are the query's or the product's (above).
+  const auto key = [&](size_t j) {
+    if constexpr (kInt8) {
+      return Int8Integers{reinterpret_cast<const int8_t*>(keys.row(j).data)};
+    } else {
+      return keys.row(j);
+    }
+  };
+  const size_t vectors = dk / hn::Lanes(d);
+  const bool tail = dk % hn::Lanes(d) != 0;
+  if (!tail && vectors == 8) {
+    HeldRowDotLanes<8>(d, nk, query, key, lanes);
+  } else if (!tail && vectors == 4) {
+    HeldRowDotLanes<4>(d, nk, query, key, lanes);
   } else {
-    for (size_t j = 0; j < nk; ++j) p[j] = RowDot(d, q, keys.row(j), dk);
+    for (size_t j = 0; j < nk; ++j) {
+      bool changed = false;
+      const T* HWY_RESTRICT qk = query(j, changed);
+      lanes[j] = RowDotLanes(d, qk, key(j), dk);
+      if (tail) tails[j] = RowDotTail(d, qk, key(j), dk);
+    }
   }
+  for (size_t j = nk; j < kN; ++j) lanes[j] = hn::Zero(d);
+  hn::Vec<D> dots = SumLanesOfEach(d, lanes);
+  if (tail) dots = hn::Add(dots, hn::Load(d, tails));
+  return per_key ? hn::Mul(dots, hn::Load(d, key_scales)) : dots;
 }
 
 // o_row ← corr·o_row + Σ_j p[j]·v_j for the nk values of a block (AccumulateWeightedRows). An int8
@@ -1261,7 +1348,7 @@ HWY_INLINE void ValueSums(D d, const Rows& values, size_t nk, T* HWY_RESTRICT p,
 
 // The forward for nq ≤ kFewQueries queries (decode): with a single query, lanes along queries
 // would leave all but one lane idle, so here the lanes run along keys instead. A block is one
-// vector of N keys: each score is a dot product along d (RowDot), the block's scores form one
+// vector of N keys: each score is a dot product along d (KeyDots), the block's scores form one
 // vector for Scores and the exponential, and the block max and sum are reductions across lanes.
 // Every key is used by at most nq queries, so memory, not arithmetic, sets the pace: the kernel
 // does little more per key than load k and v once. Advances m, l and o like the other layout, o
@@ -1309,10 +1396,11 @@ void AttendFewQueries(D d, const Inputs<T>& in, int64_t b, int64_t h, int64_t q0
     for (size_t i = 0; i < nq; ++i) {
       const int64_t qi = q0 + static_cast<int64_t>(i);
       const T* HWY_RESTRICT q = queries.row(i);
+      hn::Vec<D> dots;
       WithStreamedRows(d, in.k, in.k_stored, b, hk, j0, nk, in.tk,
-                       [&](const auto& keys) { KeyDots(d, keys, nk, q, i, dk, s, p); });
+                       [&](const auto& keys) { dots = KeyDots(d, keys, nk, q, i, dk, s); });
       const LaneRun run{.i = qi, .j = j0, .di = 0, .dj = 1, .count = nk};
-      const hn::Vec<D> scores = hn::IfThenElse(hn::FirstN(d, nk), Scores(d, in, b, h, run, hn::LoadU(d, p)), neg_inf);
+      const hn::Vec<D> scores = hn::IfThenElse(hn::FirstN(d, nk), Scores(d, in, b, h, run, dots), neg_inf);
       const T old_max = s.max[i];
       const T new_max = std::max(old_max, hn::GetLane(hn::MaxOfLanes(d, scores)));
       // As in OnlineSoftmaxStep: a row that has seen no visible key shifts by 0, not by −inf.
