@@ -1320,8 +1320,9 @@ HWY_INLINE hn::Vec<D> KeyDots(D d, const Rows& keys, size_t nk, const T* HWY_RES
     for (size_t j = 0; j < nk; ++j) {
       bool changed = false;
       const T* HWY_RESTRICT qk = query(j, changed);
-      lanes[j] = RowDotLanes(d, qk, key(j), dk);
-      if (tail) tails[j] = RowDotTail(d, qk, key(j), dk);
+      const auto k = key(j);
+      lanes[j] = RowDotLanes(d, qk, k, dk);
+      if (tail) tails[j] = RowDotTail(d, qk, k, dk);
     }
   }
   for (size_t j = nk; j < kN; ++j) lanes[j] = hn::Zero(d);
