@@ -346,6 +346,12 @@ constexpr size_t kFewQueries = 8;
 // every operand was prefetched: 8 keys ahead (the next block) 62% of the triad, 16 keys 69–74%,
 // 64 keys 74–76%, 128 and more lower.
 constexpr size_t kFewQueriesPrefetchBytes = 32 * 1024;
+// Key vectors AttendFewQueries takes per step of its online softmax when each key serves at least
+// kFewQueriesWideRows query rows (FewQueriesBlockVectors).
+constexpr size_t kFewQueriesWideBlock = 4;
+constexpr size_t kFewQueriesWideRows = 4;
+static_assert(kKeyBlock % (kFewQueriesWideBlock * hn::MaxLanes(hn::ScalableTag<float>())) == 0,
+              "decode ranges must end where AttendFewQueries' blocks do");
 
 // Depth summed in registers before adding to C (see TileUpdate), a key block's worth. Every chunk
 // ends with a load, add and store per accumulator: in a 6 × 2 AVX2 tile, chunks of 16 ran the
@@ -1274,8 +1280,8 @@ HWY_INLINE void AccumulateWeightedRows(D d, const Rows& v, size_t nk, const T* H
 // from the float32 kernel's on to_float32's values by the rounding of those products, within the
 // same tolerance.
 template <class D, class Rows, class T = hn::TFromD<D>>
-HWY_INLINE hn::Vec<D> KeyDots(D d, const Rows& keys, size_t nk, const T* HWY_RESTRICT q, size_t i, size_t dk,
-                              ForwardScratch<T>& s) {
+HWY_INLINE hn::Vec<D> KeyDots(D d, const Rows& keys, size_t first, size_t nk, const T* HWY_RESTRICT q, size_t i,
+                              size_t dk, ForwardScratch<T>& s) {
   constexpr bool kInt8 = std::is_same_v<Rows, StoredRowRange<StorageType::int8>>;
   constexpr size_t kN = hn::MaxLanes(D());
   hn::Vec<D> lanes[kN];
@@ -1285,7 +1291,7 @@ HWY_INLINE hn::Vec<D> KeyDots(D d, const Rows& keys, size_t nk, const T* HWY_RES
   const auto query = [&](size_t j, bool& changed) -> const T* {
     changed = j == 0;
     if constexpr (kInt8) {
-      const StoredRow<StorageType::int8> k = keys.row(j);
+      const StoredRow<StorageType::int8> k = keys.row(first + j);
       if (k.scale_step == 0) {
         per_key = true;
         key_scales[j] = k.scale[0];
@@ -1305,9 +1311,9 @@ HWY_INLINE hn::Vec<D> KeyDots(D d, const Rows& keys, size_t nk, const T* HWY_RES
   // An int8 key's integers alone: its scales are the query's or the product's (above).
   const auto key = [&](size_t j) {
     if constexpr (kInt8) {
-      return Int8Integers{reinterpret_cast<const int8_t*>(keys.row(j).data)};
+      return Int8Integers{reinterpret_cast<const int8_t*>(keys.row(first + j).data)};
     } else {
-      return keys.row(j);
+      return keys.row(first + j);
     }
   };
   const size_t vectors = dk / hn::Lanes(d);
@@ -1347,13 +1353,32 @@ HWY_INLINE void ValueSums(D d, const Rows& values, size_t nk, T* HWY_RESTRICT p,
   AccumulateWeightedRows(d, values, nk, p, corr, dv, s.few_block.get(), o_row);
 }
 
+// Key vectors per step of AttendFewQueries' online softmax. Each step's max, exponentials, sum and
+// rescaling form a chain of reductions from the block's dot products to its V sums, the same
+// whatever the block's width, so a block of kFewQueriesWideBlock vectors shares it among four times
+// the keys: a (head, key) pair in L2 took 0.82–0.85× as long (Zen 5; float32, float16, int8).
+// From memory, a key that serves a single query row is bound by its bytes instead, and there the
+// wide blocks lost: single-query multi-head decode ran 0.83–0.89× as fast from float16 K and V and
+// 0.87–0.88× from bfloat16 (float32 1.01–1.13×, int8 1.07–1.11×; two queries, float16 0.97×).
+// With four rows or more per key it gained everywhere: grouped-query decode (4 heads per K and V
+// head) 1.15× from float32, 1.07–1.08× from float16, 1.16–1.20× from int8; four queries on
+// multi-head 1.12–1.22×, eight 1.10–1.25× (Zen 5, H = 32, Tk = 32768, d = 128, two builds
+// alternated in one process). The width depends on the problem alone, never on the storage types,
+// so that stored operands and the float32 kernel on their converted values keep taking the same
+// steps and giving the same bits.
+template <class T>
+size_t FewQueriesBlockVectors(const Inputs<T>& in, size_t nq) {
+  return ToSize(in.group) * nq >= kFewQueriesWideRows ? kFewQueriesWideBlock : 1;
+}
+
 // The forward for nq ≤ kFewQueries queries (decode): with a single query, lanes along queries
 // would leave all but one lane idle, so here the lanes run along keys instead. A block is one
-// vector of N keys: each score is a dot product along d (KeyDots), the block's scores form one
-// vector for Scores and the exponential, and the block max and sum are reductions across lanes.
-// Every key is used by at most nq queries, so memory, not arithmetic, sets the pace: the kernel
-// does little more per key than load k and v once. Advances m, l and o like the other layout, o
-// summed in rows (s.few) that EndQueryBlock transposes.
+// vector of N keys, or kFewQueriesWideBlock of them (FewQueriesBlockVectors): each score is a dot
+// product along d (KeyDots), each vector of the block's scores goes through Scores and the
+// exponential, and the block max and sum are reductions across lanes. Every key is used by at
+// most nq queries, so memory, not arithmetic, sets the pace: the kernel does little more per key
+// than load k and v once. Advances m, l and o like the other layout, o summed in rows (s.few) that
+// EndQueryBlock transposes.
 // K and V rows read in place stream from memory, and each is read once from start to end: K one
 // key at a time, V whole rows (through s.few_block when they are wider than the registers), with
 // no software prefetch. The hardware prefetchers keep far more lines in flight on one sequential
@@ -1378,38 +1403,50 @@ void AttendFewQueries(D d, const Inputs<T>& in, int64_t b, int64_t h, int64_t q0
   const auto prefetch_keys = static_cast<int64_t>(RoundUp(kFewQueriesPrefetchBytes / (dk * key_bytes) + 1, N));
   const RowBlock<T> queries = StageRows(d, in.q, in.q_stored, b, h, q0, nq, dk, s.q_stage.get());
   s.q_scaled_by.fill(nullptr);
-  // Blocks start at the keys N/2 past a multiple of N, not at the multiples: K and V of a head
+  // Blocks start at the keys N/2 past a multiple of their width, not at the multiples: K and V of a head
   // usually start on a page (or 16 bytes in, as malloc and numpy place large arrays), and a block
   // of 16 keys of 128 float16 channels is one 4 KiB page. A stream whose blocks each begin a new
   // page read 33 GB/s on Zen 5 (bfloat16 and float16 alike), the same rows with the blocks half a
   // page later 67 GB/s, the triad's pace; float32 gained 1.08×, int8 nothing. The blocks depend on
-  // the key positions alone, not on the ranges the keys come in nor on where the arrays lie.
-  const auto block_keys = static_cast<int64_t>(N);
-  int64_t n = block_keys - (key_begin + block_keys - block_keys / 2) % block_keys;
+  // the key positions and the problem alone, not on the ranges the keys come in (whose ends lie
+  // N/2 past multiples of kKeyBlock, and so of every block width) nor on where the arrays lie.
+  const auto block_keys = static_cast<int64_t>(FewQueriesBlockVectors(in, nq) * N);
+  int64_t n = block_keys - (key_begin + block_keys - static_cast<int64_t>(N / 2)) % block_keys;
   for (int64_t j0 = key_begin; j0 < key_end; j0 += n, n = block_keys) {
     const size_t nk = ToSize(std::min<int64_t>(n, key_end - j0));
+    const size_t vectors = DivCeil(nk, N);
     const int64_t ahead = j0 + prefetch_keys;
     if (ahead < prefetch_end) {
-      const int64_t n_ahead = std::min<int64_t>(static_cast<int64_t>(N), prefetch_end - ahead);
+      const int64_t n_ahead = std::min<int64_t>(block_keys, prefetch_end - ahead);
       if (in.k_stored) PrefetchRows(in.k, in.k_stored, b, hk, ahead, n_ahead, dk);
       if (in.v_stored) PrefetchRows(in.v, in.v_stored, b, hk, ahead, n_ahead, dv);
     }
     for (size_t i = 0; i < nq; ++i) {
       const int64_t qi = q0 + static_cast<int64_t>(i);
       const T* HWY_RESTRICT q = queries.row(i);
-      hn::Vec<D> dots;
-      WithStreamedRows(d, in.k, in.k_stored, b, hk, j0, nk, in.tk,
-                       [&](const auto& keys) { dots = KeyDots(d, keys, nk, q, i, dk, s); });
-      const LaneRun run{.i = qi, .j = j0, .di = 0, .dj = 1, .count = nk};
-      const hn::Vec<D> scores = hn::IfThenElse(hn::FirstN(d, nk), Scores(d, in, b, h, run, dots), neg_inf);
+      hn::Vec<D> scores[kFewQueriesWideBlock];
+      WithStreamedRows(d, in.k, in.k_stored, b, hk, j0, nk, in.tk, [&](const auto& keys) {
+        for (size_t v = 0; v < vectors; ++v) {
+          const size_t count = std::min(N, nk - v * N);
+          const hn::Vec<D> dots = KeyDots(d, keys, v * N, count, q, i, dk, s);
+          const LaneRun run{.i = qi, .j = j0 + static_cast<int64_t>(v * N), .di = 0, .dj = 1, .count = count};
+          scores[v] = hn::IfThenElse(hn::FirstN(d, count), Scores(d, in, b, h, run, dots), neg_inf);
+        }
+      });
+      hn::Vec<D> block_max = scores[0];
+      for (size_t v = 1; v < vectors; ++v) block_max = hn::Max(block_max, scores[v]);
       const T old_max = s.max[i];
-      const T new_max = std::max(old_max, hn::GetLane(hn::MaxOfLanes(d, scores)));
+      const T new_max = std::max(old_max, hn::GetLane(hn::MaxOfLanes(d, block_max)));
       // As in OnlineSoftmaxStep: a row that has seen no visible key shifts by 0, not by −inf.
       const T shift = new_max == -std::numeric_limits<T>::infinity() ? T{0} : new_max;
-      const hn::Vec<D> weights = SoftmaxExp(d, hn::Sub(scores, hn::Set(d, shift)));
       const T corr = hn::GetLane(SoftmaxExp(d, hn::Set(d, old_max - shift)));
-      hn::StoreU(weights, d, p);
-      s.sum[i] = s.sum[i] * corr + hn::GetLane(hn::SumOfLanes(d, weights));
+      hn::Vec<D> block_sum = hn::Zero(d);
+      for (size_t v = 0; v < vectors; ++v) {
+        const hn::Vec<D> weights = SoftmaxExp(d, hn::Sub(scores[v], hn::Set(d, shift)));
+        hn::StoreU(weights, d, p + v * N);
+        block_sum = hn::Add(block_sum, weights);
+      }
+      s.sum[i] = s.sum[i] * corr + hn::GetLane(hn::SumOfLanes(d, block_sum));
       s.max[i] = new_max;
       WithStreamedRows(d, in.v, in.v_stored, b, hk, j0, nk, in.tk, [&](const auto& values) {
         ValueSums(d, values, nk, p, corr, dv, s, s.few.get() + i * s.few_row);
