@@ -248,6 +248,43 @@ TEST(AttentionFused, FewQueriesWithMasksBiasAndCausalityMatchReference) {
   }
 }
 
+TEST(AttentionFused, WideDecodeStepsThroughHiddenVectorsAndBlocks) {
+  // Where each key serves four query rows or more (grouped heads, or four queries and more), a step
+  // of the few-query kernel's softmax takes four vectors of keys. Hidden keys inside one such step,
+  // whole steps hidden, and one row with every key hidden: the reference's out (0 for that row) on
+  // every target, Dk and Dv off every vector multiple, and the same bits on one thread and on two.
+  struct Shape4 {
+    int64_t h, h_kv, tq;
+  };
+  uint64_t seed = 1000;
+  for (const Shape4& s : {Shape4{8, 2, 1}, Shape4{2, 2, 4}, Shape4{4, 1, 3}, Shape4{3, 3, 1}}) {
+    SCOPED_TRACE(fmt::format("H={} Hkv={} Tq={}", s.h, s.h_kv, s.tq));
+    constexpr int64_t kTk = 1100, kDk = 40, kDv = 24;
+    Problem p = random_problem({1, s.h, s.tq, kTk, kDk, kDv}, seed);
+    Rng rng(seed + 1);
+    p.k = random_tensor<double>({1, s.h_kv, kTk, kDk}, rng);
+    p.v = random_tensor<double>({1, s.h_kv, kTk, kDv}, rng);
+    p.allowed = Tensor<uint8_t>({1, s.h, s.tq, kTk}, 1);
+    for (int64_t h = 0; h < s.h; ++h) {
+      for (int64_t i = 0; i < s.tq; ++i) {
+        for (int64_t j = 130; j < 139; ++j) p.allowed->view()(0, h, i, j) = 0;
+        for (int64_t j = 260; j < 530; ++j) p.allowed->view()(0, h, i, j) = 0;
+      }
+    }
+    for (int64_t j = 0; j < kTk; ++j) p.allowed->view()(0, s.h - 1, 0, j) = 0;
+    const testing::NaiveAttention<float> naive = testing::naive_attention<float>(p, random_dout(p, seed + 2));
+    const Forward want = reference_forward(p);
+    on_every_target([&] {
+      const Forward got = run_forward<float>(p, AttentionImpl::fused, false);
+      EXPECT_TRUE(all_close("out", got.out, want.out, testing::tolerance_from_naive(naive.out, want.out)));
+      for (int64_t c = 0; c < kDv; ++c) EXPECT_EQ(got.out.view()(0, s.h - 1, 0, c), 0.0);
+      const WorkersScope one_worker(1);
+      EXPECT_TRUE(bit_identical(run_forward<float>(p, AttentionImpl::fused, false).out, got.out));
+    });
+    seed += 3;
+  }
+}
+
 TEST(AttentionFused, FewQueriesWithHugeLogitsKeepTheBackwardAccurate) {
   // |q·k| ≈ 10⁴, where an ulp of a score is 10⁻³: the few-query forward sums q·k in another order
   // than the backward, so its scores differ from the backward's by ulps. No forward that returns
