@@ -347,7 +347,7 @@ constexpr size_t kFewQueries = 8;
 // 64 keys 74–76%, 128 and more lower.
 constexpr size_t kFewQueriesPrefetchBytes = 32 * 1024;
 // Key vectors AttendFewQueries takes per step of its online softmax when each key serves at least
-// kFewQueriesWideRows query rows (FewQueriesBlockVectors).
+// kFewQueriesWideRows query rows, or K or V is int8 (FewQueriesBlockVectors).
 constexpr size_t kFewQueriesWideBlock = 4;
 constexpr size_t kFewQueriesWideRows = 4;
 static_assert(kKeyBlock % (kFewQueriesWideBlock * hn::MaxLanes(hn::ScalableTag<float>())) == 0,
@@ -1363,12 +1363,16 @@ HWY_INLINE void ValueSums(D d, const Rows& values, size_t nk, T* HWY_RESTRICT p,
 // With four rows or more per key it gained everywhere: grouped-query decode (4 heads per K and V
 // head) 1.15× from float32, 1.07–1.08× from float16, 1.16–1.20× from int8; four queries on
 // multi-head 1.12–1.22×, eight 1.10–1.25× (Zen 5, H = 32, Tk = 32768, d = 128, two builds
-// alternated in one process). The width depends on the problem alone, never on the storage types,
-// so that stored operands and the float32 kernel on their converted values keep taking the same
-// steps and giving the same bits.
+// alternated in one process). Otherwise the width follows the storage types only where results
+// are not bound to the float32 kernel's bits: float16 and bfloat16 operands must take the float32
+// kernel's steps on their converted values to give its bits, but int8 ones, whose scales multiply
+// the query and the weights rather than each element, are held to the float64 reference's rule
+// instead, so int8 K or V always take the wide steps.
 template <class T>
 size_t FewQueriesBlockVectors(const Inputs<T>& in, size_t nq) {
-  return ToSize(in.group) * nq >= kFewQueriesWideRows ? kFewQueriesWideBlock : 1;
+  const auto int8 = [](const fused::StoredRows& x) { return x && x.type == StorageType::int8; };
+  const bool wide = ToSize(in.group) * nq >= kFewQueriesWideRows || int8(in.k_stored) || int8(in.v_stored);
+  return wide ? kFewQueriesWideBlock : 1;
 }
 
 // The forward for nq ≤ kFewQueries queries (decode): with a single query, lanes along queries
@@ -1390,7 +1394,7 @@ size_t FewQueriesBlockVectors(const Inputs<T>& in, size_t nq) {
 // bfloat16, int8, paged) are read the same way, converted in registers, and asked for ahead,
 // kFewQueriesPrefetchBytes of K, since converting them holds their loads back (without it, int8
 // measured 0.9×).
-template <class D, class T = hn::TFromD<D>>
+template <size_t kBlockVectors, class D, class T = hn::TFromD<D>>
 void AttendFewQueries(D d, const Inputs<T>& in, int64_t b, int64_t h, int64_t q0, size_t nq, int64_t key_begin,
                       int64_t key_end, int64_t prefetch_end, ForwardScratch<T>& s) {
   const size_t N = hn::Lanes(d);
@@ -1410,11 +1414,11 @@ void AttendFewQueries(D d, const Inputs<T>& in, int64_t b, int64_t h, int64_t q0
   // page later 67 GB/s, the triad's pace; float32 gained 1.08×, int8 nothing. The blocks depend on
   // the key positions and the problem alone, not on the ranges the keys come in (whose ends lie
   // N/2 past multiples of kKeyBlock, and so of every block width) nor on where the arrays lie.
-  const auto block_keys = static_cast<int64_t>(FewQueriesBlockVectors(in, nq) * N);
+  const auto block_keys = static_cast<int64_t>(kBlockVectors * N);
   int64_t n = block_keys - (key_begin + block_keys - static_cast<int64_t>(N / 2)) % block_keys;
   for (int64_t j0 = key_begin; j0 < key_end; j0 += n, n = block_keys) {
     const size_t nk = ToSize(std::min<int64_t>(n, key_end - j0));
-    const size_t vectors = DivCeil(nk, N);
+    const size_t vectors = kBlockVectors == 1 ? 1 : DivCeil(nk, N);
     const int64_t ahead = j0 + prefetch_keys;
     if (ahead < prefetch_end) {
       const int64_t n_ahead = std::min<int64_t>(block_keys, prefetch_end - ahead);
@@ -1424,7 +1428,7 @@ void AttendFewQueries(D d, const Inputs<T>& in, int64_t b, int64_t h, int64_t q0
     for (size_t i = 0; i < nq; ++i) {
       const int64_t qi = q0 + static_cast<int64_t>(i);
       const T* HWY_RESTRICT q = queries.row(i);
-      hn::Vec<D> scores[kFewQueriesWideBlock];
+      hn::Vec<D> scores[kBlockVectors];
       WithStreamedRows(d, in.k, in.k_stored, b, hk, j0, nk, in.tk, [&](const auto& keys) {
         for (size_t v = 0; v < vectors; ++v) {
           const size_t count = std::min(N, nk - v * N);
@@ -1440,8 +1444,9 @@ void AttendFewQueries(D d, const Inputs<T>& in, int64_t b, int64_t h, int64_t q0
       // As in OnlineSoftmaxStep: a row that has seen no visible key shifts by 0, not by −inf.
       const T shift = new_max == -std::numeric_limits<T>::infinity() ? T{0} : new_max;
       const T corr = hn::GetLane(SoftmaxExp(d, hn::Set(d, old_max - shift)));
-      hn::Vec<D> block_sum = hn::Zero(d);
-      for (size_t v = 0; v < vectors; ++v) {
+      hn::Vec<D> block_sum = SoftmaxExp(d, hn::Sub(scores[0], hn::Set(d, shift)));
+      hn::StoreU(block_sum, d, p);
+      for (size_t v = 1; v < vectors; ++v) {
         const hn::Vec<D> weights = SoftmaxExp(d, hn::Sub(scores[v], hn::Set(d, shift)));
         hn::StoreU(weights, d, p + v * N);
         block_sum = hn::Add(block_sum, weights);
@@ -1524,7 +1529,11 @@ void ContinueQueryBlock(D d, const Inputs<T>& in, int64_t b, int64_t h, int64_t 
   key_end = std::min(key_end, q0 + static_cast<int64_t>(nq) + in.band_hi);
   prefetch_end = std::min(prefetch_end, q0 + static_cast<int64_t>(nq) + in.band_hi);
   if (FewQueryLayout(in, nq, few)) {
-    AttendFewQueries(d, in, b, h, q0, nq, key_begin, key_end, prefetch_end, s);
+    if (FewQueriesBlockVectors(in, nq) == kFewQueriesWideBlock) {
+      AttendFewQueries<kFewQueriesWideBlock>(d, in, b, h, q0, nq, key_begin, key_end, prefetch_end, s);
+    } else {
+      AttendFewQueries<1>(d, in, b, h, q0, nq, key_begin, key_end, prefetch_end, s);
+    }
     return;
   }
   for (int64_t j0 = key_begin; j0 < key_end; j0 += static_cast<int64_t>(kKeyBlock)) {
