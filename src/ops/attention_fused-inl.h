@@ -1273,7 +1273,8 @@ HWY_INLINE void AccumulateWeightedRows(D d, const Rows& v, size_t nk, const T* H
   }
 }
 
-// Lane j = q·k_j for the nk keys of a block (0 past nk), q being query i of AttendFewQueries. An
+// Lane j = q·k_(first + j) for nk keys of a block's rows (0 past nk), q being query i of
+// AttendFewQueries. An
 // int8 key's scales multiply the dot product (one scale per key) or the query (one per channel,
 // kept in s.q_scaled while the keys share them), not each element, which makes int8 decode bound
 // by memory rather than by a multiply per element (measured 1.8× on Zen 3): the scores then differ
@@ -1361,13 +1362,13 @@ HWY_INLINE void ValueSums(D d, const Rows& values, size_t nk, T* HWY_RESTRICT p,
 // wide blocks lost: single-query multi-head decode ran 0.83–0.89× as fast from float16 K and V and
 // 0.87–0.88× from bfloat16 (float32 1.01–1.13×, int8 1.07–1.11×; two queries, float16 0.97×).
 // With four rows or more per key it gained everywhere: grouped-query decode (4 heads per K and V
-// head) 1.15× from float32, 1.07–1.08× from float16, 1.16–1.20× from int8; four queries on
+// head) 1.11–1.23× from float32, 1.07–1.08× from float16, 1.15–1.22× from int8; four queries on
 // multi-head 1.12–1.22×, eight 1.10–1.25× (Zen 5, H = 32, Tk = 32768, d = 128, two builds
 // alternated in one process). Otherwise the width follows the storage types only where results
 // are not bound to the float32 kernel's bits: float16 and bfloat16 operands must take the float32
 // kernel's steps on their converted values to give its bits, but int8 ones, whose scales multiply
 // the query and the weights rather than each element, are held to the float64 reference's rule
-// instead, so int8 K or V always take the wide steps.
+// instead, so int8 K or V always take the wide steps (single-query multi-head: 1.08–1.19×).
 template <class T>
 size_t FewQueriesBlockVectors(const Inputs<T>& in, size_t nq) {
   const auto int8 = [](const fused::StoredRows& x) { return x && x.type == StorageType::int8; };
@@ -1407,9 +1408,9 @@ void AttendFewQueries(D d, const Inputs<T>& in, int64_t b, int64_t h, int64_t q0
   const auto prefetch_keys = static_cast<int64_t>(RoundUp(kFewQueriesPrefetchBytes / (dk * key_bytes) + 1, N));
   const RowBlock<T> queries = StageRows(d, in.q, in.q_stored, b, h, q0, nq, dk, s.q_stage.get());
   s.q_scaled_by.fill(nullptr);
-  // Blocks start at the keys N/2 past a multiple of their width, not at the multiples: K and V of a head
-  // usually start on a page (or 16 bytes in, as malloc and numpy place large arrays), and a block
-  // of 16 keys of 128 float16 channels is one 4 KiB page. A stream whose blocks each begin a new
+  // Blocks start at the keys N/2 past a multiple of their width, not at the multiples: K and V of
+  // a head usually start on a page (or 16 bytes in, as malloc and numpy place large arrays), and a
+  // vector of 16 keys of 128 float16 channels is one 4 KiB page. A stream whose blocks each begin a new
   // page read 33 GB/s on Zen 5 (bfloat16 and float16 alike), the same rows with the blocks half a
   // page later 67 GB/s, the triad's pace; float32 gained 1.08×, int8 nothing. The blocks depend on
   // the key positions and the problem alone, not on the ranges the keys come in (whose ends lie
@@ -1529,6 +1530,8 @@ void ContinueQueryBlock(D d, const Inputs<T>& in, int64_t b, int64_t h, int64_t 
   key_end = std::min(key_end, q0 + static_cast<int64_t>(nq) + in.band_hi);
   prefetch_end = std::min(prefetch_end, q0 + static_cast<int64_t>(nq) + in.band_hi);
   if (FewQueryLayout(in, nq, few)) {
+    // Compiled per width, so that the one-vector step keeps its loop: with the width a run-time
+    // value, float16 multi-head decode measured 0.93–0.98× the one-vector kernel's pace.
     if (FewQueriesBlockVectors(in, nq) == kFewQueriesWideBlock) {
       AttendFewQueries<kFewQueriesWideBlock>(d, in, b, h, q0, nq, key_begin, key_end, prefetch_end, s);
     } else {
