@@ -1274,12 +1274,11 @@ HWY_INLINE void AccumulateWeightedRows(D d, const Rows& v, size_t nk, const T* H
 }
 
 // Lane j = q·k_(first + j) for nk keys of a block's rows (0 past nk), q being query i of
-// AttendFewQueries. An
-// int8 key's scales multiply the dot product (one scale per key) or the query (one per channel,
-// kept in s.q_scaled while the keys share them), not each element, which makes int8 decode bound
-// by memory rather than by a multiply per element (measured 1.8× on Zen 3): the scores then differ
-// from the float32 kernel's on to_float32's values by the rounding of those products, within the
-// same tolerance.
+// AttendFewQueries. An int8 key's scales multiply the dot product (one scale per key) or the query
+// (one per channel, kept in s.q_scaled while the keys share them), not each element, which makes
+// int8 decode bound by memory rather than by a multiply per element (measured 1.8× on Zen 3): the
+// scores then differ from the float32 kernel's on to_float32's values by the rounding of those
+// products, within the same tolerance.
 template <class D, class Rows, class T = hn::TFromD<D>>
 HWY_INLINE hn::Vec<D> KeyDots(D d, const Rows& keys, size_t first, size_t nk, const T* HWY_RESTRICT q, size_t i,
                               size_t dk, ForwardScratch<T>& s) {
