@@ -1409,11 +1409,12 @@ void AttendFewQueries(D d, const Inputs<T>& in, int64_t b, int64_t h, int64_t q0
   s.q_scaled_by.fill(nullptr);
   // Blocks start at the keys N/2 past a multiple of their width, not at the multiples: K and V of
   // a head usually start on a page (or 16 bytes in, as malloc and numpy place large arrays), and a
-  // vector of 16 keys of 128 float16 channels is one 4 KiB page. A stream whose blocks each begin a new
-  // page read 33 GB/s on Zen 5 (bfloat16 and float16 alike), the same rows with the blocks half a
-  // page later 67 GB/s, the triad's pace; float32 gained 1.08×, int8 nothing. The blocks depend on
-  // the key positions and the problem alone, not on the ranges the keys come in (whose ends lie
-  // N/2 past multiples of kKeyBlock, and so of every block width) nor on where the arrays lie.
+  // vector of 16 keys of 128 float16 channels is one 4 KiB page. A stream whose blocks each begin
+  // a new page read 33 GB/s on Zen 5 (bfloat16 and float16 alike), the same rows with the blocks
+  // half a page later 67 GB/s, the triad's pace; float32 gained 1.08×, int8 nothing. The blocks
+  // depend on the key positions and the problem alone, not on the ranges the keys come in (whose
+  // ends lie N/2 past multiples of kKeyBlock, and so of every block width) nor on where the arrays
+  // lie.
   const auto block_keys = static_cast<int64_t>(kBlockVectors * N);
   int64_t n = block_keys - (key_begin + block_keys - static_cast<int64_t>(N / 2)) % block_keys;
   for (int64_t j0 = key_begin; j0 < key_end; j0 += n, n = block_keys) {
