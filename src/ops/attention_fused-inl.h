@@ -609,6 +609,47 @@ class RealignedRows {
   hn::Mask<D> from_first_;
 };
 
+// A row of T read in place whose vectors are whole cache lines (512-bit vectors) and start on one:
+// each vector loaded asks for the line after it. Why that pays is not known; that it does was
+// measured on Zen 5 (AVX3 target, 64-byte aligned float32 K and V, H = 32, Tk = 32768, d = 128,
+// 2 threads, the two reads alternated in one process): single-query multi-head decode 1.14–1.19×
+// as fast as with plain loads, grouped-query (Hkv = 8) 1.10×, four queries 1.11–1.13×. Plain loads
+// ran 1.12–1.28× slower than the same rows 16 or 32 bytes past a line, which RealignedRow reads
+// with a load of the vector after each already. With 256-bit vectors (the AVX2 target on the same
+// CPU) the request measured 0.74–1.0× (once per vector or once per line), so narrower vectors read
+// such rows as plain pointers.
+template <class T>
+struct LookaheadRow {
+  const T* HWY_RESTRICT row;
+};
+
+template <class D, class T = hn::TFromD<D>>
+HWY_INLINE hn::Vec<D> LoadRow(D d, const LookaheadRow<T>& row, size_t c) {
+  hwy::Prefetch(row.row + c + hn::Lanes(d));
+  return hn::Load(d, row.row + c);
+}
+
+template <class T>
+HWY_INLINE T RowAt(const LookaheadRow<T>& row, size_t c) {
+  return row.row[c];
+}
+
+template <class T>
+inline constexpr bool kConvertsRow<LookaheadRow<T>> = false;
+
+// Rows of a RowBlock that start on a cache line, as LookaheadRow.
+template <class T>
+struct LookaheadRows {
+  RowBlock<T> rows;
+
+  LookaheadRow<T> row(size_t j) const { return {rows.row(j)}; }
+};
+
+template <class T>
+const T* RowAddress(const LookaheadRow<T>& row) {
+  return row.row;
+}
+
 template <class T>
 const T* RowAddress(const T* row) {
   return row;
@@ -758,17 +799,34 @@ HWY_INLINE void WithRowsInPlace(const fused::RowsView<const T>& x, const fused::
   f(RowsOf(x, b, h, t0));
 }
 
-// WithRowsInPlace for the n rows [t0, t0 + n) that AttendFewQueries streams: rows of T that start
-// off a vector boundary, all by the same number of lanes, as RealignedRows when a row lies before
-// and after them (rows_total rows in all), so that every load they take stays within the operand.
+// WithRowsInPlace for the n rows [t0, t0 + n) that AttendFewQueries streams. Rows of T (float32
+// read in place, or paged float32 rows in one run) whose stride is whole vectors are read as
+// LookaheadRows when they start on a vector of a whole line, and as RealignedRows when they start
+// off a vector boundary, all by the same number of lanes, and a row lies before and after them
+// (rows_total rows in all), so that every load stays within the operand.
 template <class D, class T, class F>
 HWY_INLINE void WithStreamedRows(D d, const fused::RowsView<const T>& x, const fused::StoredRows& stored, int64_t b,
                                  int64_t h, int64_t t0, size_t n, int64_t rows_total, F&& f) {
-  if (!stored && t0 >= 1 && t0 + static_cast<int64_t>(n) < rows_total) {
+  constexpr size_t kVectorBytes = hn::MaxLanes(D()) * sizeof(T);
+  const auto whole_vectors = [](const RowBlock<T>& rows) { return rows.stride * sizeof(T) % kVectorBytes == 0; };
+  const auto shift = [](const RowBlock<T>& rows) {
+    return reinterpret_cast<uintptr_t>(rows.rows) % kVectorBytes / sizeof(T);
+  };
+  if (!stored) {
     const RowBlock<T> rows = RowsOf(x, b, h, t0);
-    const size_t vector_bytes = hn::Lanes(d) * sizeof(T);
-    const size_t shift = reinterpret_cast<uintptr_t>(rows.rows) % vector_bytes / sizeof(T);
-    if (shift != 0 && rows.stride * sizeof(T) % vector_bytes == 0) return f(RealignedRows<D>(d, rows, shift));
+    if (whole_vectors(rows) && shift(rows) != 0 && t0 >= 1 && t0 + static_cast<int64_t>(n) < rows_total) {
+      return f(RealignedRows<D>(d, rows, shift(rows)));
+    }
+    if constexpr (kVectorBytes >= 64) {
+      if (whole_vectors(rows) && shift(rows) == 0) return f(LookaheadRows<T>{rows});
+    }
+  }
+  if constexpr (std::is_same_v<T, float> && kVectorBytes >= 64) {
+    if (stored && stored.type == StorageType::float32) {
+      const StoredRowRange<StorageType::float32> paged(stored, b, h, t0, n);
+      const RowBlock<T> rows{paged.first(), ToSize(stored.row_stride)};
+      if (paged.run() >= n && whole_vectors(rows) && shift(rows) == 0) return f(LookaheadRows<T>{rows});
+    }
   }
   WithRowsInPlace(x, stored, b, h, t0, n, std::forward<F>(f));
 }
@@ -1385,15 +1443,16 @@ size_t FewQueriesBlockVectors(const Inputs<T>& in, size_t nq) {
 // EndQueryBlock transposes.
 // K and V rows read in place stream from memory, and each is read once from start to end: K one
 // key at a time, V whole rows (through s.few_block when they are wider than the registers), with
-// no software prefetch. The hardware prefetchers keep far more lines in flight on one sequential
-// stream per operand than software prefetches can, and they lose the stream on the short strided
-// runs of reading four rows at once or a row in register-sized pieces (measured on Zen 3, d = 128:
-// 1.16× one thread and 1.11× two over that, with every line prefetched 64 keys ahead). Rows of T
-// that start off a vector boundary are put together from aligned loads (RealignedRow), as a load
-// split across two cache lines costs the stream a fifth of its pace. Stored rows (float16,
-// bfloat16, int8, paged) are read the same way, converted in registers, and asked for ahead,
-// kFewQueriesPrefetchBytes of K, since converting them holds their loads back (without it, int8
-// measured 0.9×).
+// no software prefetch ahead. The hardware prefetchers keep far more lines in flight on one
+// sequential stream per operand than software prefetches can, and they lose the stream on the
+// short strided runs of reading four rows at once or a row in register-sized pieces (measured on
+// Zen 3, d = 128: 1.16× one thread and 1.11× two over that, with every line prefetched 64 keys
+// ahead). Rows of T that start off a vector boundary are put together from aligned loads
+// (RealignedRow), as a load split across two cache lines costs the stream a fifth of its pace;
+// rows that start on a line ask for the line after each vector when a vector is a whole line
+// (LookaheadRow). Stored rows (float16, bfloat16, int8, paged) are read the same way, converted in
+// registers, and asked for ahead, kFewQueriesPrefetchBytes of K, since converting them holds their
+// loads back (without it, int8 measured 0.9×).
 template <size_t kBlockVectors, class D, class T = hn::TFromD<D>>
 void AttendFewQueries(D d, const Inputs<T>& in, int64_t b, int64_t h, int64_t q0, size_t nq, int64_t key_begin,
                       int64_t key_end, int64_t prefetch_end, ForwardScratch<T>& s) {

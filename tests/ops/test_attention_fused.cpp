@@ -403,9 +403,10 @@ TEST(AttentionFused, StridedViewsIntoPackedQkvBuffer) {
 }
 
 TEST(AttentionFused, FewQueriesGiveTheSameBitsWhereverKAndVLie) {
-  // The few-query kernel puts rows that start off a vector boundary together from aligned loads.
-  // K and V copied to every float offset of a 64-byte line must give the bits of the aligned
-  // copy: depths that fill whole vectors on each target (128, 48, 24, 16), one whose rows start
+  // The few-query kernel puts rows that start off a vector boundary together from aligned loads,
+  // and on targets whose vectors are whole lines reads rows that start on one with a request for
+  // the next line. K and V copied to every float offset of a 64-byte line must give the bits of
+  // the aligned copy: depths that fill whole vectors on each target (128, 48, 24, 16), one whose rows start
   // at different offsets (17), Dk ≠ Dv, grouped heads, Tk not a multiple of any vector.
   struct Shape4 {
     int64_t h, h_kv, tq, tk, dk, dv;
