@@ -611,13 +611,13 @@ class RealignedRows {
 
 // A row of T read in place whose vectors are whole cache lines (512-bit vectors) and start on one:
 // each vector loaded asks for the line after it. Why that pays is not known; that it does was
-// measured on Zen 5 (AVX3 target, 64-byte aligned float32 K and V, H = 32, Tk = 32768, d = 128,
-// 2 threads, the two reads alternated in one process): single-query multi-head decode 1.14–1.19×
-// as fast as with plain loads, grouped-query (Hkv = 8) 1.10×, four queries 1.11–1.13×. Plain loads
-// ran 1.12–1.28× slower than the same rows 16 or 32 bytes past a line, which RealignedRow reads
-// with a load of the vector after each already. With 256-bit vectors (the AVX2 target on the same
-// CPU) the request measured 0.74–1.0× (once per vector or once per line), so narrower vectors read
-// such rows as plain pointers.
+// measured on Zen 5 (AVX3 target, 64-byte aligned float32 K and V, H = 32, Tk = 32768, d = 128, 2
+// threads, the two reads alternated in one process): single-query multi-head decode 1.24–1.40× as
+// fast as with plain loads, grouped-query (Hkv = 8) 1.09–1.15×, four queries 1.10–1.12×. Plain
+// loads ran 1.12–1.28× slower than the same rows 16 or 32 bytes past a line, which RealignedRow
+// reads with a load of the vector after each already. With 256-bit vectors (the AVX2 target on the
+// same CPU) the request measured 0.68–1.0× (once per vector or once per line), so narrower vectors
+// read such rows as plain pointers.
 template <class T>
 struct LookaheadRow {
   const T* HWY_RESTRICT row;
