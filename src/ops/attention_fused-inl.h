@@ -334,6 +334,7 @@ using fused::Inputs;
 
 constexpr size_t kQueryBlock = 64;  // Br: queries per tile (a multiple of every target's lane count)
 constexpr size_t kKeyBlock = 64;    // Bc: keys per tile
+constexpr size_t kLineBytes = 64;   // a cache line of every x86 CPU, the unit prefetches ask for
 // Decode: at most this many queries make a problem "decode", whose keys are split into chunks.
 constexpr int64_t kDecodeQueries = 16;
 constexpr int64_t kDecodeMinChunk = 512;  // keys per chunk at least: merging partials costs Tq·Dv
@@ -817,11 +818,11 @@ HWY_INLINE void WithStreamedRows(D d, const fused::RowsView<const T>& x, const f
     if (whole_vectors(rows) && shift(rows) != 0 && t0 >= 1 && t0 + static_cast<int64_t>(n) < rows_total) {
       return f(RealignedRows<D>(d, rows, shift(rows)));
     }
-    if constexpr (kVectorBytes >= 64) {
+    if constexpr (kVectorBytes >= kLineBytes) {
       if (whole_vectors(rows) && shift(rows) == 0) return f(LookaheadRows<T>{rows});
     }
   }
-  if constexpr (std::is_same_v<T, float> && kVectorBytes >= 64) {
+  if constexpr (std::is_same_v<T, float> && kVectorBytes >= kLineBytes) {
     if (stored && stored.type == StorageType::float32) {
       const StoredRowRange<StorageType::float32> paged(stored, b, h, t0, n);
       const RowBlock<T> rows{paged.first(), ToSize(stored.row_stride)};
@@ -838,12 +839,11 @@ template <class T>
 void PrefetchRows(const fused::RowsView<const T>& x, const fused::StoredRows& stored, int64_t b, int64_t h, int64_t t0,
                   int64_t n, size_t cols) {
   if (n <= 0) return;
-  constexpr size_t kLine = 64;
   const size_t bytes = cols * (stored ? stored.element_bytes() : sizeof(T));
   WithRowsInPlace(x, stored, b, h, t0, ToSize(n), [&](const auto& rows) {
     for (size_t j = 0; j < ToSize(n); ++j) {
       const auto* row = reinterpret_cast<const uint8_t*>(RowAddress(rows.row(j)));
-      for (size_t c = 0; c < bytes; c += kLine) hwy::Prefetch(row + c);
+      for (size_t c = 0; c < bytes; c += kLineBytes) hwy::Prefetch(row + c);
     }
   });
 }
