@@ -167,6 +167,30 @@ def test_tensors_reach_qkv_without_a_copy(rng, monkeypatch):
     assert seen["backward result"] == [t.grad.data_ptr() for t in (q, k, v)]
 
 
+def test_calls_no_gradient_flows_through_ask_for_no_lse(rng, monkeypatch):
+    # Without the lse, a few queries over many keys take qkv's decode kernel; the attention is the same.
+    asked = []
+    attention = qkv.torch._batched_attention
+
+    def spy(*args, **kwargs):
+        asked.append(kwargs["return_lse"])
+        return attention(*args, **kwargs)
+
+    monkeypatch.setattr(qkv.torch, "_batched_attention", spy)
+    q, k, v = tensors(rng, (3,), 1, 700, 16, 8, torch.float32, requires_grad=False)
+    expected = attention_reference(q.numpy(), k.numpy(), v.numpy())[0]
+    naive = torch_math(q, k, v)
+    assert_close(sdpa(q, k, v).numpy(), expected, naive.numpy())
+    q.requires_grad_()
+    with torch.no_grad():
+        out = sdpa(q, k, v)
+    assert not out.requires_grad
+    assert_close(out.numpy(), expected, naive.detach().numpy())
+    assert asked == [False, False]
+    sdpa(q, k, v).sum().backward()
+    assert asked[2] is True and q.grad is not None
+
+
 def test_registered_op(rng):
     assert hasattr(torch.ops.qkv, "attention_forward")
     q, k, v = tensors(rng, (2,), 3, 5, 4, 2)
