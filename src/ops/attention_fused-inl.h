@@ -1331,6 +1331,20 @@ HWY_INLINE void AccumulateWeightedRows(D d, const Rows& v, size_t nk, const T* H
   }
 }
 
+// Query i of AttendFewQueries times an int8 key's per-channel scales, kept in s.q_scaled while the
+// keys share them (a contiguous K's, or a page's): recomputed, and `changed` set, when they change.
+template <class T>
+HWY_INLINE const T* ScaledQuery(const T* HWY_RESTRICT q, size_t i, const StoredRow<StorageType::int8>& k, size_t dk,
+                                ForwardScratch<T>& s, bool& changed) {
+  T* HWY_RESTRICT scaled = s.q_scaled.get() + i * dk;
+  if (s.q_scaled_by[i] != k.scale) {
+    for (size_t c = 0; c < dk; ++c) scaled[c] = q[c] * k.scale[static_cast<int64_t>(c) * k.scale_step];
+    s.q_scaled_by[i] = k.scale;
+    changed = true;
+  }
+  return scaled;
+}
+
 // Lane j = q·k_(first + j) for nk keys of a block's rows (0 past nk), q being query i of
 // AttendFewQueries. An int8 key's scales multiply the dot product (one scale per key) or the query
 // (one per channel, kept in s.q_scaled while the keys share them), not each element, which makes
@@ -1355,13 +1369,7 @@ HWY_INLINE hn::Vec<D> KeyDots(D d, const Rows& keys, size_t first, size_t nk, co
         key_scales[j] = k.scale[0];
         return q;
       }
-      T* HWY_RESTRICT scaled = s.q_scaled.get() + i * dk;
-      if (s.q_scaled_by[i] != k.scale) {
-        for (size_t c = 0; c < dk; ++c) scaled[c] = q[c] * k.scale[static_cast<int64_t>(c) * k.scale_step];
-        s.q_scaled_by[i] = k.scale;
-        changed = true;
-      }
-      return scaled;
+      return ScaledQuery(q, i, k, dk, s, changed);
     } else {
       return q;
     }
@@ -1395,20 +1403,58 @@ HWY_INLINE hn::Vec<D> KeyDots(D d, const Rows& keys, size_t first, size_t nk, co
   return per_key ? hn::Mul(dots, hn::Load(d, key_scales)) : dots;
 }
 
-// o_row ← corr·o_row + Σ_j p[j]·v_j for the nk values of a block (AccumulateWeightedRows). An int8
-// value's scale, one per token, multiplies its weight p[j] (in place) rather than each element, as
-// KeyDots does for keys; scales per channel multiply each element.
+// Calls f with the nk values of a block as the weighted sums read them. An int8 value's scale, one
+// per token, multiplies its weight in each of the `rows` rows of weights p[r] (in place) rather
+// than each element, as KeyDots does for keys, and f gets the integers alone; scales per channel
+// multiply each element.
+template <class Rows, class T, class F>
+HWY_INLINE void WithWeightedValues(const Rows& values, size_t nk, T* const* p, size_t rows, F&& f) {
+  if constexpr (std::is_same_v<Rows, StoredRowRange<StorageType::int8>>) {
+    if (values.row(0).scale_step == 0) {
+      for (size_t j = 0; j < nk; ++j) {
+        const T scale = values.row(j).scale[0];
+        for (size_t r = 0; r < rows; ++r) p[r][j] *= scale;
+      }
+      return f(typename Rows::Integers{values});
+    }
+  }
+  f(values);
+}
+
+// o_row ← corr·o_row + Σ_j p[j]·v_j for the nk values of a block (AccumulateWeightedRows).
 template <class D, class Rows, class T = hn::TFromD<D>>
 HWY_INLINE void ValueSums(D d, const Rows& values, size_t nk, T* HWY_RESTRICT p, T corr, size_t dv,
                           ForwardScratch<T>& s, T* HWY_RESTRICT o_row) {
-  if constexpr (std::is_same_v<Rows, StoredRowRange<StorageType::int8>>) {
-    if (values.row(0).scale_step == 0) {
-      for (size_t j = 0; j < nk; ++j) p[j] *= values.row(j).scale[0];
-      AccumulateWeightedRows(d, typename Rows::Integers{values}, nk, p, corr, dv, s.few_block.get(), o_row);
-      return;
-    }
+  T* const weights[1] = {p};
+  WithWeightedValues(values, nk, weights, 1, [&](const auto& rows) {
+    AccumulateWeightedRows(d, rows, nk, p, corr, dv, s.few_block.get(), o_row);
+  });
+}
+
+// One step of the online softmax of query i (scratch s) over a block's `vectors` vectors of
+// scores: advances its m and l, leaves the weights exp(s − m) in p and returns exp(m_old − m_new),
+// the factor of the older sums.
+template <class D, class T = hn::TFromD<D>>
+HWY_INLINE T FewQueriesSoftmaxStep(D d, const hn::Vec<D>* HWY_RESTRICT scores, size_t vectors, size_t i,
+                                   ForwardScratch<T>& s, T* HWY_RESTRICT p) {
+  const size_t N = hn::Lanes(d);
+  hn::Vec<D> block_max = scores[0];
+  for (size_t v = 1; v < vectors; ++v) block_max = hn::Max(block_max, scores[v]);
+  const T old_max = s.max[i];
+  const T new_max = std::max(old_max, hn::GetLane(hn::MaxOfLanes(d, block_max)));
+  // As in OnlineSoftmaxStep: a row that has seen no visible key shifts by 0, not by −inf.
+  const T shift = new_max == -std::numeric_limits<T>::infinity() ? T{0} : new_max;
+  const T corr = hn::GetLane(SoftmaxExp(d, hn::Set(d, old_max - shift)));
+  hn::Vec<D> block_sum = SoftmaxExp(d, hn::Sub(scores[0], hn::Set(d, shift)));
+  hn::StoreU(block_sum, d, p);
+  for (size_t v = 1; v < vectors; ++v) {
+    const hn::Vec<D> weights = SoftmaxExp(d, hn::Sub(scores[v], hn::Set(d, shift)));
+    hn::StoreU(weights, d, p + v * N);
+    block_sum = hn::Add(block_sum, weights);
   }
-  AccumulateWeightedRows(d, values, nk, p, corr, dv, s.few_block.get(), o_row);
+  s.sum[i] = s.sum[i] * corr + hn::GetLane(hn::SumOfLanes(d, block_sum));
+  s.max[i] = new_max;
+  return corr;
 }
 
 // Key vectors per step of AttendFewQueries' online softmax. Each step's max, exponentials, sum and
@@ -1431,6 +1477,24 @@ size_t FewQueriesBlockVectors(const Inputs<T>& in, size_t nq) {
   const auto int8 = [](const fused::StoredRows& x) { return x && x.type == StorageType::int8; };
   const bool wide = ToSize(in.group) * nq >= kFewQueriesWideRows || int8(in.k_stored) || int8(in.v_stored);
   return wide ? kFewQueriesWideBlock : 1;
+}
+
+// Keys that AttendFewQueries asks for its stored rows ahead: kFewQueriesPrefetchBytes of K.
+template <class T>
+int64_t FewQueriesPrefetchKeys(const Inputs<T>& in, size_t lanes) {
+  const size_t key_bytes = in.k_stored ? in.k_stored.element_bytes() : sizeof(T);
+  return static_cast<int64_t>(RoundUp(kFewQueriesPrefetchBytes / (ToSize(in.dk) * key_bytes) + 1, lanes));
+}
+
+// Asks for the n stored K and V rows from `first` on (those before prefetch_end): a block's rows
+// of operands that are converted or paged, ahead of the block that reads them.
+template <class T>
+HWY_INLINE void PrefetchStoredBlock(const Inputs<T>& in, int64_t b, int64_t hk, int64_t first, int64_t n,
+                                    int64_t prefetch_end) {
+  if (first >= prefetch_end) return;
+  n = std::min(n, prefetch_end - first);
+  if (in.k_stored) PrefetchRows(in.k, in.k_stored, b, hk, first, n, ToSize(in.dk));
+  if (in.v_stored) PrefetchRows(in.v, in.v_stored, b, hk, first, n, ToSize(in.dv));
 }
 
 // The forward for nq ≤ kFewQueries queries (decode): with a single query, lanes along queries
@@ -1462,8 +1526,7 @@ void AttendFewQueries(D d, const Inputs<T>& in, int64_t b, int64_t h, int64_t q0
   const hn::Vec<D> neg_inf = hn::Set(d, -std::numeric_limits<T>::infinity());
   const size_t dv = ToSize(in.dv);
   T* HWY_RESTRICT p = s.st.get();
-  const size_t key_bytes = in.k_stored ? in.k_stored.element_bytes() : sizeof(T);
-  const auto prefetch_keys = static_cast<int64_t>(RoundUp(kFewQueriesPrefetchBytes / (dk * key_bytes) + 1, N));
+  const int64_t prefetch_keys = FewQueriesPrefetchKeys(in, N);
   const RowBlock<T> queries = StageRows(d, in.q, in.q_stored, b, h, q0, nq, dk, s.q_stage.get());
   s.q_scaled_by.fill(nullptr);
   // Blocks start at the keys N/2 past a multiple of their width, not at the multiples: K and V of
@@ -1479,12 +1542,7 @@ void AttendFewQueries(D d, const Inputs<T>& in, int64_t b, int64_t h, int64_t q0
   for (int64_t j0 = key_begin; j0 < key_end; j0 += n, n = block_keys) {
     const size_t nk = ToSize(std::min<int64_t>(n, key_end - j0));
     const size_t vectors = kBlockVectors == 1 ? 1 : DivCeil(nk, N);
-    const int64_t ahead = j0 + prefetch_keys;
-    if (ahead < prefetch_end) {
-      const int64_t n_ahead = std::min<int64_t>(block_keys, prefetch_end - ahead);
-      if (in.k_stored) PrefetchRows(in.k, in.k_stored, b, hk, ahead, n_ahead, dk);
-      if (in.v_stored) PrefetchRows(in.v, in.v_stored, b, hk, ahead, n_ahead, dv);
-    }
+    PrefetchStoredBlock(in, b, hk, j0 + prefetch_keys, block_keys, prefetch_end);
     for (size_t i = 0; i < nq; ++i) {
       const int64_t qi = q0 + static_cast<int64_t>(i);
       const T* HWY_RESTRICT q = queries.row(i);
@@ -1497,26 +1555,243 @@ void AttendFewQueries(D d, const Inputs<T>& in, int64_t b, int64_t h, int64_t q0
           scores[v] = hn::IfThenElse(hn::FirstN(d, count), Scores(d, in, b, h, run, dots), neg_inf);
         }
       });
-      hn::Vec<D> block_max = scores[0];
-      for (size_t v = 1; v < vectors; ++v) block_max = hn::Max(block_max, scores[v]);
-      const T old_max = s.max[i];
-      const T new_max = std::max(old_max, hn::GetLane(hn::MaxOfLanes(d, block_max)));
-      // As in OnlineSoftmaxStep: a row that has seen no visible key shifts by 0, not by −inf.
-      const T shift = new_max == -std::numeric_limits<T>::infinity() ? T{0} : new_max;
-      const T corr = hn::GetLane(SoftmaxExp(d, hn::Set(d, old_max - shift)));
-      hn::Vec<D> block_sum = SoftmaxExp(d, hn::Sub(scores[0], hn::Set(d, shift)));
-      hn::StoreU(block_sum, d, p);
-      for (size_t v = 1; v < vectors; ++v) {
-        const hn::Vec<D> weights = SoftmaxExp(d, hn::Sub(scores[v], hn::Set(d, shift)));
-        hn::StoreU(weights, d, p + v * N);
-        block_sum = hn::Add(block_sum, weights);
-      }
-      s.sum[i] = s.sum[i] * corr + hn::GetLane(hn::SumOfLanes(d, block_sum));
-      s.max[i] = new_max;
+      const T corr = FewQueriesSoftmaxStep(d, scores, vectors, i, s, p);
       WithStreamedRows(d, in.v, in.v_stored, b, hk, j0, nk, in.tk, [&](const auto& values) {
         ValueSums(d, values, nk, p, corr, dv, s, s.few.get() + i * s.few_row);
       });
     }
+  }
+}
+
+// One query row of a decode step whose K and V rows other rows read too (the query heads of a
+// grouped-query group, each with its queries): its query, head, position and scratch.
+template <class T>
+struct SharedRow {
+  const T* HWY_RESTRICT q;
+  int64_t h;
+  size_t i;  // the query's index in its head's block, and in the head's scratch
+  ForwardScratch<T>* s;
+};
+
+// Rows AttendSharedRows takes at once: each key's K vectors are loaded once for all of them, and
+// each row keeps four chains of dot products in registers meanwhile (4·rows + 8 vectors at d = 128
+// on AVX-512's 32 registers, 4·rows + 4 at d = 64 on AVX2's 16).
+constexpr size_t kSharedRowsAtOnce = HWY_TARGET == HWY_SCALAR ? 1 : (HWY_TARGET <= HWY_AVX3 ? 4 : 2);
+// How far ahead of the key it reaches AttendSharedRows asks for K and V rows, in bytes of K, one
+// key at a time. With several rows' arithmetic between its loads, a core kept too few of them in
+// flight: taking the rows together read K and V at 0.63–0.73× the pace of taking them one after
+// another (each from L2 after the first) when nothing, or a block's or a vector's rows at once,
+// was asked for ahead. One key at a time, 2 KiB ahead measured 0.97–1.12× that pace, 4 KiB
+// 1.06–1.11×, 8 KiB 1.02–1.12× (grouped-query decode, Zen 5, float32, float16, bfloat16, int8).
+constexpr int64_t kSharedRowsAheadBytes = 4096;
+
+// Lane sums of q_r·key over exactly kVectors vectors for kRows queries (RowDotLanes' chains), into
+// lanes[r][j]: each key vector loaded once for every row.
+template <size_t kRows, size_t kVectors, class D, class Key, class T = hn::TFromD<D>, size_t kN = hn::MaxLanes(D())>
+HWY_INLINE void SharedRowDots(D d, const T* HWY_RESTRICT const* q, const Key& key, size_t j,
+                              hn::Vec<D> (*HWY_RESTRICT lanes)[kN]) {
+  const size_t N = hn::Lanes(d);
+  hn::Vec<D> k[kVectors];
+  HWY_UNROLL(8)
+  for (size_t g = 0; g < kVectors; ++g) k[g] = LoadRow(d, key, g * N);
+  hn::Vec<D> a[kRows][4];
+  HWY_UNROLL(4)
+  for (size_t r = 0; r < kRows; ++r) {
+    HWY_UNROLL(4)
+    for (size_t g = 0; g < 4; ++g) a[r][g] = hn::MulAdd(hn::LoadU(d, q[r] + g * N), k[g], hn::Zero(d));
+    HWY_UNROLL(4)
+    for (size_t g = 4; g < kVectors; ++g) a[r][g % 4] = hn::MulAdd(hn::LoadU(d, q[r] + g * N), k[g], a[r][g % 4]);
+  }
+  HWY_UNROLL(4)
+  for (size_t r = 0; r < kRows; ++r) lanes[r][j] = hn::Add(hn::Add(a[r][0], a[r][1]), hn::Add(a[r][2], a[r][3]));
+}
+
+// Rows of K and V asked for a fixed distance ahead, one key at a time, as the kernel reaches each
+// key: row j's lines at k + j·k_stride (and v + j·v_stride) while below the end.
+struct RowsAhead {
+  const uint8_t* k = nullptr;
+  const uint8_t* v = nullptr;
+  size_t k_stride = 0, v_stride = 0, k_bytes = 0, v_bytes = 0;
+  const uint8_t* k_end = nullptr;
+  const uint8_t* v_end = nullptr;
+
+  HWY_INLINE void Ask(size_t j) const {
+    const uint8_t* kr = k + j * k_stride;
+    const uint8_t* vr = v + j * v_stride;
+    if (kr < k_end) {
+      for (size_t c = 0; c < k_bytes; c += kLineBytes) hwy::Prefetch(kr + c);
+    }
+    if (vr < v_end) {
+      for (size_t c = 0; c < v_bytes; c += kLineBytes) hwy::Prefetch(vr + c);
+    }
+  }
+};
+
+// Lane j of dots[r] = row r's q·k_(first + j) for nk keys (0 past nk), as KeyDots gives it to each
+// row alone: the same chains in the same order, so the same sums.
+template <size_t kRows, class D, class Rows, class T = hn::TFromD<D>>
+HWY_INLINE void SharedKeyDots(D d, const Rows& keys, size_t first, size_t nk, const SharedRow<T>* rows, size_t dk,
+                              const RowsAhead& ahead, hn::Vec<D>* HWY_RESTRICT dots) {
+  constexpr bool kInt8 = std::is_same_v<Rows, StoredRowRange<StorageType::int8>>;
+  constexpr size_t kN = hn::MaxLanes(D());
+  const size_t N = hn::Lanes(d);
+  hn::Vec<D> lanes[kRows][kN];
+  HWY_ALIGN T tails[kRows][kN] = {};
+  HWY_ALIGN T key_scales[kN] = {};
+  bool per_key = false;
+  const bool tail = dk % N != 0;
+  const T* HWY_RESTRICT q[kRows];
+  for (size_t r = 0; r < kRows; ++r) q[r] = rows[r].q;
+  for (size_t j = 0; j < nk; ++j) {
+    ahead.Ask(first + j);
+    const auto key = [&] {
+      if constexpr (kInt8) {
+        const StoredRow<StorageType::int8> k = keys.row(first + j);
+        if (k.scale_step == 0) {
+          per_key = true;
+          key_scales[j] = k.scale[0];
+        } else {
+          bool changed = false;
+          for (size_t r = 0; r < kRows; ++r) q[r] = ScaledQuery(rows[r].q, rows[r].i, k, dk, *rows[r].s, changed);
+        }
+        return Int8Integers{reinterpret_cast<const int8_t*>(k.data)};
+      } else {
+        return keys.row(first + j);
+      }
+    }();
+    const size_t vectors = dk / N;
+    if (!tail && vectors == 8) {
+      SharedRowDots<kRows, 8>(d, q, key, j, lanes);
+    } else if (!tail && vectors == 4) {
+      SharedRowDots<kRows, 4>(d, q, key, j, lanes);
+    } else {
+      for (size_t r = 0; r < kRows; ++r) lanes[r][j] = RowDotLanes(d, q[r], key, dk);
+    }
+    if (tail) {
+      for (size_t r = 0; r < kRows; ++r) tails[r][j] = RowDotTail(d, q[r], key, dk);
+    }
+  }
+  for (size_t r = 0; r < kRows; ++r) {
+    for (size_t j = nk; j < kN; ++j) lanes[r][j] = hn::Zero(d);
+    hn::Vec<D> sum = SumLanesOfEach(d, lanes[r]);
+    if (tail) sum = hn::Add(sum, hn::Load(d, tails[r]));
+    dots[r] = per_key ? hn::Mul(sum, hn::Load(d, key_scales)) : sum;
+  }
+}
+
+// o_r ← corr_r·o_r + Σ_j p_r[j]·v_j for the rows' nk values of a block, each V vector loaded once
+// for all rows: per element, the same operations in the same order as AccumulateWeightedRows.
+template <size_t kRows, class D, class Rows, class T = hn::TFromD<D>>
+HWY_INLINE void SharedValueSums(D d, const Rows& values, size_t nk, T* const* p, const T* corr, size_t dv,
+                                T* const* o) {
+  const size_t N = hn::Lanes(d);
+  // Sums in registers for kColumns vectors of every row, and the values' kColumns vectors.
+  constexpr size_t kColumns = std::max<size_t>(1, (HWY_TARGET <= HWY_AVX3 ? 16 : 8) / kRows);
+  size_t c = 0;
+  for (; c + kColumns * N <= dv; c += kColumns * N) {
+    hn::Vec<D> sum[kRows][kColumns];
+    for (size_t r = 0; r < kRows; ++r) {
+      for (size_t u = 0; u < kColumns; ++u) sum[r][u] = hn::Zero(d);
+    }
+    for (size_t j = 0; j < nk; ++j) {
+      const auto vj = values.row(j);
+      hn::Vec<D> v[kColumns];
+      HWY_UNROLL(16)
+      for (size_t u = 0; u < kColumns; ++u) v[u] = LoadRow(d, vj, c + u * N);
+      HWY_UNROLL(4)
+      for (size_t r = 0; r < kRows; ++r) {
+        const hn::Vec<D> pj = hn::Set(d, p[r][j]);
+        HWY_UNROLL(16)
+        for (size_t u = 0; u < kColumns; ++u) sum[r][u] = hn::MulAdd(pj, v[u], sum[r][u]);
+      }
+    }
+    for (size_t r = 0; r < kRows; ++r) {
+      for (size_t u = 0; u < kColumns; ++u) {
+        T* HWY_RESTRICT out = o[r] + c + u * N;
+        hn::Store(hn::MulAdd(hn::Load(d, out), hn::Set(d, corr[r]), sum[r][u]), d, out);
+      }
+    }
+  }
+  for (; c + N <= dv; c += N) {
+    for (size_t r = 0; r < kRows; ++r) AccumulateWeightedColumns<1>(d, values, nk, p[r], corr[r], c, o[r]);
+  }
+  for (; c < dv; ++c) {
+    for (size_t r = 0; r < kRows; ++r) {
+      T sum = 0;
+      for (size_t j = 0; j < nk; ++j) sum += p[r][j] * RowAt(values.row(j), c);
+      o[r][c] = o[r][c] * corr[r] + sum;
+    }
+  }
+}
+
+// AttendFewQueries for kRows query rows that read the same K and V rows (one kv head), together:
+// each block's K and V rows come from memory once and serve every row from registers, where
+// taking the rows one after another read them from memory once and from L2 for each other row.
+// Both ways give the same results. The rows are asked for kSharedRowsAheadBytes ahead.
+template <size_t kBlockVectors, size_t kRows, class D, class T = hn::TFromD<D>>
+void AttendSharedRows(D d, const Inputs<T>& in, int64_t b, int64_t hk, const SharedRow<T>* rows, int64_t key_begin,
+                      int64_t key_end, int64_t prefetch_end, bool ask_ahead) {
+  const size_t N = hn::Lanes(d);
+  const size_t dk = ToSize(in.dk);
+  const size_t dv = ToSize(in.dv);
+  const hn::Vec<D> neg_inf = hn::Set(d, -std::numeric_limits<T>::infinity());
+  const auto bytes = [](const fused::StoredRows& stored) {
+    return stored ? static_cast<int64_t>(stored.element_bytes()) : static_cast<int64_t>(sizeof(T));
+  };
+  // Paged rows are asked for a block at a time, as AttendFewQueries does: a row's address there
+  // takes the page table.
+  const bool paged = (in.k_stored && in.k_stored.pages) || (in.v_stored && in.v_stored.pages);
+  const int64_t paged_ahead = FewQueriesPrefetchKeys(in, N);
+  const int64_t ahead = DivCeil(kSharedRowsAheadBytes, in.dk * bytes(in.k_stored));
+  T* p[kRows];
+  T* o[kRows];
+  T corr[kRows];
+  for (size_t r = 0; r < kRows; ++r) {
+    p[r] = rows[r].s->st.get() + rows[r].i * kBlockVectors * N;
+    o[r] = rows[r].s->few.get() + rows[r].i * rows[r].s->few_row;
+  }
+  const auto block_keys = static_cast<int64_t>(kBlockVectors * N);
+  int64_t n = block_keys - (key_begin + block_keys - static_cast<int64_t>(N / 2)) % block_keys;
+  for (int64_t j0 = key_begin; j0 < key_end; j0 += n, n = block_keys) {
+    const size_t nk = ToSize(std::min<int64_t>(n, key_end - j0));
+    const size_t vectors = kBlockVectors == 1 ? 1 : DivCeil(nk, N);
+    hn::Vec<D> scores[kRows][kBlockVectors];
+    RowsAhead block_ahead;
+    if (ask_ahead && paged) PrefetchStoredBlock(in, b, hk, j0 + paged_ahead, block_keys, prefetch_end);
+    if (ask_ahead && !paged && j0 + ahead < prefetch_end) {
+      const auto address = [&](const auto& x, const fused::StoredRows& st, int64_t t) {
+        return st ? st.row(b, hk, t) : reinterpret_cast<const uint8_t*>(x.row(b, hk, t));
+      };
+      const auto stride = [&](const auto& x, const fused::StoredRows& st) {
+        return st ? ToSize(st.row_stride) * st.element_bytes() : ToSize(x.row_stride) * sizeof(T);
+      };
+      block_ahead = RowsAhead{.k = address(in.k, in.k_stored, j0 + ahead),
+                              .v = address(in.v, in.v_stored, j0 + ahead),
+                              .k_stride = stride(in.k, in.k_stored),
+                              .v_stride = stride(in.v, in.v_stored),
+                              .k_bytes = dk * (in.k_stored ? in.k_stored.element_bytes() : sizeof(T)),
+                              .v_bytes = dv * (in.v_stored ? in.v_stored.element_bytes() : sizeof(T)),
+                              .k_end = address(in.k, in.k_stored, prefetch_end - 1) + 1,
+                              .v_end = address(in.v, in.v_stored, prefetch_end - 1) + 1};
+    }
+    WithStreamedRows(d, in.k, in.k_stored, b, hk, j0, nk, in.tk, [&](const auto& keys) {
+      for (size_t v = 0; v < vectors; ++v) {
+        const size_t count = std::min(N, nk - v * N);
+        const int64_t jv = j0 + static_cast<int64_t>(v * N);
+        hn::Vec<D> dots[kRows];
+        SharedKeyDots<kRows>(d, keys, v * N, count, rows, dk, block_ahead, dots);
+        for (size_t r = 0; r < kRows; ++r) {
+          const LaneRun run{.i = static_cast<int64_t>(rows[r].i), .j = jv, .di = 0, .dj = 1, .count = count};
+          scores[r][v] = hn::IfThenElse(hn::FirstN(d, count), Scores(d, in, b, rows[r].h, run, dots[r]), neg_inf);
+        }
+      }
+    });
+    for (size_t r = 0; r < kRows; ++r)
+      corr[r] = FewQueriesSoftmaxStep(d, scores[r], vectors, rows[r].i, *rows[r].s, p[r]);
+    WithStreamedRows(d, in.v, in.v_stored, b, hk, j0, nk, in.tk, [&](const auto& values) {
+      WithWeightedValues(values, nk, p, kRows,
+                         [&](const auto& weighted) { SharedValueSums<kRows>(d, weighted, nk, p, corr, dv, o); });
+    });
   }
 }
 
@@ -1746,10 +2021,59 @@ int64_t DecodeGroupKeys(const Inputs<T>& in) {
   return static_cast<int64_t>(RoundUp(ToSize(std::max<int64_t>(1, l2 / 4 / row_bytes)), kKeyBlock));
 }
 
+// The few-query layout's continuation for the nq queries of each of a group's heads (scratch s[r]
+// for head h0 + r) over keys [key_begin, key_end): their rows taken kSharedRowsAtOnce at a time.
+template <class D, class T = hn::TFromD<D>>
+void ContinueSharedRows(D d, const Inputs<T>& in, int64_t b, int64_t h0, size_t nq, int64_t key_begin, int64_t key_end,
+                        ForwardScratch<T>* s) {
+  const int64_t hk = in.kv_head(h0);
+  const int64_t prefetch_end = std::min(key_end, static_cast<int64_t>(nq) + in.band_hi);
+  key_begin = std::max(key_begin, in.band_lo);
+  key_end = std::min(key_end, static_cast<int64_t>(nq) + in.band_hi);
+  std::vector<SharedRow<T>> rows;
+  for (size_t r = 0; r < ToSize(in.group); ++r) {
+    const int64_t h = h0 + static_cast<int64_t>(r);
+    const RowBlock<T> queries = StageRows(d, in.q, in.q_stored, b, h, 0, nq, ToSize(in.dk), s[r].q_stage.get());
+    s[r].q_scaled_by.fill(nullptr);
+    for (size_t i = 0; i < nq; ++i) rows.push_back({queries.row(i), h, i, &s[r]});
+  }
+  const bool wide = FewQueriesBlockVectors(in, nq) == kFewQueriesWideBlock;
+  constexpr size_t kAtOnce = kSharedRowsAtOnce;
+  // More rows than kAtOnce take the keys range by range, the later rows finding them in L2. Ranges
+  // end where the blocks of AttendSharedRows do (half a vector past a multiple of kKeyBlock).
+  const int64_t range = rows.size() > kAtOnce ? DecodeGroupKeys(in) : key_end - key_begin;
+  const auto half = static_cast<int64_t>(hn::Lanes(d) / 2);
+  const auto block = static_cast<int64_t>(kKeyBlock);
+  for (int64_t j0 = key_begin, j1 = 0; j0 < key_end; j0 = j1) {
+    j1 = std::min(key_end, j0 + block - (j0 + block - half) % block + range - block);
+    for (size_t r = 0; r < rows.size();) {
+      const size_t left = rows.size() - r;
+      const bool ask = r == 0;
+      const auto run = [&](auto rows_at_once) {
+        constexpr size_t kRows = decltype(rows_at_once)::value;
+        if (wide) {
+          AttendSharedRows<kFewQueriesWideBlock, kRows>(d, in, b, hk, rows.data() + r, j0, j1, prefetch_end, ask);
+        } else {
+          AttendSharedRows<1, kRows>(d, in, b, hk, rows.data() + r, j0, j1, prefetch_end, ask);
+        }
+        r += kRows;
+      };
+      if (left >= kAtOnce) {
+        run(std::integral_constant<size_t, kAtOnce>());
+      } else if (kAtOnce > 2 && left >= 2) {
+        run(std::integral_constant<size_t, std::min<size_t>(2, kAtOnce)>());
+      } else {
+        run(std::integral_constant<size_t, 1>());
+      }
+    }
+  }
+}
+
 // Decode: every (kv head, key chunk) task leaves the partial (m, l, o) of the Tq ≤ 16 queries of
-// each query head of its group, which it runs range of keys by range of keys (DecodeGroupKeys) so
-// that K and V come from memory once per group; a second parallel_for merges the chunks of each
-// head by log-sum-exp:
+// each query head of its group, so that K and V come from memory once per group: in the few-query
+// layout, with more than one query row in all, the rows take each K and V row together
+// (ContinueSharedRows); otherwise each head in turn, range of keys by range of keys
+// (DecodeGroupKeys). A second parallel_for merges the chunks of each head by log-sum-exp:
 //   M = max_c m_c,  w_c = exp(m_c − M) (0 for a chunk that saw no key),  l = Σ_c w_c l_c,
 //   out = Σ_c w_c o_c / l,  lse = M + log l;  M = −inf: out 0, lse −inf.
 template <class D, class T = hn::TFromD<D>>
@@ -1766,6 +2090,7 @@ void ForwardDecode(D d, const ForwardParams<T>& p, int64_t chunks, std::vector<F
   // (which depends on the types): AttendFewQueries' blocks end half a vector past a multiple of
   // one, the other layout's at multiples of kKeyBlock.
   const bool few = !p.scores_as_backward;
+  const bool shared = in.group * static_cast<int64_t>(nq) > 1 && FewQueryLayout(in, nq, few);
   const int64_t range_shift = FewQueryLayout(in, nq, few) ? static_cast<int64_t>(hn::Lanes(d) / 2) : 0;
   const int64_t heads = in.heads_total();
   const size_t parts = ToSize(heads * chunks);
@@ -1781,11 +2106,15 @@ void ForwardDecode(D d, const ForwardParams<T>& p, int64_t chunks, std::vector<F
           const int64_t bh = first + static_cast<int64_t>(r);
           BeginQueryBlock(d, in, bh / in.heads, bh % in.heads, 0, nq, few, s[r]);
         }
-        for (int64_t j0 = begin, j1 = 0; j0 < end; j0 = j1) {
-          j1 = std::min(end, (j0 == begin ? begin + range_shift : j0) + range);
-          for (size_t r = 0; r < group; ++r) {
-            const int64_t bh = first + static_cast<int64_t>(r);
-            ContinueQueryBlock(d, in, bh / in.heads, bh % in.heads, 0, nq, j0, j1, end, few, s[r]);
+        if (shared) {
+          ContinueSharedRows(d, in, first / in.heads, first % in.heads, nq, begin, end, s);
+        } else {
+          for (int64_t j0 = begin, j1 = 0; j0 < end; j0 = j1) {
+            j1 = std::min(end, (j0 == begin ? begin + range_shift : j0) + range);
+            for (size_t r = 0; r < group; ++r) {
+              const int64_t bh = first + static_cast<int64_t>(r);
+              ContinueQueryBlock(d, in, bh / in.heads, bh % in.heads, 0, nq, j0, j1, end, few, s[r]);
+            }
           }
         }
         for (size_t r = 0; r < group; ++r) {

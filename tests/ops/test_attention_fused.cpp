@@ -285,6 +285,33 @@ TEST(AttentionFused, WideDecodeStepsThroughHiddenVectorsAndBlocks) {
   }
 }
 
+TEST(AttentionFused, DecodeRowsSharingKAndVTakeThemRangeByRange) {
+  // Each K and V row of a decode step serves every query of every head of its group; more such rows
+  // than one pass holds in registers take the keys range by range (a quarter of L2 at a time). Eight
+  // heads on one K and V head, two queries each: sixteen rows, ranges inside every chunk of keys on
+  // any cache size, and masked keys across a range's end. The reference's out on every target, and
+  // the same bits on one thread and on two.
+  uint64_t seed = 1050;
+  for (const int64_t d : {int64_t{128}, int64_t{40}}) {
+    SCOPED_TRACE(fmt::format("D={}", d));
+    constexpr int64_t kH = 8, kTq = 2, kTk = 4096;
+    Problem p = random_problem({1, kH, kTq, kTk, d, d}, seed);
+    Rng rng(seed + 1);
+    p.k = random_tensor<double>({1, 1, kTk, d}, rng);
+    p.v = random_tensor<double>({1, 1, kTk, d}, rng);
+    p.allowed = random_mask({1, kH, kTq, kTk}, 0.8, seed + 2);
+    const testing::NaiveAttention<float> naive = testing::naive_attention<float>(p, random_dout(p, seed + 3));
+    const Forward want = reference_forward(p);
+    on_every_target([&] {
+      const Forward got = run_forward<float>(p, AttentionImpl::fused, false);
+      EXPECT_TRUE(all_close("out", got.out, want.out, testing::tolerance_from_naive(naive.out, want.out)));
+      const WorkersScope one_worker(1);
+      EXPECT_TRUE(bit_identical(run_forward<float>(p, AttentionImpl::fused, false).out, got.out));
+    });
+    seed += 4;
+  }
+}
+
 TEST(AttentionFused, FewQueriesWithHugeLogitsKeepTheBackwardAccurate) {
   // |q·k| ≈ 10⁴, where an ulp of a score is 10⁻³: the few-query forward sums q·k in another order
   // than the backward, so its scores differ from the backward's by ulps. No forward that returns
