@@ -800,6 +800,34 @@ HWY_INLINE void WithRowsInPlace(const fused::RowsView<const T>& x, const fused::
   f(RowsOf(x, b, h, t0));
 }
 
+// Rows [t0, t0 + n) of an operand that lie at a fixed stride from row t0, as stored: all n unless
+// it is paged, else those of row t0's run of pages (StoredRowRange).
+struct RowRun {
+  const uint8_t* first = nullptr;
+  size_t stride = 0;  // bytes
+  size_t rows = 0;
+};
+
+template <class T>
+RowRun RowRunOf(const fused::RowsView<const T>& x, const fused::StoredRows& stored, int64_t b, int64_t h, int64_t t0,
+                size_t n) {
+  if (!stored) return {reinterpret_cast<const uint8_t*>(x.row(b, h, t0)), ToSize(x.row_stride) * sizeof(T), n};
+  const size_t stride = ToSize(stored.row_stride) * stored.element_bytes();
+  if (!stored.pages) return {stored.row(b, h, t0), stride, n};
+  const auto run = [&](const auto& rows) { return RowRun{RowAddress(rows.row(0)), stride, std::min(n, rows.run())}; };
+  switch (stored.type) {
+    case StorageType::float32:
+      return run(StoredRowRange<StorageType::float32>(stored, b, h, t0, n));
+    case StorageType::float16:
+      return run(StoredRowRange<StorageType::float16>(stored, b, h, t0, n));
+    case StorageType::bfloat16:
+      return run(StoredRowRange<StorageType::bfloat16>(stored, b, h, t0, n));
+    case StorageType::int8:
+      return run(StoredRowRange<StorageType::int8>(stored, b, h, t0, n));
+  }
+  return {};
+}
+
 // WithRowsInPlace for the n rows [t0, t0 + n) that AttendFewQueries streams. Rows of T (float32
 // read in place, or paged float32 rows in one run) whose stride is whole vectors are read as
 // LookaheadRows when they start on a vector of a whole line, and as RealignedRows when they start
@@ -1479,24 +1507,6 @@ size_t FewQueriesBlockVectors(const Inputs<T>& in, size_t nq) {
   return wide ? kFewQueriesWideBlock : 1;
 }
 
-// Keys that AttendFewQueries asks for its stored rows ahead: kFewQueriesPrefetchBytes of K.
-template <class T>
-int64_t FewQueriesPrefetchKeys(const Inputs<T>& in, size_t lanes) {
-  const size_t key_bytes = in.k_stored ? in.k_stored.element_bytes() : sizeof(T);
-  return static_cast<int64_t>(RoundUp(kFewQueriesPrefetchBytes / (ToSize(in.dk) * key_bytes) + 1, lanes));
-}
-
-// Asks for the n stored K and V rows from `first` on (those before prefetch_end): a block's rows
-// of operands that are converted or paged, ahead of the block that reads them.
-template <class T>
-HWY_INLINE void PrefetchStoredBlock(const Inputs<T>& in, int64_t b, int64_t hk, int64_t first, int64_t n,
-                                    int64_t prefetch_end) {
-  if (first >= prefetch_end) return;
-  n = std::min(n, prefetch_end - first);
-  if (in.k_stored) PrefetchRows(in.k, in.k_stored, b, hk, first, n, ToSize(in.dk));
-  if (in.v_stored) PrefetchRows(in.v, in.v_stored, b, hk, first, n, ToSize(in.dv));
-}
-
 // The forward for nq ≤ kFewQueries queries (decode): with a single query, lanes along queries
 // would leave all but one lane idle, so here the lanes run along keys instead. A block is one
 // vector of N keys, or kFewQueriesWideBlock of them (FewQueriesBlockVectors): each score is a dot
@@ -1526,7 +1536,8 @@ void AttendFewQueries(D d, const Inputs<T>& in, int64_t b, int64_t h, int64_t q0
   const hn::Vec<D> neg_inf = hn::Set(d, -std::numeric_limits<T>::infinity());
   const size_t dv = ToSize(in.dv);
   T* HWY_RESTRICT p = s.st.get();
-  const int64_t prefetch_keys = FewQueriesPrefetchKeys(in, N);
+  const size_t key_bytes = in.k_stored ? in.k_stored.element_bytes() : sizeof(T);
+  const auto prefetch_keys = static_cast<int64_t>(RoundUp(kFewQueriesPrefetchBytes / (dk * key_bytes) + 1, N));
   const RowBlock<T> queries = StageRows(d, in.q, in.q_stored, b, h, q0, nq, dk, s.q_stage.get());
   s.q_scaled_by.fill(nullptr);
   // Blocks start at the keys N/2 past a multiple of their width, not at the multiples: K and V of
@@ -1542,7 +1553,12 @@ void AttendFewQueries(D d, const Inputs<T>& in, int64_t b, int64_t h, int64_t q0
   for (int64_t j0 = key_begin; j0 < key_end; j0 += n, n = block_keys) {
     const size_t nk = ToSize(std::min<int64_t>(n, key_end - j0));
     const size_t vectors = kBlockVectors == 1 ? 1 : DivCeil(nk, N);
-    PrefetchStoredBlock(in, b, hk, j0 + prefetch_keys, block_keys, prefetch_end);
+    const int64_t ahead = j0 + prefetch_keys;
+    if (ahead < prefetch_end) {
+      const int64_t n_ahead = std::min<int64_t>(block_keys, prefetch_end - ahead);
+      if (in.k_stored) PrefetchRows(in.k, in.k_stored, b, hk, ahead, n_ahead, dk);
+      if (in.v_stored) PrefetchRows(in.v, in.v_stored, b, hk, ahead, n_ahead, dv);
+    }
     for (size_t i = 0; i < nq; ++i) {
       const int64_t qi = q0 + static_cast<int64_t>(i);
       const T* HWY_RESTRICT q = queries.row(i);
@@ -1606,23 +1622,18 @@ HWY_INLINE void SharedRowDots(D d, const T* HWY_RESTRICT const* q, const Key& ke
   for (size_t r = 0; r < kRows; ++r) lanes[r][j] = hn::Add(hn::Add(a[r][0], a[r][1]), hn::Add(a[r][2], a[r][3]));
 }
 
-// Rows of K and V asked for a fixed distance ahead, one key at a time, as the kernel reaches each
-// key: row j's lines at k + j·k_stride (and v + j·v_stride) while below the end.
+// Rows of K and V asked for a fixed distance ahead, one key at a time as the kernel reaches each
+// key: row j of each run, while the run has it.
 struct RowsAhead {
-  const uint8_t* k = nullptr;
-  const uint8_t* v = nullptr;
-  size_t k_stride = 0, v_stride = 0, k_bytes = 0, v_bytes = 0;
-  const uint8_t* k_end = nullptr;
-  const uint8_t* v_end = nullptr;
+  RowRun k, v;
+  size_t k_bytes = 0, v_bytes = 0;
 
   HWY_INLINE void Ask(size_t j) const {
-    const uint8_t* kr = k + j * k_stride;
-    const uint8_t* vr = v + j * v_stride;
-    if (kr < k_end) {
-      for (size_t c = 0; c < k_bytes; c += kLineBytes) hwy::Prefetch(kr + c);
+    if (j < k.rows) {
+      for (size_t c = 0; c < k_bytes; c += kLineBytes) hwy::Prefetch(k.first + j * k.stride + c);
     }
-    if (vr < v_end) {
-      for (size_t c = 0; c < v_bytes; c += kLineBytes) hwy::Prefetch(vr + c);
+    if (j < v.rows) {
+      for (size_t c = 0; c < v_bytes; c += kLineBytes) hwy::Prefetch(v.first + j * v.stride + c);
     }
   }
 };
@@ -1738,10 +1749,6 @@ void AttendSharedRows(D d, const Inputs<T>& in, int64_t b, int64_t hk, const Sha
   const auto bytes = [](const fused::StoredRows& stored) {
     return stored ? static_cast<int64_t>(stored.element_bytes()) : static_cast<int64_t>(sizeof(T));
   };
-  // Paged rows are asked for a block at a time, as AttendFewQueries does: a row's address there
-  // takes the page table.
-  const bool paged = (in.k_stored && in.k_stored.pages) || (in.v_stored && in.v_stored.pages);
-  const int64_t paged_ahead = FewQueriesPrefetchKeys(in, N);
   const int64_t ahead = DivCeil(kSharedRowsAheadBytes, in.dk * bytes(in.k_stored));
   T* p[kRows];
   T* o[kRows];
@@ -1757,22 +1764,12 @@ void AttendSharedRows(D d, const Inputs<T>& in, int64_t b, int64_t hk, const Sha
     const size_t vectors = kBlockVectors == 1 ? 1 : DivCeil(nk, N);
     hn::Vec<D> scores[kRows][kBlockVectors];
     RowsAhead block_ahead;
-    if (ask_ahead && paged) PrefetchStoredBlock(in, b, hk, j0 + paged_ahead, block_keys, prefetch_end);
-    if (ask_ahead && !paged && j0 + ahead < prefetch_end) {
-      const auto address = [&](const auto& x, const fused::StoredRows& st, int64_t t) {
-        return st ? st.row(b, hk, t) : reinterpret_cast<const uint8_t*>(x.row(b, hk, t));
-      };
-      const auto stride = [&](const auto& x, const fused::StoredRows& st) {
-        return st ? ToSize(st.row_stride) * st.element_bytes() : ToSize(x.row_stride) * sizeof(T);
-      };
-      block_ahead = RowsAhead{.k = address(in.k, in.k_stored, j0 + ahead),
-                              .v = address(in.v, in.v_stored, j0 + ahead),
-                              .k_stride = stride(in.k, in.k_stored),
-                              .v_stride = stride(in.v, in.v_stored),
-                              .k_bytes = dk * (in.k_stored ? in.k_stored.element_bytes() : sizeof(T)),
-                              .v_bytes = dv * (in.v_stored ? in.v_stored.element_bytes() : sizeof(T)),
-                              .k_end = address(in.k, in.k_stored, prefetch_end - 1) + 1,
-                              .v_end = address(in.v, in.v_stored, prefetch_end - 1) + 1};
+    if (ask_ahead && j0 + ahead < prefetch_end) {
+      const size_t n_ahead = ToSize(std::min<int64_t>(prefetch_end - j0 - ahead, static_cast<int64_t>(nk)));
+      block_ahead = RowsAhead{.k = RowRunOf(in.k, in.k_stored, b, hk, j0 + ahead, n_ahead),
+                              .v = RowRunOf(in.v, in.v_stored, b, hk, j0 + ahead, n_ahead),
+                              .k_bytes = dk * static_cast<size_t>(bytes(in.k_stored)),
+                              .v_bytes = dv * static_cast<size_t>(bytes(in.v_stored))};
     }
     WithStreamedRows(d, in.k, in.k_stored, b, hk, j0, nk, in.tk, [&](const auto& keys) {
       for (size_t v = 0; v < vectors; ++v) {
