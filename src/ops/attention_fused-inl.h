@@ -28,15 +28,16 @@
 // half-ulp rounding of lse that a saved lse carries into every P of its row.
 //
 // ---- Variants -----------------------------------------------------------------------------------
-// Grouped-query heads read K and V of head h / group in place. Causality and the window are one
-// band of visible j − i: tiles outside it are never visited (forward: the key range of a query
-// block; backward: tiles skipped in both loops), tiles inside it take the unmasked path. Softcap
-// and ALiBi are part of Scores, so both layouts and both passes compute them alike; the backward
-// takes the softcap's slope from the same call. Sinks change only a row's lse and the factor of
-// its output, when the outputs are written (their gradient is summed at the API). Dropout scales
-// P by factors drawn from (seed; b, h, i, j) wherever P is used: the forward's P·V, the backward's
-// dV and dP; the running sum l is the softmax's, before dropout. Packed sequences never reach the
-// kernels: the API runs one call per sequence on views.
+// Grouped-query heads read K and V of head h / group in place; in decode, a group's query rows take
+// each K and V row together (AttendSharedRows). Causality and the window are one band of visible
+// j − i: tiles outside it are never visited (forward: the key range of a query block; backward:
+// tiles skipped in both loops), tiles inside it take the unmasked path. Softcap and ALiBi are part
+// of Scores, so both layouts and both passes compute them alike; the backward takes the softcap's
+// slope from the same call. Sinks change only a row's lse and the factor of its output, when the
+// outputs are written (their gradient is summed at the API). Dropout scales P by factors drawn
+// from (seed; b, h, i, j) wherever P is used: the forward's P·V, the backward's dV and dP; the
+// running sum l is the softmax's, before dropout. Packed sequences never reach the kernels: the
+// API runs one call per sequence on views.
 //
 // ---- Stored operands ------------------------------------------------------------------------------
 // Q, K and V may be stored as float16, bfloat16 or int8 with scales (StoredRows; float32 kernels).
@@ -811,21 +812,16 @@ struct RowRun {
 template <class T>
 RowRun RowRunOf(const fused::RowsView<const T>& x, const fused::StoredRows& stored, int64_t b, int64_t h, int64_t t0,
                 size_t n) {
-  if (!stored) return {reinterpret_cast<const uint8_t*>(x.row(b, h, t0)), ToSize(x.row_stride) * sizeof(T), n};
-  const size_t stride = ToSize(stored.row_stride) * stored.element_bytes();
-  if (!stored.pages) return {stored.row(b, h, t0), stride, n};
-  const auto run = [&](const auto& rows) { return RowRun{RowAddress(rows.row(0)), stride, std::min(n, rows.run())}; };
-  switch (stored.type) {
-    case StorageType::float32:
-      return run(StoredRowRange<StorageType::float32>(stored, b, h, t0, n));
-    case StorageType::float16:
-      return run(StoredRowRange<StorageType::float16>(stored, b, h, t0, n));
-    case StorageType::bfloat16:
-      return run(StoredRowRange<StorageType::bfloat16>(stored, b, h, t0, n));
-    case StorageType::int8:
-      return run(StoredRowRange<StorageType::int8>(stored, b, h, t0, n));
-  }
-  return {};
+  const size_t stride = stored ? ToSize(stored.row_stride) * stored.element_bytes() : ToSize(x.row_stride) * sizeof(T);
+  RowRun run;
+  WithRowsInPlace(x, stored, b, h, t0, n, [&](const auto& rows) {
+    if constexpr (std::is_same_v<std::decay_t<decltype(rows)>, RowBlock<T>>) {
+      run = {reinterpret_cast<const uint8_t*>(rows.rows), stride, n};
+    } else {
+      run = {RowAddress(rows.row(0)), stride, std::min(n, rows.run())};
+    }
+  });
+  return run;
 }
 
 // WithRowsInPlace for the n rows [t0, t0 + n) that AttendFewQueries streams. Rows of T (float32
