@@ -252,6 +252,9 @@ struct Inputs {
 
   int64_t heads_total() const { return batch * heads; }
   int64_t kv_head(int64_t h) const { return h / group; }
+  // Bytes of one row of K and of V as they are read (stored, or T).
+  int64_t key_row_bytes() const { return dk * static_cast<int64_t>(k_stored ? k_stored.element_bytes() : sizeof(T)); }
+  int64_t value_row_bytes() const { return dv * static_cast<int64_t>(v_stored ? v_stored.element_bytes() : sizeof(T)); }
   // Whether some (i, j) with i in [q0, q0 + nq) and j in [j0, j0 + nk) is in the band.
   bool BandTouches(int64_t q0, int64_t nq, int64_t j0, int64_t nk) const {
     return j0 + nk - 1 - q0 >= band_lo && j0 - (q0 + nq - 1) <= band_hi;
@@ -1742,10 +1745,7 @@ void AttendSharedRows(D d, const Inputs<T>& in, int64_t b, int64_t hk, const Sha
   const size_t dk = ToSize(in.dk);
   const size_t dv = ToSize(in.dv);
   const hn::Vec<D> neg_inf = hn::Set(d, -std::numeric_limits<T>::infinity());
-  const auto bytes = [](const fused::StoredRows& stored) {
-    return stored ? static_cast<int64_t>(stored.element_bytes()) : static_cast<int64_t>(sizeof(T));
-  };
-  const int64_t ahead = DivCeil(kSharedRowsAheadBytes, in.dk * bytes(in.k_stored));
+  const int64_t ahead = DivCeil(kSharedRowsAheadBytes, in.key_row_bytes());
   T* p[kRows];
   T* o[kRows];
   T corr[kRows];
@@ -1764,8 +1764,8 @@ void AttendSharedRows(D d, const Inputs<T>& in, int64_t b, int64_t hk, const Sha
       const size_t n_ahead = ToSize(std::min<int64_t>(prefetch_end - j0 - ahead, static_cast<int64_t>(nk)));
       block_ahead = RowsAhead{.k = RowRunOf(in.k, in.k_stored, b, hk, j0 + ahead, n_ahead),
                               .v = RowRunOf(in.v, in.v_stored, b, hk, j0 + ahead, n_ahead),
-                              .k_bytes = dk * static_cast<size_t>(bytes(in.k_stored)),
-                              .v_bytes = dv * static_cast<size_t>(bytes(in.v_stored))};
+                              .k_bytes = ToSize(in.key_row_bytes()),
+                              .v_bytes = ToSize(in.value_row_bytes())};
     }
     WithStreamedRows(d, in.k, in.k_stored, b, hk, j0, nk, in.tk, [&](const auto& keys) {
       for (size_t v = 0; v < vectors; ++v) {
@@ -2007,10 +2007,7 @@ int64_t DecodeChunks(const Inputs<T>& in) {
 template <class T>
 int64_t DecodeGroupKeys(const Inputs<T>& in) {
   const int64_t l2 = cpu_info().l2_bytes > 0 ? cpu_info().l2_bytes : int64_t{1} << 20;
-  const auto bytes = [](const fused::StoredRows& stored) {
-    return stored ? static_cast<int64_t>(stored.element_bytes()) : static_cast<int64_t>(sizeof(T));
-  };
-  const int64_t row_bytes = in.dk * bytes(in.k_stored) + in.dv * bytes(in.v_stored);
+  const int64_t row_bytes = in.key_row_bytes() + in.value_row_bytes();
   return static_cast<int64_t>(RoundUp(ToSize(std::max<int64_t>(1, l2 / 4 / row_bytes)), kKeyBlock));
 }
 
