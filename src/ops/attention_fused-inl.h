@@ -255,6 +255,10 @@ struct Inputs {
   // Bytes of one row of K and of V as they are read (stored, or T).
   int64_t key_row_bytes() const { return dk * static_cast<int64_t>(k_stored ? k_stored.element_bytes() : sizeof(T)); }
   int64_t value_row_bytes() const { return dv * static_cast<int64_t>(v_stored ? v_stored.element_bytes() : sizeof(T)); }
+  // Keys from `begin` and before `end` narrowed to those some query of [q0, q0 + nq) may see: the
+  // first query sees none before q0 + band_lo, the last none after q0 + nq − 1 + band_hi.
+  int64_t BandBegin(int64_t q0, int64_t begin) const { return std::max(begin, q0 + band_lo); }
+  int64_t BandEnd(int64_t q0, int64_t nq, int64_t end) const { return std::min(end, q0 + nq + band_hi); }
   // Whether some (i, j) with i in [q0, q0 + nq) and j in [j0, j0 + nk) is in the band.
   bool BandTouches(int64_t q0, int64_t nq, int64_t j0, int64_t nk) const {
     return j0 + nk - 1 - q0 >= band_lo && j0 - (q0 + nq - 1) <= band_hi;
@@ -1589,8 +1593,8 @@ struct SharedRow {
 };
 
 // Rows AttendSharedRows takes at once: each key's K vectors are loaded once for all of them, and
-// each row keeps four chains of dot products in registers meanwhile (4·rows + 8 vectors at d = 128
-// on AVX-512's 32 registers, 4·rows + 4 at d = 64 on AVX2's 16).
+// each row keeps four chains of dot products in registers meanwhile: 4·rows + the key's vectors,
+// 16 + 8 of AVX-512's 32 registers at d = 128, 8 + 8 of AVX2's 16 at d = 64.
 constexpr size_t kSharedRowsAtOnce = HWY_TARGET == HWY_SCALAR ? 1 : (HWY_TARGET <= HWY_AVX3 ? 4 : 2);
 // How far ahead of the key it reaches AttendSharedRows asks for K and V rows, in bytes of K, one
 // key at a time. With several rows' arithmetic between its loads, a core kept too few of them in
@@ -1851,11 +1855,10 @@ void ContinueQueryBlock(D d, const Inputs<T>& in, int64_t b, int64_t h, int64_t 
   const int64_t hk = in.kv_head(h);
   const size_t ld = RoundUp(nq, N);
   const size_t dv = ToSize(in.dv);
-  // Keys outside the band of every query of the block (causality, the window) are never visited:
-  // the first query sees none before q0 + band_lo, the last none after q0 + nq − 1 + band_hi.
-  key_begin = std::max(key_begin, q0 + in.band_lo);
-  key_end = std::min(key_end, q0 + static_cast<int64_t>(nq) + in.band_hi);
-  prefetch_end = std::min(prefetch_end, q0 + static_cast<int64_t>(nq) + in.band_hi);
+  // Keys outside the band of every query of the block (causality, the window) are never visited.
+  key_begin = in.BandBegin(q0, key_begin);
+  key_end = in.BandEnd(q0, static_cast<int64_t>(nq), key_end);
+  prefetch_end = in.BandEnd(q0, static_cast<int64_t>(nq), prefetch_end);
   if (FewQueryLayout(in, nq, few)) {
     // Compiled per width, so that the one-vector step keeps its loop: with the width a run-time
     // value, float16 multi-head decode measured 0.93–0.98× the one-vector kernel's pace.
@@ -2017,9 +2020,9 @@ template <class D, class T = hn::TFromD<D>>
 void ContinueSharedRows(D d, const Inputs<T>& in, int64_t b, int64_t h0, size_t nq, int64_t key_begin, int64_t key_end,
                         ForwardScratch<T>* s) {
   const int64_t hk = in.kv_head(h0);
-  const int64_t prefetch_end = std::min(key_end, static_cast<int64_t>(nq) + in.band_hi);
-  key_begin = std::max(key_begin, in.band_lo);
-  key_end = std::min(key_end, static_cast<int64_t>(nq) + in.band_hi);
+  const int64_t prefetch_end = in.BandEnd(0, static_cast<int64_t>(nq), key_end);
+  key_begin = in.BandBegin(0, key_begin);
+  key_end = prefetch_end;
   std::vector<SharedRow<T>> rows;
   for (size_t r = 0; r < ToSize(in.group); ++r) {
     const int64_t h = h0 + static_cast<int64_t>(r);
