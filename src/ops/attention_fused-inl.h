@@ -2031,10 +2031,9 @@ void ContinueSharedRows(D d, const Inputs<T>& in, int64_t b, int64_t h0, size_t 
     for (size_t i = 0; i < nq; ++i) rows.push_back({queries.row(i), h, i, &s[r]});
   }
   const bool wide = FewQueriesBlockVectors(in, nq) == kFewQueriesWideBlock;
-  constexpr size_t kAtOnce = kSharedRowsAtOnce;
-  // More rows than kAtOnce take the keys range by range, the later rows finding them in L2. Ranges
+  // More rows than kSharedRowsAtOnce take the keys range by range, the later rows finding them in L2. Ranges
   // end where the blocks of AttendSharedRows do (half a vector past a multiple of kKeyBlock).
-  const int64_t range = rows.size() > kAtOnce ? DecodeGroupKeys(in) : key_end - key_begin;
+  const int64_t range = rows.size() > kSharedRowsAtOnce ? DecodeGroupKeys(in) : key_end - key_begin;
   const auto half = static_cast<int64_t>(hn::Lanes(d) / 2);
   const auto block = static_cast<int64_t>(kKeyBlock);
   for (int64_t j0 = key_begin, j1 = 0; j0 < key_end; j0 = j1) {
@@ -2051,10 +2050,10 @@ void ContinueSharedRows(D d, const Inputs<T>& in, int64_t b, int64_t h0, size_t 
         }
         r += kRows;
       };
-      if (left >= kAtOnce) {
-        run(std::integral_constant<size_t, kAtOnce>());
-      } else if (kAtOnce > 2 && left >= 2) {
-        run(std::integral_constant<size_t, std::min<size_t>(2, kAtOnce)>());
+      if (left >= kSharedRowsAtOnce) {
+        run(std::integral_constant<size_t, kSharedRowsAtOnce>());
+      } else if (kSharedRowsAtOnce > 2 && left >= 2) {
+        run(std::integral_constant<size_t, std::min<size_t>(2, kSharedRowsAtOnce)>());
       } else {
         run(std::integral_constant<size_t, 1>());
       }
