@@ -2046,12 +2046,15 @@ void ContinueSharedRows(D d, const Inputs<T>& in, int64_t b, int64_t h0, size_t 
   }
   const bool wide = FewQueriesBlockVectors(in, nq) == kFewQueriesWideBlock;
   // More rows than kSharedRowsAtOnce take the keys range by range, the later rows finding them in L2. Ranges
-  // end where the blocks of AttendSharedRows do (half a vector past a multiple of kKeyBlock).
-  const int64_t range = rows.size() > kSharedRowsAtOnce ? DecodeGroupKeys(in) : key_end - key_begin;
+  // end where the blocks of AttendSharedRows do (half a vector past a multiple of kKeyBlock): the first
+  // range at the first block end past key_begin (which the band may have moved off one) plus the range
+  // less a block. The range is whole blocks, one at least, so every range holds keys.
+  const bool by_ranges = rows.size() > kSharedRowsAtOnce;
+  const int64_t range = DecodeGroupKeys(in);
   const auto half = static_cast<int64_t>(hn::Lanes(d) / 2);
   const auto block = static_cast<int64_t>(kKeyBlock);
   for (int64_t j0 = key_begin, j1 = 0; j0 < key_end; j0 = j1) {
-    j1 = std::min(key_end, j0 + block - (j0 + block - half) % block + range - block);
+    j1 = by_ranges ? std::min(key_end, j0 + block - (j0 + block - half) % block + range - block) : key_end;
     for (size_t r = 0; r < rows.size();) {
       const size_t left = rows.size() - r;
       const bool ask = r == 0;

@@ -140,6 +140,22 @@ std::vector<Variant> variants() {
        .softcap = 5.0,
        .alibi = true,
        .sinks = true},
+      // Windows narrower than a block of keys: the band starts the last chunk's keys off a block's
+      // end, in a range shorter than a block, for the heads of a group read together.
+      {.name = "decode narrow window gqa",
+       .h = 4,
+       .hkv = 1,
+       .tq = 1,
+       .tk = 1100,
+       .causal = true,
+       .window = AttentionWindow{.left = 10, .right = 0}},
+      {.name = "decode narrow window two queries",
+       .h = 2,
+       .hkv = 1,
+       .tq = 2,
+       .tk = 1100,
+       .causal = true,
+       .window = AttentionWindow{.left = 3, .right = 0}},
   };
 }
 
