@@ -1553,8 +1553,8 @@ void AttendFewQueries(D d, const Inputs<T>& in, int64_t b, int64_t h, int64_t q0
   const hn::Vec<D> neg_inf = hn::Set(d, -std::numeric_limits<T>::infinity());
   const size_t dv = ToSize(in.dv);
   T* HWY_RESTRICT p = s.st.get();
-  const size_t key_bytes = in.k_stored ? in.k_stored.element_bytes() : sizeof(T);
-  const auto prefetch_keys = static_cast<int64_t>(RoundUp(kFewQueriesPrefetchBytes / (dk * key_bytes) + 1, N));
+  const auto prefetch_keys =
+      static_cast<int64_t>(RoundUp(kFewQueriesPrefetchBytes / ToSize(in.key_row_bytes()) + 1, N));
   const RowBlock<T> queries = StageRows(d, in.q, in.q_stored, b, h, q0, nq, dk, s.q_stage.get());
   s.q_scaled_by.fill(nullptr);
   // Blocks start at the keys N/2 past a multiple of their width, not at the multiples: K and V of
