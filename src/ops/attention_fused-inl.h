@@ -1524,6 +1524,10 @@ size_t FewQueriesBlockVectors(const Inputs<T>& in, size_t nq) {
   return wide ? kFewQueriesWideBlock : 1;
 }
 
+// Keys from j to the end of its block, for blocks of `width` keys that start `shift` keys past the
+// multiples of width (j ≥ 0, shift < width): 1 to width.
+inline int64_t KeysToBlockEnd(int64_t j, int64_t width, int64_t shift) { return width - (j + width - shift) % width; }
+
 // The forward for nq ≤ kFewQueries queries (decode): with a single query, lanes along queries
 // would leave all but one lane idle, so here the lanes run along keys instead. A block is one
 // vector of N keys, or kFewQueriesWideBlock of them (FewQueriesBlockVectors): each score is a dot
@@ -1566,7 +1570,7 @@ void AttendFewQueries(D d, const Inputs<T>& in, int64_t b, int64_t h, int64_t q0
   // ends lie N/2 past multiples of kKeyBlock, and so of every block width) nor on where the arrays
   // lie.
   const auto block_keys = static_cast<int64_t>(kBlockVectors * N);
-  int64_t n = block_keys - (key_begin + block_keys - static_cast<int64_t>(N / 2)) % block_keys;
+  int64_t n = KeysToBlockEnd(key_begin, block_keys, static_cast<int64_t>(N / 2));
   for (int64_t j0 = key_begin; j0 < key_end; j0 += n, n = block_keys) {
     const size_t nk = ToSize(std::min<int64_t>(n, key_end - j0));
     const size_t vectors = kBlockVectors == 1 ? 1 : DivCeil(nk, N);
@@ -1777,7 +1781,7 @@ void AttendSharedRows(D d, const Inputs<T>& in, int64_t b, int64_t hk, const Sha
     o[r] = rows[r].s->few.get() + rows[r].i * rows[r].s->few_row;
   }
   const auto block_keys = static_cast<int64_t>(kBlockVectors * N);
-  int64_t n = block_keys - (key_begin + block_keys - static_cast<int64_t>(N / 2)) % block_keys;
+  int64_t n = KeysToBlockEnd(key_begin, block_keys, static_cast<int64_t>(N / 2));
   for (int64_t j0 = key_begin; j0 < key_end; j0 += n, n = block_keys) {
     const size_t nk = ToSize(std::min<int64_t>(n, key_end - j0));
     const size_t vectors = kBlockVectors == 1 ? 1 : DivCeil(nk, N);
@@ -2059,7 +2063,7 @@ void ContinueSharedRows(D d, const Inputs<T>& in, int64_t b, int64_t h0, size_t 
   const auto half = static_cast<int64_t>(hn::Lanes(d) / 2);
   const auto block = static_cast<int64_t>(kKeyBlock);
   for (int64_t j0 = key_begin, j1 = 0; j0 < key_end; j0 = j1) {
-    j1 = by_ranges ? std::min(key_end, j0 + block - (j0 + block - half) % block + range - block) : key_end;
+    j1 = by_ranges ? std::min(key_end, j0 + KeysToBlockEnd(j0, block, half) + range - block) : key_end;
     for (size_t r = 0; r < rows.size();) {
       const size_t left = rows.size() - r;
       const bool ask = r == 0;
