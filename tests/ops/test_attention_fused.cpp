@@ -429,17 +429,24 @@ TEST(AttentionFused, StridedViewsIntoPackedQkvBuffer) {
   });
 }
 
-TEST(AttentionFused, FewQueriesGiveTheSameBitsWhereverKAndVLie) {
+TEST(AttentionFused, FewQueriesGiveTheSameBitsWhereverQKAndVLie) {
   // The few-query kernel puts rows that start off a vector boundary together from aligned loads,
   // and on targets whose vectors are whole lines reads rows that start on one with a request for
-  // the next line. K and V copied to every float offset of a 64-byte line must give the bits of
-  // the aligned copy: depths that fill whole vectors on each target (128, 48, 24, 16), one whose rows start
-  // at different offsets (17), Dk ≠ Dv, grouped heads, Tk not a multiple of any vector.
+  // the next line; rows that share K and V copy queries that start off a vector to aligned rows.
+  // Q, K and V copied to every float offset of a 64-byte line must give the bits of the aligned
+  // copies: depths that fill whole vectors on each target (128, 48, 24, 16), ones whose rows start
+  // at different offsets (17, 20), Dk ≠ Dv, grouped heads, several queries, Tk not a multiple of
+  // any vector.
   struct Shape4 {
     int64_t h, h_kv, tq, tk, dk, dv;
   };
-  const Shape4 shapes[] = {
-      {2, 2, 1, 301, 128, 128}, {4, 2, 3, 150, 48, 16}, {2, 1, 8, 77, 24, 24}, {1, 1, 2, 45, 17, 20}};
+  const Shape4 shapes[] = {{2, 2, 1, 301, 128, 128},
+                           {4, 2, 3, 150, 48, 16},
+                           {2, 1, 8, 77, 24, 24},
+                           {1, 1, 2, 45, 17, 20},
+                           // Long enough for decode's split of the keys, where rows share K and V.
+                           {8, 2, 1, 1100, 128, 128},
+                           {2, 1, 3, 1030, 20, 24}};
   constexpr int64_t kLine = 64 / sizeof(float);
   Rng rng(1150);
   for (const Shape4& s : shapes) {
@@ -448,20 +455,19 @@ TEST(AttentionFused, FewQueriesGiveTheSameBitsWhereverKAndVLie) {
     const Tensor<float> k = random_tensor<float>({1, s.h_kv, s.tk, s.dk}, rng);
     const Tensor<float> v = random_tensor<float>({1, s.h_kv, s.tk, s.dv}, rng);
     // Room for every offset, starting on a line.
+    std::vector<float> q_room(static_cast<size_t>(q.numel() + 2 * kLine));
     std::vector<float> k_room(static_cast<size_t>(k.numel() + 2 * kLine));
     std::vector<float> v_room(static_cast<size_t>(v.numel() + 2 * kLine));
-    const auto line_start = [&](std::vector<float>& room) {
+    const auto copy_at = [&](const Tensor<float>& x, std::vector<float>& room, int64_t offset) {
       const auto misalignment = reinterpret_cast<uintptr_t>(room.data()) % 64 / sizeof(float);
-      return room.data() + (misalignment == 0 ? 0 : kLine - static_cast<int64_t>(misalignment));
+      float* at = room.data() + (misalignment == 0 ? 0 : kLine - static_cast<int64_t>(misalignment)) + offset;
+      std::copy(x.values().begin(), x.values().end(), at);
+      return make_view<const float>(at, x.shape());
     };
     const auto attend = [&](int64_t offset) {
-      float* k_at = line_start(k_room) + offset;
-      float* v_at = line_start(v_room) + offset;
-      std::copy(k.values().begin(), k.values().end(), k_at);
-      std::copy(v.values().begin(), v.values().end(), v_at);
-      const AttentionParams<float> params{.q = q.cview(),
-                                          .k = make_view<const float>(k_at, k.shape()),
-                                          .v = make_view<const float>(v_at, v.shape()),
+      const AttentionParams<float> params{.q = copy_at(q, q_room, offset),
+                                          .k = copy_at(k, k_room, offset),
+                                          .v = copy_at(v, v_room, offset),
                                           .scale = {},
                                           .mask = {}};
       Tensor<float> out({1, s.h, s.tq, s.dv});
@@ -471,7 +477,7 @@ TEST(AttentionFused, FewQueriesGiveTheSameBitsWhereverKAndVLie) {
     on_every_target([&] {
       const Tensor<double> aligned = attend(0);
       for (int64_t offset = 1; offset < kLine; ++offset) {
-        EXPECT_TRUE(bit_identical(attend(offset), aligned)) << "K and V " << offset << " floats past a line";
+        EXPECT_TRUE(bit_identical(attend(offset), aligned)) << "Q, K and V " << offset << " floats past a line";
       }
     });
   }
