@@ -1645,6 +1645,39 @@ HWY_INLINE void SharedRowDots(D d, const T* HWY_RESTRICT const* q, const Key& ke
   for (size_t r = 0; r < kRows; ++r) lanes[r][j] = hn::Add(hn::Add(a[r][0], a[r][1]), hn::Add(a[r][2], a[r][3]));
 }
 
+// SharedRowDots for two keys at once, lanes[r][j] and lanes[r][j + 1]: each query vector loaded
+// once for both keys, with each (row, key) pair's chains as SharedRowDots has them, so the same
+// sums. Both keys' vectors stay in registers, which only targets with 32 of them hold.
+template <size_t kRows, size_t kVectors, class D, class Key, class T = hn::TFromD<D>, size_t kN = hn::MaxLanes(D())>
+HWY_INLINE void SharedRowDotsOfTwoKeys(D d, const T* HWY_RESTRICT const* q, const Key& key0, const Key& key1, size_t j,
+                                       hn::Vec<D> (*HWY_RESTRICT lanes)[kN]) {
+  const size_t N = hn::Lanes(d);
+  hn::Vec<D> k0[kVectors], k1[kVectors];
+  HWY_UNROLL(8)
+  for (size_t g = 0; g < kVectors; ++g) {
+    k0[g] = LoadRow(d, key0, g * N);
+    k1[g] = LoadRow(d, key1, g * N);
+  }
+  HWY_UNROLL(4)
+  for (size_t r = 0; r < kRows; ++r) {
+    hn::Vec<D> a0[4], a1[4];
+    HWY_UNROLL(4)
+    for (size_t g = 0; g < 4; ++g) {
+      const hn::Vec<D> qg = hn::LoadU(d, q[r] + g * N);
+      a0[g] = hn::MulAdd(qg, k0[g], hn::Zero(d));
+      a1[g] = hn::MulAdd(qg, k1[g], hn::Zero(d));
+    }
+    HWY_UNROLL(4)
+    for (size_t g = 4; g < kVectors; ++g) {
+      const hn::Vec<D> qg = hn::LoadU(d, q[r] + g * N);
+      a0[g % 4] = hn::MulAdd(qg, k0[g], a0[g % 4]);
+      a1[g % 4] = hn::MulAdd(qg, k1[g], a1[g % 4]);
+    }
+    lanes[r][j] = hn::Add(hn::Add(a0[0], a0[1]), hn::Add(a0[2], a0[3]));
+    lanes[r][j + 1] = hn::Add(hn::Add(a1[0], a1[1]), hn::Add(a1[2], a1[3]));
+  }
+}
+
 // Rows of K and V asked for a fixed distance ahead, one key at a time as the kernel reaches each
 // key: row j of each run, while the run has it.
 struct RowsAhead {
@@ -1680,25 +1713,48 @@ HWY_INLINE void SharedKeyDots(D d, const Rows& keys, size_t first, size_t nk, co
   // and looking up each row's scaled query again for every key made int8 decode of grouped-query
   // heads or several queries 1.12–1.16× slower (Zen 5; the same bits).
   const void* scaled_by = nullptr;
-  for (size_t j = 0; j < nk; ++j) {
-    ahead.Ask(first + j);
-    const auto key = [&] {
-      if constexpr (kInt8) {
-        const StoredRow<StorageType::int8> k = keys.row(first + j);
-        if (k.scale_step == 0) {
-          per_key = true;
-          key_scales[j] = k.scale[0];
-        } else if (k.scale != scaled_by) {
-          bool changed = false;
-          for (size_t r = 0; r < kRows; ++r) q[r] = ScaledQuery(rows[r].q, rows[r].i, k, dk, *rows[r].s, changed);
-          scaled_by = k.scale;
-        }
-        return Int8Integers{reinterpret_cast<const int8_t*>(k.data)};
-      } else {
-        return keys.row(first + j);
+  // Key j's row as the dot products read it, the rows' queries made its own first.
+  const auto key_row = [&](size_t j) {
+    if constexpr (kInt8) {
+      const StoredRow<StorageType::int8> k = keys.row(first + j);
+      if (k.scale_step == 0) {
+        per_key = true;
+        key_scales[j] = k.scale[0];
+      } else if (k.scale != scaled_by) {
+        bool changed = false;
+        for (size_t r = 0; r < kRows; ++r) q[r] = ScaledQuery(rows[r].q, rows[r].i, k, dk, *rows[r].s, changed);
+        scaled_by = k.scale;
       }
-    }();
-    const size_t vectors = dk / N;
+      return Int8Integers{reinterpret_cast<const int8_t*>(k.data)};
+    } else {
+      return keys.row(first + j);
+    }
+  };
+  // Whether key j takes the queries key j − 1 took (an int8 key's channel scales change them).
+  const auto same_queries = [&](size_t j) {
+    if constexpr (kInt8) {
+      const StoredRow<StorageType::int8> k = keys.row(first + j);
+      return k.scale_step == 0 || k.scale == scaled_by;
+    } else {
+      return true;
+    }
+  };
+  const size_t vectors = dk / N;
+  constexpr bool kTwoKeys = simd::HWY_NAMESPACE::kVectorRegisters >= 32;
+  for (size_t j = 0; j < nk;) {
+    ahead.Ask(first + j);
+    const auto key = key_row(j);
+    if (kTwoKeys && !tail && (vectors == 8 || vectors == 4) && j + 1 < nk && same_queries(j + 1)) {
+      ahead.Ask(first + j + 1);
+      const auto next = key_row(j + 1);
+      if (vectors == 8) {
+        SharedRowDotsOfTwoKeys<kRows, 8>(d, q, key, next, j, lanes);
+      } else {
+        SharedRowDotsOfTwoKeys<kRows, 4>(d, q, key, next, j, lanes);
+      }
+      j += 2;
+      continue;
+    }
     if (!tail && vectors == 8) {
       SharedRowDots<kRows, 8>(d, q, key, j, lanes);
     } else if (!tail && vectors == 4) {
@@ -1709,6 +1765,7 @@ HWY_INLINE void SharedKeyDots(D d, const Rows& keys, size_t first, size_t nk, co
     if (tail) {
       for (size_t r = 0; r < kRows; ++r) tails[r][j] = RowDotTail(d, q[r], key, dk);
     }
+    ++j;
   }
   for (size_t r = 0; r < kRows; ++r) {
     for (size_t j = nk; j < kN; ++j) lanes[r][j] = hn::Zero(d);
