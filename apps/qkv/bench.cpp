@@ -1037,9 +1037,10 @@ class Triad {
  public:
   Triad() {
     check_allocation_fits(bytes(), "qkv bench --decode's triad");
-    a_.assign(static_cast<size_t>(kTriadFloats), 0.0f);
-    b_.assign(static_cast<size_t>(kTriadFloats), 1.0f);
-    c_.assign(static_cast<size_t>(kTriadFloats), 2.0f);
+    // On huge pages where the kernel gives them, as decode's K and V (Tensors) are.
+    assign_on_huge_pages(a_, static_cast<size_t>(kTriadFloats), 0.0f);
+    assign_on_huge_pages(b_, static_cast<size_t>(kTriadFloats), 1.0f);
+    assign_on_huge_pages(c_, static_cast<size_t>(kTriadFloats), 2.0f);
   }
   static double bytes() { return 3.0 * static_cast<double>(kTriadFloats) * sizeof(float); }
   void run() {
@@ -1061,7 +1062,7 @@ class ReadStream {
  public:
   ReadStream() {
     check_allocation_fits(bytes(), "qkv bench --decode's read stream");
-    x_.assign(static_cast<size_t>(kElements), 1);
+    assign_on_huge_pages(x_, static_cast<size_t>(kElements), uint32_t{1});
     sums_.assign(static_cast<size_t>(kStreamChunks), 0);
   }
   static double bytes() { return static_cast<double>(kElements) * sizeof(uint32_t); }

@@ -3,6 +3,9 @@
 #include <fmt/format.h>
 #include <sys/resource.h>
 #include <unistd.h>
+#ifdef __linux__
+#include <sys/mman.h>
+#endif
 
 #include <algorithm>
 #include <charconv>
@@ -113,6 +116,22 @@ void check_allocation_fits(double bytes, std::string_view what) {
     throw ResourceError(fmt::format("{} needs {}, but only {} of memory is available", what, format_bytes(bytes),
                                     format_bytes(available)));
   }
+}
+
+void advise_huge_pages(void* data, size_t bytes) {
+#ifdef MADV_HUGEPAGE
+  constexpr size_t kHugePage = size_t{2} << 20;
+  constexpr size_t kAtLeast = size_t{4} << 20;
+  if (data == nullptr || bytes < kAtLeast) return;
+  const auto begin = reinterpret_cast<uintptr_t>(data);
+  const uintptr_t first = (begin + kHugePage - 1) / kHugePage * kHugePage;
+  const uintptr_t last = (begin + bytes) / kHugePage * kHugePage;
+  // Advice only: a kernel without transparent huge pages, or with them off, leaves 4 KiB pages.
+  if (last > first) madvise(reinterpret_cast<void*>(first), last - first, MADV_HUGEPAGE);
+#else
+  (void)data;
+  (void)bytes;
+#endif
 }
 
 }  // namespace qkv

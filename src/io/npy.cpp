@@ -378,9 +378,11 @@ std::string read_whole_file(const std::filesystem::path& path) {
   return bytes;
 }
 
+// On huge pages where large, as Tensor's own storage: decode streams K and V read from files.
 template <class T>
 std::vector<T> copy_values(std::string_view data, int64_t numel) {
-  std::vector<T> values(static_cast<size_t>(numel));
+  std::vector<T> values;
+  assign_on_huge_pages(values, static_cast<size_t>(numel), T{});
   if (numel > 0) std::memcpy(values.data(), data.data(), data.size());
   return values;
 }

@@ -4,8 +4,10 @@
 
 #include <cmath>
 #include <cstdint>
+#include <vector>
 
 #include "qkv/core/error.hpp"
+#include "qkv/core/memory.hpp"
 #include "qkv/core/parallel.hpp"
 #include "qkv/core/rng.hpp"
 #include "qkv/core/storage.hpp"
@@ -56,6 +58,26 @@ TEST(Shape, RefusesDimsWhoseProductOverflows) {
   EXPECT_TRUE(throws_naming<ShapeError>([&] { contiguous_strides(grown); }, {"[0, 2100000, 2100000, 2100000]"}));
   grown[0] = 1;
   EXPECT_TRUE(throws_naming<ShapeError>([&] { (void)grown.numel(); }, {"[1, 2100000, 2100000, 2100000]"}));
+}
+
+TEST(Tensor, LargeTensorsOnHugePagesHoldTheirFillAsSmallOnesDo) {
+  // From 4 MiB a tensor's storage is advised to take huge pages before it is filled; whether the
+  // kernel grants them depends on the system, what the tensor holds must not.
+  for (const int64_t n : {int64_t{1}, (int64_t{4} << 20) / 4 - 1, (int64_t{4} << 20) / 4, (int64_t{9} << 20) / 4 + 3}) {
+    const Tensor<float> t(Shape{n}, 1.5f);
+    ASSERT_EQ(t.numel(), n);
+    EXPECT_EQ(t[0], 1.5f);
+    EXPECT_EQ(t[n / 2], 1.5f);
+    EXPECT_EQ(t[n - 1], 1.5f);
+  }
+  std::vector<uint32_t> values(3, 7);
+  assign_on_huge_pages(values, size_t{5} << 20, uint32_t{2});
+  EXPECT_EQ(values.size(), size_t{5} << 20);
+  EXPECT_EQ(values.front(), 2u);
+  EXPECT_EQ(values.back(), 2u);
+  // Ranges of no whole huge page, and none at all, are left alone.
+  advise_huge_pages(nullptr, size_t{1} << 30);
+  advise_huge_pages(values.data() + 1, 100);
 }
 
 TEST(TensorView, ContiguousIndexing) {

@@ -8,6 +8,7 @@
 #include <new>
 #include <vector>
 
+#include "qkv/core/memory.hpp"
 #include "qkv/core/storage.hpp"
 
 namespace qkv {
@@ -15,6 +16,7 @@ namespace qkv {
 // Allocates on 64-byte boundaries, so that the rows of a pool whose rows are whole cache lines
 // (d = 128 float16, 16 float32, …) start on one: a vector load split across two lines costs a
 // streaming kernel about a fifth of its pace, and malloc puts large blocks 16 bytes past a page.
+// Pools of 4 MiB or more are advised to take huge pages (advise_huge_pages), as decode streams them.
 template <class T>
 struct CacheLineAllocator {
   using value_type = T;
@@ -22,7 +24,11 @@ struct CacheLineAllocator {
   CacheLineAllocator() = default;
   template <class U>
   explicit CacheLineAllocator(const CacheLineAllocator<U>& /*other*/) {}
-  T* allocate(size_t n) { return static_cast<T*>(::operator new(n * sizeof(T), kAlignment)); }
+  T* allocate(size_t n) {
+    T* p = static_cast<T*>(::operator new(n * sizeof(T), kAlignment));
+    advise_huge_pages(p, n * sizeof(T));
+    return p;
+  }
   void deallocate(T* p, size_t /*n*/) { ::operator delete(p, kAlignment); }
   bool operator==(const CacheLineAllocator& /*other*/) const { return true; }
 };

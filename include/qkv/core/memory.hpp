@@ -2,9 +2,11 @@
 // Refusing work that would not fit in memory before allocating it, so that a too-large request
 // is a clear error ("needs 32.0 GiB, 20.3 GiB available") instead of the kernel's OOM killer.
 
+#include <cstddef>
 #include <cstdint>
 #include <string>
 #include <string_view>
+#include <vector>
 
 namespace qkv {
 
@@ -20,5 +22,22 @@ std::string format_bytes(double bytes);
 // what is available. `bytes` is a double so that a product of sizes cannot overflow first.
 // Requests of at most 16 MiB are taken as fitting without asking the system.
 void check_allocation_fits(double bytes, std::string_view what);
+
+// Asks the kernel to back the whole 2 MiB pages inside [data, data + bytes) with transparent huge
+// pages (Linux's madvise(MADV_HUGEPAGE); nothing elsewhere, nor for fewer than 4 MiB, nor where
+// the kernel refuses), which it does for pages not yet touched. Streaming through 4 KiB pages
+// costs a TLB miss every 4 KiB: single-query decode read K and V at 1.14× the pace from huge pages,
+// a triad 1.07× (Zen 5 under KVM). numpy advises its arrays of 4 MiB or more the same way.
+void advise_huge_pages(void* data, size_t bytes);
+
+// v ← n copies of value, its storage advised to take huge pages (advise_huge_pages) before the
+// copies touch it.
+template <class T, class Allocator>
+void assign_on_huge_pages(std::vector<T, Allocator>& v, size_t n, const T& value) {
+  v.clear();
+  v.reserve(n);
+  advise_huge_pages(v.data(), n * sizeof(T));
+  v.assign(n, value);
+}
 
 }  // namespace qkv

@@ -14,6 +14,8 @@
 #include <string_view>
 #include <vector>
 
+#include "qkv/core/memory.hpp"
+
 namespace qkv {
 
 inline constexpr int kMaxRank = 4;
@@ -73,13 +75,15 @@ TensorView<T> make_view(T* data, const Shape& shape) {
   return {data, shape, contiguous_strides(shape)};
 }
 
-// A contiguous, zero-initialised, owning tensor.
+// A contiguous, zero-initialised, owning tensor. One made from its shape takes huge pages where
+// it is 4 MiB or more (advise_huge_pages), as kernels that stream it run faster from them.
 template <class T>
 class Tensor {
  public:
   Tensor() = default;
-  explicit Tensor(const Shape& shape, T fill = T{})
-      : shape_(shape), values_(static_cast<size_t>(shape.numel()), fill) {}
+  explicit Tensor(const Shape& shape, T fill = T{}) : shape_(shape) {
+    assign_on_huge_pages(values_, static_cast<size_t>(shape.numel()), fill);
+  }
   Tensor(const Shape& shape, std::vector<T> values);
 
   const Shape& shape() const { return shape_; }
