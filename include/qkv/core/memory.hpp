@@ -26,8 +26,9 @@ void check_allocation_fits(double bytes, std::string_view what);
 // Asks the kernel to back the whole 2 MiB pages inside [data, data + bytes) with transparent huge
 // pages (Linux's madvise(MADV_HUGEPAGE); nothing elsewhere, nor for fewer than 4 MiB, nor where
 // the kernel refuses), which it does for pages not yet touched. Streaming through 4 KiB pages
-// costs a TLB miss every 4 KiB: single-query decode read K and V at 1.11–1.22× the pace from huge
-// pages, a triad at 1.07× (Zen 5 under KVM). numpy advises its arrays of 4 MiB or more the same way.
+// costs a TLB miss every 4 KiB: single-query decode read K and V at a median 1.06× the pace from
+// huge pages (0.94–1.22× over twelve probes, as the host placed them), a triad at 1.04–1.08× (Zen 5
+// under KVM). numpy advises its arrays of 4 MiB or more the same way.
 void advise_huge_pages(void* data, size_t bytes);
 
 // v ← n copies of value, its storage advised to take huge pages (advise_huge_pages) before the
