@@ -1647,7 +1647,9 @@ HWY_INLINE void SharedRowDots(D d, const T* HWY_RESTRICT const* q, const Key& ke
 
 // SharedRowDots for two keys at once, lanes[r][j] and lanes[r][j + 1]: each query vector loaded
 // once for both keys, with each (row, key) pair's chains as SharedRowDots has them, so the same
-// sums. Both keys' vectors stay in registers, which only targets with 32 of them hold.
+// sums. Both keys' vectors stay in registers, which only targets with 32 of them hold. It stays
+// apart from SharedRowDots: one function for one or two keys, taking them as an array, made
+// grouped-query decode 0.92–0.96× as fast (Zen 5; float32 and int8, the same bits).
 template <size_t kRows, size_t kVectors, class D, class Key, class T = hn::TFromD<D>, size_t kN = hn::MaxLanes(D())>
 HWY_INLINE void SharedRowDotsOfTwoKeys(D d, const T* HWY_RESTRICT const* q, const Key& key0, const Key& key1, size_t j,
                                        hn::Vec<D> (*HWY_RESTRICT lanes)[kN]) {
