@@ -151,7 +151,7 @@ void forward_reference(const AttentionProblem<T>& p, const AttentionOutputs<T>& 
 //   out_i = Σ_j P_ij v_j                 ⇒ dV_j  = Σ_i P_ij dO_i,     dP_ij = dO_i · v_j
 //   P_ij = exp(s_ij) / Σ_l exp(s_il)     ⇒ dS_ij = P_ij (dP_ij − D_i), D_i = Σ_j P_ij dP_ij (= dO_i · out_i)
 //   s_ij = x_ij + bias_ij, x = scale·q·k ⇒ dQ_i = scale Σ_j dX_ij k_j, dK_j = scale Σ_i dX_ij q_i, dbias_ij = dS_ij
-// with dX = dS, or dX = dS (1 − tanh²(x / c)) through a softcap c·tanh(x / c). Dropout scales
+// with dX = dS, or dX = dS sech²(x / c) through a softcap c·tanh(x / c). Dropout scales
 // P_ij by its factor m_ij in out: dV_j = Σ_i P_ij m_ij dO_i and dP_ij = m_ij dO_i · v_j. A sink is a score
 // with no value (dP = 0): d sink_h = Σ_i −P_sink,i D_i. Masked entries have P_ij = 0 and hence
 // dS_ij = 0: no gradient reaches a key a query cannot see, and a fully masked row contributes
@@ -233,8 +233,9 @@ void backward_reference(const AttentionProblem<T>& p, TensorView<const T> dout, 
                 double dot = 0.0;
                 for (int64_t d = 0; d < p.dk(); ++d)
                   dot += static_cast<double>(p.q(b, h, i, d)) * static_cast<double>(p.k(b, hk, j, d));
-                const double t = std::tanh(p.scale * dot / p.softcap);
-                dx *= 1.0 - t * t;
+                // 1 / cosh², not 1 − tanh², which is 0 from |x / c| ≈ 19 in double and coarse before.
+                const double cosh_y = std::cosh(p.scale * dot / p.softcap);
+                dx /= cosh_y * cosh_y;
               }
               for (int64_t d = 0; d < p.dk(); ++d) {
                 s.dq_row[static_cast<size_t>(d)] += dx * static_cast<double>(p.k(b, hk, j, d));

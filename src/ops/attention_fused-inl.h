@@ -78,6 +78,9 @@
 // code writes apart (libqkv is compiled with -ffp-contract=off): it would do so only on targets
 // that have FMA, and then the forward's exp(scale·x − m) and the backward's s = scale·x, s − lse
 // would round differently, by an ulp of |s| in every P, on AVX2 and AVX-512 and not elsewhere.
+// A softcap's slope, the backward's factor on dS, is sech² from exp(−2|y|), lane by lane: 1 − tanh²
+// loses its relative precision on tanh's tail and is 0 in float from |y| ≈ 9, where the slope and
+// the gradients through it are still 10⁻⁸ of their size at y = 0.
 //
 // ---- Memory traffic -----------------------------------------------------------------------------
 // The reference writes and reads Tq×Tk scores per head (64 MiB at T = 4096); here every score lives
@@ -900,6 +903,52 @@ HWY_INLINE RowBlock<T> StageRows(D d, const fused::RowsView<const T>& x, const f
   return {stage, cols};
 }
 
+// ---- Exponentials --------------------------------------------------------------------------------
+
+// e^x for the softmax, where x ≤ 0 (s − m in the forward; s − lse in the backward, above 0 by at
+// most a rounding), and for the softcap's slope. Highway's Exp serves the whole float range; this
+// one needs about 16 vector operations instead of 27, and the exponentials are otherwise a fifth of
+// the forward's vector work. Cody–Waite reduction: n = round(x / ln 2) by the 1.5·2²³ rounding
+// trick (the fused multiply-add rounds x·log₂e + 1.5·2²³ once, leaving n in the low mantissa bits),
+// r = x − n·ln 2 with ln 2 split in two so that r is exact to ½ ulp, e^r by the degree-7 polynomial
+// of Cephes' expf (≈ 1 ulp on |r| ≤ ½ ln 2), then 2ⁿ assembled in the exponent bits. x is first
+// raised to −127·ln 2, where n = −127 gives exponent bits 0, so every x below ≈ −87.7 (−inf
+// included) gives exactly 0, as e^x, which is no longer a normal float there, would round to in
+// effect. Valid for x < 88. Doubles keep Highway's Exp: their polynomial would need twice the
+// degree.
+template <class D, class V = hn::Vec<D>>
+HWY_INLINE V SoftmaxExp(D d, V x) {
+  if constexpr (!std::is_same_v<hn::TFromD<D>, float>) {
+    return hn::Exp(d, x);
+  } else {
+    const hn::RebindToSigned<D> di;
+    const V round_magic = hn::Set(d, 12582912.0f);  // 1.5·2²³
+    // NaN must stay NaN. x86's max returns its second operand when either is NaN; the scalar
+    // target's Max returns the other operand, so there the bound is a compare and a select.
+    const V bound = hn::Set(d, -88.02969193f);
+    if constexpr (HWY_TARGET == HWY_SCALAR) {
+      x = hn::IfThenElse(hn::Lt(x, bound), bound, x);
+    } else {
+      x = hn::Max(bound, x);
+    }
+    const V shifted = hn::MulAdd(x, hn::Set(d, 1.44269504088896341f), round_magic);
+    const V n = hn::Sub(shifted, round_magic);
+    V r = hn::MulAdd(n, hn::Set(d, -0.693359375f), x);
+    r = hn::MulAdd(n, hn::Set(d, 2.12194440e-4f), r);
+    V poly = hn::Set(d, 1.9875691500e-4f);
+    poly = hn::MulAdd(poly, r, hn::Set(d, 1.3981999507e-3f));
+    poly = hn::MulAdd(poly, r, hn::Set(d, 8.3334519073e-3f));
+    poly = hn::MulAdd(poly, r, hn::Set(d, 4.1665795894e-2f));
+    poly = hn::MulAdd(poly, r, hn::Set(d, 1.6666665459e-1f));
+    poly = hn::MulAdd(poly, r, hn::Set(d, 5.0000001201e-1f));
+    const V e_r = hn::Add(hn::MulAdd(poly, hn::Mul(r, r), r), hn::Set(d, 1.0f));
+    // The low bits of `shifted` hold n (two's complement, offset by the magic's mantissa, whose low
+    // 9 bits are 0); shifting them to the exponent field and adding the bias 127 gives 2ⁿ.
+    const auto exponent = hn::ShiftLeft<23>(hn::Add(hn::BitCast(di, shifted), hn::Set(di, 127)));
+    return hn::Mul(e_r, hn::BitCast(d, exponent));
+  }
+}
+
 // ---- Scores: scale, bias, masks ----------------------------------------------------------------
 
 // The (query, key) pairs of one vector's lanes: lane ℓ < count is (i + ℓ·di, j + ℓ·dj), with
@@ -915,15 +964,22 @@ struct LaneRun {
 // s = scale·(q·k), softcapped, + bias + ALiBi, −inf where the boolean mask or the band (causality,
 // the window) forbids the key. The same function serves both tile layouts so that both compute
 // bit-identical scores. With a softcap, `cap_slope` (when given) receives d s / d(scale·q·k) =
-// 1 − tanh², for the backward.
+// sech²(y), y = scale·q·k / c, for the backward.
 template <class D, class T = hn::TFromD<D>>
 HWY_INLINE hn::Vec<D> Scores(D d, const Inputs<T>& in, int64_t b, int64_t h, const LaneRun& run, hn::Vec<D> dot,
                              hn::Vec<D>* cap_slope = nullptr) {
   hn::Vec<D> s = hn::Mul(dot, hn::Set(d, in.scale));
   if (in.softcap > 0) {
-    const hn::Vec<D> t = hn::Tanh(d, hn::Div(s, hn::Set(d, in.softcap)));
-    if (cap_slope != nullptr) *cap_slope = hn::NegMulAdd(t, t, hn::Set(d, T{1}));
-    s = hn::Mul(hn::Set(d, in.softcap), t);
+    const hn::Vec<D> y = hn::Div(s, hn::Set(d, in.softcap));
+    if (cap_slope != nullptr) {
+      // sech² y = 4e / (1 + e)² with e = exp(−2|y|), not 1 − tanh² y: tanh rounds to ±1 in float
+      // from |y| ≈ 9, where 1 − tanh² becomes 0 (and is coarse well before), while sech² is still
+      // 10⁻⁸ and keeps its relative precision until it underflows.
+      const hn::Vec<D> e = SoftmaxExp(d, hn::Mul(hn::Abs(y), hn::Set(d, T{-2})));
+      const hn::Vec<D> one_plus_e = hn::Add(e, hn::Set(d, T{1}));
+      *cap_slope = hn::Div(hn::Mul(hn::Set(d, T{4}), e), hn::Mul(one_plus_e, one_plus_e));
+    }
+    s = hn::Mul(hn::Set(d, in.softcap), hn::Tanh(d, y));
   }
   if (in.bias) {
     const T* x = in.bias.row(b, h, run.i) + run.j * in.bias.col_stride;
@@ -959,49 +1015,6 @@ HWY_INLINE hn::Vec<D> Scores(D d, const Inputs<T>& in, int64_t b, int64_t h, con
     s = hn::IfThenElse(hn::RebindMask(d, outside), neg_inf, s);
   }
   return s;
-}
-
-// e^x for the softmax, where x ≤ 0 (s − m in the forward; s − lse in the backward, above 0 by at
-// most a rounding). Highway's Exp serves the whole float range; this one needs about 16 vector
-// operations instead of 27, and the exponentials are otherwise a fifth of the forward's vector
-// work. Cody–Waite reduction: n = round(x / ln 2) by the 1.5·2²³ rounding trick (the fused
-// multiply-add rounds x·log₂e + 1.5·2²³ once, leaving n in the low mantissa bits), r = x − n·ln 2
-// with ln 2 split in two so that r is exact to ½ ulp, e^r by the degree-7 polynomial of Cephes'
-// expf (≈ 1 ulp on |r| ≤ ½ ln 2), then 2ⁿ assembled in the exponent bits. x is first raised to
-// −127·ln 2, where n = −127 gives exponent bits 0, so every x below ≈ −87.7 (−inf included)
-// gives exactly 0, as e^x, which is no longer a normal float there, would round to in effect.
-// Valid for x < 88. Doubles keep Highway's Exp: their polynomial would need twice the degree.
-template <class D, class V = hn::Vec<D>>
-HWY_INLINE V SoftmaxExp(D d, V x) {
-  if constexpr (!std::is_same_v<hn::TFromD<D>, float>) {
-    return hn::Exp(d, x);
-  } else {
-    const hn::RebindToSigned<D> di;
-    const V round_magic = hn::Set(d, 12582912.0f);  // 1.5·2²³
-    // NaN must stay NaN. x86's max returns its second operand when either is NaN; the scalar
-    // target's Max returns the other operand, so there the bound is a compare and a select.
-    const V bound = hn::Set(d, -88.02969193f);
-    if constexpr (HWY_TARGET == HWY_SCALAR) {
-      x = hn::IfThenElse(hn::Lt(x, bound), bound, x);
-    } else {
-      x = hn::Max(bound, x);
-    }
-    const V shifted = hn::MulAdd(x, hn::Set(d, 1.44269504088896341f), round_magic);
-    const V n = hn::Sub(shifted, round_magic);
-    V r = hn::MulAdd(n, hn::Set(d, -0.693359375f), x);
-    r = hn::MulAdd(n, hn::Set(d, 2.12194440e-4f), r);
-    V poly = hn::Set(d, 1.9875691500e-4f);
-    poly = hn::MulAdd(poly, r, hn::Set(d, 1.3981999507e-3f));
-    poly = hn::MulAdd(poly, r, hn::Set(d, 8.3334519073e-3f));
-    poly = hn::MulAdd(poly, r, hn::Set(d, 4.1665795894e-2f));
-    poly = hn::MulAdd(poly, r, hn::Set(d, 1.6666665459e-1f));
-    poly = hn::MulAdd(poly, r, hn::Set(d, 5.0000001201e-1f));
-    const V e_r = hn::Add(hn::MulAdd(poly, hn::Mul(r, r), r), hn::Set(d, 1.0f));
-    // The low bits of `shifted` hold n (two's complement, offset by the magic's mantissa, whose low
-    // 9 bits are 0); shifting them to the exponent field and adding the bias 127 gives 2ⁿ.
-    const auto exponent = hn::ShiftLeft<23>(hn::Add(hn::BitCast(di, shifted), hn::Set(di, 127)));
-    return hn::Mul(e_r, hn::BitCast(d, exponent));
-  }
 }
 
 // ---- Dropout --------------------------------------------------------------------------------------

@@ -242,6 +242,30 @@ TEST(AttentionVariants, FusedFloat32WithLargeLogits) {
   }
 }
 
+TEST(AttentionVariants, SoftcapGradientsSurviveOnTanhsFlatTail) {
+  // Every x / c between 6.75 and 14, where the cap's slope sech² is 5·10⁻⁵ to 3·10⁻¹², so dQ and dK
+  // are that small too. In float32, 1 − tanh² is a multiple of 6·10⁻⁸ there and 0 from |x / c| ≈ 9
+  // (the naive float32 computation gives dQ = 0 for the first two rows); the kernel's slope keeps
+  // its relative precision, so its gradients stay within 10⁻⁴ of the largest.
+  Problem p;
+  p.q = Tensor<double>({1, 1, 3, 1}, {1.0, -1.0, 0.75});
+  p.k = Tensor<double>({1, 1, 5, 1}, {9.0, 10.0, 11.5, 13.0, 14.0});
+  Rng rng(860);
+  p.v = random_tensor<double>({1, 1, 5, 4}, rng);
+  p.scale = 1.0;
+  p.softcap = 1.0;
+  const Tensor<double> dout = random_dout(p, 861);
+  const Grads want = reference_backward(p, dout);
+  on_every_target([&] {
+    for (const bool saved : {false, true}) {
+      SCOPED_TRACE(saved ? "with the saved lse" : "recomputing the forward");
+      const Grads got = run_backward<float>(p, dout, AttentionImpl::fused, saved);
+      EXPECT_TRUE(all_close("dq", got.dq, want.dq, 1e-4 * testing::max_abs(want.dq)));
+      EXPECT_TRUE(all_close("dk", got.dk, want.dk, 1e-4 * testing::max_abs(want.dk)));
+    }
+  });
+}
+
 TEST(AttentionVariants, FusedFloat64MatchesReferenceClosely) {
   uint64_t seed = 500;
   for (const Variant& c : variants()) {
