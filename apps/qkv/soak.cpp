@@ -9,10 +9,15 @@
 // and vector widths (8, 16, 64); Tq ≠ Tk; causal, boolean masks and float biases with −inf, alone
 // and combined, in broadcast shapes; scales from 0 to 10; logits up to 1e4; q, k and v strided
 // (their rows padded, so no leading dim is contiguous); and the variants: grouped heads, windows,
-// top-left alignment, softcap, ALiBi, sinks, dropout and packed sequences. Forward (out, lse) and
-// backward (dq, dk, dv, dbias, dsinks; recomputing the forward and from the saved lse) are held to
-// the suite's rule (attention_tolerance in support/attention_problems.hpp). A case both implementations refuse with
-// a qkv::Error counts as refused; one that only one of them refuses is a failure.
+// top-left alignment, softcap, ALiBi, sinks, dropout and packed sequences; Q, K and V stored as
+// float16, bfloat16 or int8 (K and V), each type drawn apart; and K and V in a KvCache of any type,
+// each batch one sequence appended in chunks, in turn with the others so that their pages
+// interleave. The forward with lse and without it (which takes the few-query layout of decoding
+// for up to 16 queries), and the backward (dq, dk, dv, dbias, dsinks; recomputing the forward and
+// from the saved lse; not for a cache, which has none) are held to the suite's rule
+// (attention_tolerance in support/attention_problems.hpp), on the values stored operands and the
+// cache stand for. A case both implementations refuse with a qkv::Error counts as refused; one that
+// only one of them refuses is a failure.
 //
 // Progress goes to stderr; the counts to stdout. The first failure prints the command that repeats
 // it and the case, and exits 1; with --keep-going every failing case is reported and counted, and
@@ -42,8 +47,10 @@
 #include "qkv/core/parallel.hpp"
 #include "qkv/core/rng.hpp"
 #include "qkv/core/simd_target.hpp"
+#include "qkv/core/storage.hpp"
 #include "qkv/core/tensor.hpp"
 #include "qkv/ops/attention.hpp"
+#include "qkv/ops/kv_cache.hpp"
 #include "support/attention_problems.hpp"
 
 namespace qkv::cli {
@@ -53,6 +60,7 @@ using testing::AttentionOperands;
 using testing::AttentionProblem;
 using testing::cast;
 using testing::error_stats;
+using testing::Stored;
 
 // A soak failure is a finding about the kernels, not bad input: exit 1, apart from main's 2.
 constexpr int kExitFailure = 1;
@@ -68,11 +76,20 @@ struct SoakOptions {
   bool keep_going = false;
 };
 
-// One drawn case: the problem in float64, which of q, k and v the fused call sees strided, and
-// the words that describe it in a failure report.
+// K and V of a case in a KvCache: sequence ids[b] holds batch b's.
+struct CachedKeys {
+  KvCache cache;
+  std::vector<int64_t> ids;
+};
+
+// One drawn case: the problem in float64, which of q, k and v the fused call sees strided, the
+// operands in their storage types when any is not float32, or K and V in a cache (the problem then
+// holds the values they stand for), and the words that describe it in a failure report.
 struct SoakCase {
   AttentionProblem problem;
   std::array<bool, 3> strided{};
+  std::optional<Stored> stored;
+  std::optional<CachedKeys> cached;
   std::string description;
 };
 
@@ -122,6 +139,63 @@ Tensor<double> first_heads(const Tensor<double>& t, int64_t heads) {
       for (int64_t i = 0; i < s[2]; ++i)
         for (int64_t d = 0; d < s[3]; ++d) to(a, h, i, d) = from(a, h, i, d);
   return r;
+}
+
+// float32, float16, bfloat16 or, where `int8`, int8, each as likely.
+StorageType draw_storage(Rng& rng, bool int8) {
+  constexpr StorageType kTypes[] = {StorageType::float32, StorageType::float16, StorageType::bfloat16,
+                                    StorageType::int8};
+  const size_t choices = int8 ? 4 : 3;
+  return kTypes[std::min(choices - 1, static_cast<size_t>(rng.uniform() * static_cast<double>(choices)))];
+}
+
+// p's K and V appended to a cache of a drawn type and page size, batch b as sequence b, in chunks
+// of 1 to 70 tokens taken in turn from each sequence; p's k and v become the values it holds.
+CachedKeys cache_keys(Rng& rng, AttentionProblem& p) {
+  const int64_t batches = p.k.shape()[0], hkv = p.k.shape()[1], tk = p.k.shape()[2];
+  const StorageType type = draw_storage(rng, true);
+  const int64_t page_tokens = pick(rng, {1, 3, 16, 64, 256});
+  const int64_t pages = std::max<int64_t>(1, batches * ((tk + page_tokens - 1) / page_tokens) + pick(rng, {0, 1, 5}));
+  CachedKeys c{KvCache(KvCacheShape{.kv_heads = hkv,
+                                    .dk = p.k.shape()[3],
+                                    .dv = p.v.shape()[3],
+                                    .type = type,
+                                    .page_tokens = page_tokens,
+                                    .pages = pages}),
+               {}};
+  for (int64_t n = 0; n < batches; ++n) c.ids.push_back(c.cache.add_sequence());
+  // Token t of batch n's k or v, as the cache takes them: [Hkv, count, D] from t.
+  const auto tokens = [](const Tensor<double>& x, int64_t n, int64_t t, int64_t count) {
+    const Shape& s = x.shape();
+    Tensor<float> r({s[1], count, s[3]});
+    for (int64_t h = 0; h < s[1]; ++h)
+      for (int64_t i = 0; i < count; ++i)
+        for (int64_t d = 0; d < s[3]; ++d) r.view()(h, i, d) = static_cast<float>(x.view()(n, h, t + i, d));
+    return r;
+  };
+  std::vector<int64_t> appended(static_cast<size_t>(batches), 0);
+  for (bool more = true; more;) {
+    more = false;
+    for (int64_t n = 0; n < batches; ++n) {
+      int64_t& done = appended[static_cast<size_t>(n)];
+      const int64_t count = std::min(tk - done, pick(rng, {1, 1, 2, 7, 70}));
+      if (count == 0) continue;
+      c.cache.append(c.ids[static_cast<size_t>(n)], tokens(p.k, n, done, count).cview(),
+                     tokens(p.v, n, done, count).cview());
+      done += count;
+      more = more || done < tk;
+    }
+  }
+  for (int64_t n = 0; n < batches; ++n) {
+    const Tensor<float> k = c.cache.keys(c.ids[static_cast<size_t>(n)]);
+    const Tensor<float> v = c.cache.values(c.ids[static_cast<size_t>(n)]);
+    for (int64_t h = 0; h < hkv; ++h)
+      for (int64_t t = 0; t < tk; ++t) {
+        for (int64_t d = 0; d < p.k.shape()[3]; ++d) p.k.view()(n, h, t, d) = k.view()(h, t, d);
+        for (int64_t d = 0; d < p.v.shape()[3]; ++d) p.v.view()(n, h, t, d) = v.view()(h, t, d);
+      }
+  }
+  return c;
 }
 
 SoakCase draw_case(uint64_t seed, uint64_t number) {
@@ -225,6 +299,28 @@ SoakCase draw_case(uint64_t seed, uint64_t number) {
     variants += fmt::format(" cu_seqlens_q=[{}] cu_seqlens_k=[{}]", fmt::join(p.cu_seqlens_q->values(), ","),
                             fmt::join(p.cu_seqlens_k->values(), ","));
   }
+  // Stored operands, drawn last so that the draws above stay as they were. They are contiguous, and
+  // take neither dropout nor packed sequences.
+  if (!p.dropout && !p.cu_seqlens_q && chance(rng, 0.25)) {
+    const StorageType q_type = draw_storage(rng, false);  // Q is never int8
+    const StorageType k_type = draw_storage(rng, true);
+    StorageType v_type = draw_storage(rng, true);
+    if (q_type == StorageType::float32 && k_type == StorageType::float32 && v_type == StorageType::float32) {
+      v_type = StorageType::float16;
+    }
+    c.stored = testing::store_problem(p, q_type, k_type, v_type);
+    c.strided = {};
+    strided.clear();
+    variants += fmt::format(" q={} k={} v={}", storage_name(q_type), storage_name(k_type), storage_name(v_type));
+  } else if (b > 0 && !p.allowed && !p.bias && !p.alibi && !p.dropout && !p.cu_seqlens_q &&
+             p.alignment == CausalAlignment::bottom_right && chance(rng, 0.5)) {
+    c.cached = cache_keys(rng, p);
+    c.strided[1] = c.strided[2] = false;
+    strided.erase(std::remove_if(strided.begin(), strided.end(), [](char x) { return x != 'q'; }), strided.end());
+    const KvCacheShape& shape = c.cached->cache.shape();
+    variants +=
+        fmt::format(" cache={} page_tokens={} pages={}", storage_name(shape.type), shape.page_tokens, shape.pages);
+  }
   c.description = fmt::format("B={} H={} Tq={} Tk={} Dk={} Dv={} causal={} scale={}{}{} logits~{} strided={}", b, h, tq,
                               tk, dk, dv, p.causal, p.scale ? fmt::format("{}", *p.scale) : "default", masks, variants,
                               logit, strided.empty() ? "none" : strided);
@@ -252,12 +348,20 @@ PaddedCopy padded_copy(const Tensor<double>& values, bool strided) {
   return copy;
 }
 
+// Batch n of a [B, H, T, D] or [B, H, T] view: the view without its first dim.
+template <class T>
+TensorView<T> batch(const TensorView<T>& x, int64_t n) {
+  const Shape shape = x.rank() == 4 ? Shape{x.shape[1], x.shape[2], x.shape[3]} : Shape{x.shape[1], x.shape[2]};
+  return {x.data + n * x.strides[0], shape, Strides{x.strides[1], x.strides[2], x.strides[3]}};
+}
+
+// out_only: the fused forward's out when it returns no lse (the reference's out serves as both).
 struct Results {
-  Tensor<double> out, lse, dq, dk, dv, dbias, dsinks;
+  Tensor<double> out, lse, dq, dk, dv, dbias, dsinks, out_only;
 };
 
-// Forward, then the backward of L = <dout, out>, either recomputing the forward or from the saved
-// out and lse.
+// Forward with lse and without it (out_only), then the backward of L = <dout, out>, either
+// recomputing the forward or from the saved out and lse.
 Results run_fused(const SoakCase& c, const Tensor<double>& dout_d, bool from_saved) {
   const AttentionProblem& p = c.problem;
   const PaddedCopy q = padded_copy(p.q, c.strided[0]), k = padded_copy(p.k, c.strided[1]),
@@ -267,9 +371,28 @@ Results run_fused(const SoakCase& c, const Tensor<double>& dout_d, bool from_sav
   params.q = q.view;
   params.k = k.view;
   params.v = v.view;
+  const std::optional<StoredAttentionParams> stored =
+      c.stored ? std::optional(testing::stored_params(*c.stored, params)) : std::nullopt;
+  const auto forward = [&](const AttentionOutputs<float>& outputs) {
+    if (c.cached) {
+      const KvAttendOptions options{
+          .scale = p.scale, .causal = p.causal, .window = p.window, .softcap = p.softcap, .sinks = params.sinks};
+      for (int64_t n = 0; n < p.q.shape()[0]; ++n) {
+        AttentionOutputs<float> one{.out = batch(outputs.out, n), .weights = {}, .lse = {}};
+        if (outputs.lse) one.lse = batch(*outputs.lse, n);
+        c.cached->cache.attend(c.cached->ids[static_cast<size_t>(n)], batch(params.q, n), one, options);
+      }
+    } else if (stored) {
+      attention_forward(*stored, outputs, AttentionImpl::fused);
+    } else {
+      attention_forward_fused(params, outputs);
+    }
+  };
   const Shape& s = p.q.shape();
-  Tensor<float> out({s[0], s[1], s[2], p.v.shape()[3]}), lse({s[0], s[1], s[2]});
-  attention_forward_fused(params, AttentionOutputs<float>{.out = out.view(), .weights = {}, .lse = lse.view()});
+  Tensor<float> out({s[0], s[1], s[2], p.v.shape()[3]}), lse({s[0], s[1], s[2]}), out_only(out.shape());
+  forward(AttentionOutputs<float>{.out = out.view(), .weights = {}, .lse = lse.view()});
+  forward(AttentionOutputs<float>{.out = out_only.view(), .weights = {}, .lse = {}});
+  if (c.cached) return {cast<double>(out), cast<double>(lse), {}, {}, {}, {}, {}, cast<double>(out_only)};
   const Tensor<float> dout = cast<float>(dout_d);
   Tensor<float> dq(p.q.shape()), dk(p.k.shape()), dv(p.v.shape());
   Tensor<float> dbias = p.bias ? Tensor<float>(p.bias->shape()) : Tensor<float>();
@@ -279,9 +402,13 @@ Results run_fused(const SoakCase& c, const Tensor<double>& dout_d, bool from_sav
   if (p.sinks) grads.dsinks = dsinks.view();
   std::optional<AttentionSaved<float>> saved;
   if (from_saved) saved = AttentionSaved<float>{.out = out.cview(), .lse = lse.cview()};
-  attention_backward_fused(params, dout.cview(), grads, saved);
-  return {cast<double>(out), cast<double>(lse),   cast<double>(dq),    cast<double>(dk),
-          cast<double>(dv),  cast<double>(dbias), cast<double>(dsinks)};
+  if (stored) {
+    attention_backward(*stored, dout.cview(), grads, saved, AttentionImpl::fused);
+  } else {
+    attention_backward_fused(params, dout.cview(), grads, saved);
+  }
+  return {cast<double>(out), cast<double>(lse),   cast<double>(dq),     cast<double>(dk),
+          cast<double>(dv),  cast<double>(dbias), cast<double>(dsinks), cast<double>(out_only)};
 }
 
 Results run_reference(const AttentionProblem& p, const Tensor<double>& dout) {
@@ -293,7 +420,8 @@ Results run_reference(const AttentionProblem& p, const Tensor<double>& dout) {
             Tensor<double>(p.k.shape()),
             Tensor<double>(p.v.shape()),
             p.bias ? Tensor<double>(p.bias->shape()) : Tensor<double>(),
-            p.sinks ? Tensor<double>(p.sinks->shape()) : Tensor<double>()};
+            p.sinks ? Tensor<double>(p.sinks->shape()) : Tensor<double>(),
+            Tensor<double>()};
   attention_forward_reference(ops.params(),
                               AttentionOutputs<double>{.out = r.out.view(), .weights = {}, .lse = r.lse.view()});
   AttentionGradients<double> grads{.dq = r.dq.view(), .dk = r.dk.view(), .dv = r.dv.view(), .dbias = {}};
@@ -311,8 +439,10 @@ struct Expected {
 };
 
 // The first tensor of `got` outside its tolerance, described; nullopt when all are within.
+// `bf16_weights`: the forward without lse rounded its weights to bfloat16 (bfloat16 Q, K and V on
+// the bf16 dot product), which its tolerance allows for.
 std::optional<std::string> first_mismatch(const Results& got, const Expected& want, bool from_saved, bool with_bias,
-                                          bool with_sinks) {
+                                          bool with_sinks, bool bf16_weights, bool forward_only) {
   using R = testing::NaiveResult;
   struct Check {
     const char* name;
@@ -323,6 +453,7 @@ std::optional<std::string> first_mismatch(const Results& got, const Expected& wa
   };
   const Check checks[] = {{"out", got.out, want.exact.out, R::out, false},
                           {"lse", got.lse, want.exact.lse, R::lse, false},
+                          {"out without lse", got.out_only, want.exact.out, R::out, false},
                           {"dq", got.dq, want.exact.dq, R::dq, true},
                           {"dk", got.dk, want.exact.dk, R::dk, true},
                           {"dv", got.dv, want.exact.dv, R::dv, true},
@@ -333,9 +464,12 @@ std::optional<std::string> first_mismatch(const Results& got, const Expected& wa
     // rank-0 one of 1 value.
     if (!with_bias && std::string_view(check.name) == "dbias") continue;
     if (!with_sinks && std::string_view(check.name) == "dsinks") continue;
+    if (forward_only && check.gradient) continue;
     // The saved lse is rounded to float32, which moves every P recomputed from it by up to ρ.
-    const double tolerance = testing::attention_tolerance(want.yardsticks, check.which, check.exact,
-                                                          from_saved && check.gradient ? want.rho : 0.0);
+    const double tolerance = bf16_weights && &check.actual == &got.out_only
+                                 ? testing::bf16_products_tolerance(want.yardsticks, check.exact)
+                                 : testing::attention_tolerance(want.yardsticks, check.which, check.exact,
+                                                                from_saved && check.gradient ? want.rho : 0.0);
     const testing::ErrorStats stats = error_stats(check.actual, check.exact);
     if (stats.non_finite || stats.max_abs > tolerance) {
       return fmt::format("{}: max error {:.3e} > tolerance {:.3e} at flat index {} (got {:.9g}, expected {:.9g})",
@@ -351,6 +485,8 @@ struct Tally {
   int64_t cases = 0;
   int64_t refused = 0;
   int64_t failed = 0;
+  int64_t stored = 0;                         // cases with a float16, bfloat16 or int8 operand
+  int64_t cached = 0;                         // cases with K and V in a KvCache
   std::map<std::string, int64_t> per_target;  // runs: a case on one target at one thread count
 };
 
@@ -381,14 +517,18 @@ bool run_case(const SoakOptions& o, uint64_t number, Tally& tally) {
   }
   ++tally.cases;
   if (!want) ++tally.refused;
+  if (c.stored) ++tally.stored;
+  if (c.cached) ++tally.cached;
   for (const std::string& target : simd_targets()) {
     use_simd_target(target);
     for (const int threads : o.threads) {
       set_max_workers(threads);
       const std::string where = fmt::format("target {}, {} thread{}", target, threads, threads == 1 ? "" : "s");
       for (const bool from_saved : {false, true}) {
+        if (c.cached && from_saved) continue;  // a cache has no backward
         const std::string run =
-            fmt::format("{}, backward {}", where, from_saved ? "from the saved lse" : "recomputing");
+            c.cached ? fmt::format("{}, forward through the cache", where)
+                     : fmt::format("{}, backward {}", where, from_saved ? "from the saved lse" : "recomputing");
         std::optional<Results> got;
         try {
           got = run_fused(c, dout, from_saved);
@@ -402,7 +542,11 @@ bool run_case(const SoakOptions& o, uint64_t number, Tally& tally) {
         if (!want) {
           mismatch = fmt::format("the reference refused it ({}) but the fused kernels ran it", reference_refusal);
         } else {
-          mismatch = first_mismatch(*got, *want, from_saved, p.bias.has_value(), p.sinks.has_value());
+          const bool bf16_weights = c.stored && c.stored->q.type == StorageType::bfloat16 &&
+                                    c.stored->k.type == StorageType::bfloat16 &&
+                                    c.stored->v.type == StorageType::bfloat16 && attention_bf16_products();
+          mismatch = first_mismatch(*got, *want, from_saved, p.bias.has_value(), p.sinks.has_value(), bf16_weights,
+                                    c.cached.has_value());
         }
         if (mismatch) {
           report_failure(o, number, c, run, *mismatch);
@@ -447,8 +591,10 @@ void run_soak(const SoakOptions& o) {
     }
   }
   set_max_workers(saved_workers);
-  fmt::print("soak: seed {}, {} cases in {:.1f} s, {} failed ({} refused by both implementations)\n", o.seed,
-             tally.cases, elapsed(), tally.failed, tally.refused);
+  fmt::print(
+      "soak: seed {}, {} cases in {:.1f} s, {} failed ({} refused by both implementations; {} with float16, bfloat16 "
+      "or int8 operands, {} with K and V in a KvCache)\n",
+      o.seed, tally.cases, elapsed(), tally.failed, tally.refused, tally.stored, tally.cached);
   for (const auto& [target, runs] : tally.per_target) {
     fmt::print("  {}: {} cases × {} thread counts ({} runs)\n", target, runs / static_cast<int64_t>(o.threads.size()),
                o.threads.size(), runs);

@@ -25,6 +25,7 @@
 namespace qkv {
 namespace {
 
+using testing::bf16_products_tolerance;
 using testing::bit_identical;
 using testing::cast;
 using testing::expect_float32_matches_reference;
@@ -32,6 +33,10 @@ using testing::Forward;
 using testing::on_every_target;
 using testing::random_problem;
 using testing::run_forward;
+using testing::store;
+using testing::store_problem;
+using testing::Stored;
+using testing::stored_params;
 using Case = testing::AttentionCase;
 using Problem = testing::AttentionProblem;
 
@@ -124,56 +129,6 @@ TEST(Quantize, PerChannelScalesKeepOutlierChannelsFromCostingTheRest) {
 
 // --- the stored forward ------------------------------------------------------------------------------
 
-// A problem's q, k and v stored in the given types. The problem's own q, k, v become the values the
-// stored ones stand for, so that the float32 kernel and the float64 reference can be run on them.
-struct Stored {
-  Tensor<uint16_t> q16, k16, v16;
-  std::optional<Int8Array> k8, v8;
-  Tensor<float> q32, k32, v32;
-  StoredView q, k, v;
-};
-
-StoredView store(const Tensor<double>& x, StorageType type, QuantizeGroup group, Tensor<uint16_t>& bits,
-                 std::optional<Int8Array>& int8, Tensor<float>& f32) {
-  f32 = cast<float>(x);
-  switch (type) {
-    case StorageType::float32:
-      return StoredView::float32(f32.cview());
-    case StorageType::float16:
-      bits = to_float16(f32.cview());
-      return StoredView::float16(bits.cview());
-    case StorageType::bfloat16:
-      bits = to_bfloat16(f32.cview());
-      return StoredView::bfloat16(bits.cview());
-    case StorageType::int8:
-      int8 = quantize_int8(f32.cview(), group);
-      return int8->stored();
-  }
-  return {};
-}
-
-Stored store_problem(Problem& p, StorageType q_type, StorageType kv_type) {
-  Stored s;
-  std::optional<Int8Array> unused;
-  s.q = store(p.q, q_type, QuantizeGroup::per_token, s.q16, unused, s.q32);
-  s.k = store(p.k, kv_type, QuantizeGroup::per_channel, s.k16, s.k8, s.k32);
-  s.v = store(p.v, kv_type, QuantizeGroup::per_token, s.v16, s.v8, s.v32);
-  p.q = cast<double>(to_float32(s.q));
-  p.k = cast<double>(to_float32(s.k));
-  p.v = cast<double>(to_float32(s.v));
-  return s;
-}
-
-StoredAttentionParams stored_params(const Stored& s, const AttentionParams<float>& like) {
-  return {.q = s.q,
-          .k = s.k,
-          .v = s.v,
-          .scale = like.scale,
-          .mask = like.mask,
-          .softcap = like.softcap,
-          .sinks = like.sinks};
-}
-
 Forward run_stored(const Problem& p, const Stored& s, bool with_lse) {
   const testing::AttentionOperands<float> ops(p);
   const Shape& shape = p.q.shape();
@@ -202,14 +157,6 @@ testing::FusedRuns stored_runs(const Problem& p, const Stored& s) {
 
 constexpr StorageType kTypes[] = {StorageType::float16, StorageType::bfloat16, StorageType::int8};
 
-// Out without lse on bfloat16 Q, K and V where the CPU's bf16 dot product runs it: its weights are
-// rounded to bfloat16 (a relative error of at most 2⁻⁸ each: 8 significant bits) before they multiply V, which moves
-// out by at most 2⁻⁸·Σ_j P_ij·|v_j|, the terms magnitude of out; the rest is the float32 rule.
-double bf16_products_tolerance(const testing::AttentionYardsticks& y, const Tensor<double>& exact) {
-  return testing::attention_tolerance(y, testing::NaiveResult::out, exact) +
-         std::ldexp(1.0, -8) * testing::max_abs(testing::naive_result(y.terms, testing::NaiveResult::out));
-}
-
 // For every K/V type (with Q in float32 and in K's type where Q may take it): bit-identical to the
 // float32 kernel on the stored values, with and without lse, on every target; then those values
 // against the float64 reference by the suite's rule. The exceptions, held to the float64
@@ -224,7 +171,7 @@ void expect_stored_matches_float(Problem p, uint64_t seed, const std::string& la
       if (q == StorageType::int8) continue;
       SCOPED_TRACE(fmt::format("{}: q {}, k and v {}", label, storage_name(q), storage_name(kv)));
       Problem stored_p = p;
-      const Stored s = store_problem(stored_p, q, kv);
+      const Stored s = store_problem(stored_p, q, kv, kv);
       const bool int8 = kv == StorageType::int8;
       const bool bf16 = q == StorageType::bfloat16 && kv == StorageType::bfloat16;
       const Forward exact = int8 || bf16 ? testing::reference_forward(stored_p) : Forward{};
@@ -318,7 +265,7 @@ TEST(AttentionStored, Bf16ProductsRoundOnlyTheWeights) {
   add_masked_and_grouped(problems, seed);
   for (auto& [label, p] : problems) {
     SCOPED_TRACE(label);
-    const Stored s = store_problem(p, StorageType::bfloat16, StorageType::bfloat16);
+    const Stored s = store_problem(p, StorageType::bfloat16, StorageType::bfloat16, StorageType::bfloat16);
     const Forward exact = testing::reference_forward(p);
     const testing::AttentionYardsticks y = testing::attention_yardsticks(p, testing::random_dout(p, seed));
     const Forward float32 = run_forward<float>(p, AttentionImpl::fused, false);
@@ -384,7 +331,7 @@ TEST(AttentionStored, Int8DecodeTakesEveryScaleLayout) {
 
 TEST(AttentionStored, ReferenceAndBackwardRunOnTheStoredValues) {
   Problem p = random_problem({1, 2, 19, 23, 16, 8, true}, 70);
-  const Stored s = store_problem(p, StorageType::bfloat16, StorageType::float16);
+  const Stored s = store_problem(p, StorageType::bfloat16, StorageType::float16, StorageType::float16);
   const testing::AttentionOperands<float> ops(p);
   const StoredAttentionParams sp = stored_params(s, ops.params());
   Tensor<float> weights({1, 2, 19, 23}), out({1, 2, 19, 8});
@@ -430,7 +377,7 @@ TEST(AttentionStored, BackwardConvertsTileByTileToTheFloatBackwardsBits) {
         if (q == StorageType::int8) continue;
         SCOPED_TRACE(fmt::format("{}: q {}, k and v {}", label, storage_name(q), storage_name(kv)));
         Problem p = problem;
-        const Stored s = store_problem(p, q, kv);
+        const Stored s = store_problem(p, q, kv, kv);
         const Tensor<double> dout = testing::random_dout(p, seed);
         const bool bf16 = q == StorageType::bfloat16 && kv == StorageType::bfloat16;
         on_every_target([&] {
@@ -466,7 +413,7 @@ TEST(AttentionStored, Bf16ScoresKeepTheBackwardAccurateOnHugeLogits) {
   for (const int64_t tq : {int64_t{1}, int64_t{8}, int64_t{70}}) {
     Problem p = random_problem({1, 1, tq, 90, 64, 48}, seed);
     testing::make_logits_huge(p);
-    const Stored s = store_problem(p, StorageType::bfloat16, StorageType::bfloat16);
+    const Stored s = store_problem(p, StorageType::bfloat16, StorageType::bfloat16, StorageType::bfloat16);
     const std::string label = fmt::format("huge logits, bfloat16, Tq={}", tq);
     testing::expect_matches_reference(p, seed + 1, label, stored_runs(p, s));
     const Tensor<double> dout = testing::random_dout(p, seed + 2);
@@ -547,7 +494,7 @@ void expect_refused(const StoredAttentionParams& params, const std::string& mess
 
 TEST(AttentionStored, BadOperandsAreRefusedNamingTheArgument) {
   Problem p = random_problem({1, 1, 4, 6, 8, 8}, 80);
-  const Stored s = store_problem(p, StorageType::float32, StorageType::int8);
+  const Stored s = store_problem(p, StorageType::float32, StorageType::int8, StorageType::int8);
   const testing::AttentionOperands<float> ops(p);
   const StoredAttentionParams good = stored_params(s, ops.params());
 

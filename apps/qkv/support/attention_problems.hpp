@@ -13,8 +13,10 @@
 #include <vector>
 
 #include "qkv/core/rng.hpp"
+#include "qkv/core/storage.hpp"
 #include "qkv/core/tensor.hpp"
 #include "qkv/ops/attention.hpp"
+#include "qkv/ops/quantize.hpp"
 
 namespace qkv::testing {
 
@@ -192,6 +194,67 @@ struct AttentionOperands {
   }
 };
 
+// A problem's q, k and v stored in the given types, with the tensors that hold them (the views
+// point into them, so a Stored moves but is never copied).
+struct Stored {
+  Tensor<uint16_t> q16, k16, v16;
+  std::optional<Int8Array> k8, v8;
+  Tensor<float> q32, k32, v32;
+  StoredView q, k, v;
+
+  Stored() = default;
+  Stored(Stored&&) = default;
+  Stored& operator=(Stored&&) = default;
+  Stored(const Stored&) = delete;
+  Stored& operator=(const Stored&) = delete;
+};
+
+// x in `type` (int8 with a scale per `group`), held by bits, int8 or f32.
+inline StoredView store(const Tensor<double>& x, StorageType type, QuantizeGroup group, Tensor<uint16_t>& bits,
+                        std::optional<Int8Array>& int8, Tensor<float>& f32) {
+  f32 = cast<float>(x);
+  switch (type) {
+    case StorageType::float32:
+      return StoredView::float32(f32.cview());
+    case StorageType::float16:
+      bits = to_float16(f32.cview());
+      return StoredView::float16(bits.cview());
+    case StorageType::bfloat16:
+      bits = to_bfloat16(f32.cview());
+      return StoredView::bfloat16(bits.cview());
+    case StorageType::int8:
+      int8 = quantize_int8(f32.cview(), group);
+      return int8->stored();
+  }
+  return {};
+}
+
+// The problem's q, k and v stored in these types (int8 K with a scale per channel, int8 V per
+// token), and the problem's own q, k, v replaced by the values the stored ones stand for, so that
+// the float32 kernel and the float64 reference run on those.
+inline Stored store_problem(AttentionProblem& p, StorageType q_type, StorageType k_type, StorageType v_type) {
+  Stored s;
+  std::optional<Int8Array> unused;
+  s.q = store(p.q, q_type, QuantizeGroup::per_token, s.q16, unused, s.q32);
+  s.k = store(p.k, k_type, QuantizeGroup::per_channel, s.k16, s.k8, s.k32);
+  s.v = store(p.v, v_type, QuantizeGroup::per_token, s.v16, s.v8, s.v32);
+  p.q = cast<double>(to_float32(s.q));
+  p.k = cast<double>(to_float32(s.k));
+  p.v = cast<double>(to_float32(s.v));
+  return s;
+}
+
+// The call `like` makes, on the stored operands.
+inline StoredAttentionParams stored_params(const Stored& s, const AttentionParams<float>& like) {
+  return {.q = s.q,
+          .k = s.k,
+          .v = s.v,
+          .scale = like.scale,
+          .mask = like.mask,
+          .softcap = like.softcap,
+          .sinks = like.sinks};
+}
+
 // out [B, H, Tq, Dv], scores and weights [B, H, Tq, Tk] (scores −inf where masked), lse [B, H, Tq]
 // and, when a dO was given, the gradients of L = <dO, out> (dbias in the bias's own shape, dsinks
 // [H] with sinks).
@@ -218,8 +281,8 @@ enum class Magnitude { none, terms, sums, exposure };
 // the absolute values of everything any sum adds, dP and D apart (out Σ P|v|, lse |m| + |log z|,
 // dS P (Σ|dO v| + Σ|dO| out)); Magnitude::exposure gives how far each result moves per unit of
 // independent errors of the scores, as root sums of squares (out_d sqrt(Σ_j (P_j w_j (v_jd −
-// out_d))², a sink a term with v = 0; lse 1; dS P w |dP − D| + P Σ_d |dO_d| out_d; w_j as
-// attention_tolerance derives it). The variants (grouped heads, window, alignment, softcap, ALiBi,
+// out_d))², a sink a term with v = 0; lse 1; dS P w |dP − D| + P Σ_d |dO_d| out_d, and through a
+// softcap dX that times sech² plus 2|tanh|/c·|dS|; w_j as attention_tolerance derives it). The variants (grouped heads, window, alignment, softcap, ALiBi,
 // sinks, dropout, packed sequences) as include/qkv/ops/attention.hpp defines them.
 template <class T>
 NaiveAttention<T> naive_attention(const AttentionProblem& p, const Tensor<double>& dout_d,
@@ -279,6 +342,7 @@ NaiveAttention<T> naive_attention(const AttentionProblem& p, const Tensor<double
         const int64_t dropout_b = p.cu_seqlens_q ? n : b;
         std::vector<T> s(static_cast<size_t>(Tk), -inf);
         std::vector<T> cap_slope(static_cast<size_t>(Tk), T{1});  // d s / d(scale·q·k)
+        std::vector<T> cap_tanh(static_cast<size_t>(Tk), T{0});   // tanh(scale·q·k / c)
         std::vector<T> keep(static_cast<size_t>(Tk), T{1});       // the dropout factors
         for (int64_t nj = 0; nj < Tk; ++nj) {
           const int64_t j = nth(nj, Tk);
@@ -302,6 +366,7 @@ NaiveAttention<T> naive_attention(const AttentionProblem& p, const Tensor<double
             const T t = std::tanh(x / softcap);
             x = softcap * t;
             cap_slope[static_cast<size_t>(j)] = 1 - t * t;
+            cap_tanh[static_cast<size_t>(j)] = t;
           }
           T score = x + (bias ? (*bias)(b, h, i, j) : T{0});
           if (p.alibi) score -= static_cast<T>((*p.alibi)[h]) * static_cast<T>(std::abs(li + diagonal - lj));
@@ -370,7 +435,13 @@ NaiveAttention<T> naive_attention(const AttentionProblem& p, const Tensor<double
               r.dv.view()(b, hk, jj, d) += x * x;
             }
             const T ds = prob[j] * exposure(j) * std::abs(keep[j] * dp - row_dot) + prob[j] * row_dot_exposure;
-            const T dx = std::abs(scale) * ds * cap_slope[j];
+            // Through a softcap, dX = dS·sech²(x / c) moves with the score's own error too: an error
+            // δs of s = c·tanh(x / c) is one of δs / sech² in x, which moves sech² by 2|tanh|/c·δs.
+            // On tanh's flat tail a score's error is far below the typical one this is counted in,
+            // so there the term is generous; a test holds the kernel's slope there on its own.
+            const T cap_term =
+                softcap > 0 ? 2 * std::abs(cap_tanh[j]) / softcap * std::abs(prob[j] * (keep[j] * dp - row_dot)) : T{0};
+            const T dx = std::abs(scale) * (ds * cap_slope[j] + cap_term);
             for (int64_t d = 0; d < Dk; ++d) {
               r.dq.view()(b, h, i, d) += (dx * k(b, hk, jj, d)) * (dx * k(b, hk, jj, d));
               r.dk.view()(b, hk, jj, d) += (dx * q(b, h, i, d)) * (dx * q(b, h, i, d));
@@ -507,6 +578,15 @@ double attention_tolerance(const AttentionYardsticks& y, NaiveResult which, cons
          kScoreSigmas * 2 * y.score_error * max_abs(naive_result(y.exposure, which)) +
          std::numeric_limits<float>::epsilon() * max_abs(naive_result(y.sums, which)) +
          saved_lse_rho * max_abs(naive_result(y.terms, which));
+}
+
+// Out without lse on bfloat16 Q, K and V where the CPU's bf16 dot product runs it: its weights are
+// rounded to bfloat16 (a relative error of at most 2⁻⁸ each: 8 significant bits) before they
+// multiply V, which moves out by at most 2⁻⁸·Σ_j P_ij·|v_j|, the terms magnitude of out; the rest is
+// the float32 rule.
+inline double bf16_products_tolerance(const AttentionYardsticks& y, const Tensor<double>& exact) {
+  return attention_tolerance(y, NaiveResult::out, exact) +
+         std::ldexp(1.0, -8) * max_abs(naive_result(y.terms, NaiveResult::out));
 }
 
 }  // namespace qkv::testing
