@@ -274,16 +274,17 @@ enum class Magnitude { none, terms, sums, exposure };
 
 // The whole computation for a [B, H, T, D] problem written as the formula reads, in type T (float:
 // the "naive float32" of the tolerance rule; double: an implementation independent of src/):
-// materialised scores, sequential sums in `order`, std::exp. An empty `dout` (numel 0) computes
-// the forward only. The three magnitudes compute each result's size in float64 instead (see
+// materialised scores, sequential sums in `order`, std::exp. An empty `dout` (numel 0) computes the
+// forward only. The three magnitudes compute each result's size in float64 instead (see
 // attention_tolerance for what they bound): Magnitude::terms sums the absolute values of the
 // gradients' terms (|P dO|, |dS k|, |dS q|, |dS|, with dS as |P (dP − D)|); Magnitude::sums sums
-// the absolute values of everything any sum adds, dP and D apart (out Σ P|v|, lse |m| + |log z|,
-// dS P (Σ|dO v| + Σ|dO| out)); Magnitude::exposure gives how far each result moves per unit of
+// the absolute values of everything any sum adds, dP and D apart (out Σ P|v|, lse |m| + |log z|, dS
+// P (Σ|dO v| + Σ|dO| out)); Magnitude::exposure gives how far each result moves per unit of
 // independent errors of the scores, as root sums of squares (out_d sqrt(Σ_j (P_j w_j (v_jd −
 // out_d))², a sink a term with v = 0; lse 1; dS P w |dP − D| + P Σ_d |dO_d| out_d, and through a
-// softcap dX that times sech² plus 2|tanh|/c·|dS|; w_j as attention_tolerance derives it). The variants (grouped heads, window, alignment, softcap, ALiBi,
-// sinks, dropout, packed sequences) as include/qkv/ops/attention.hpp defines them.
+// softcap dX that times sech² plus 2|tanh|/c·|dS|; w_j as attention_tolerance derives it). The
+// variants (grouped heads, window, alignment, softcap, ALiBi, sinks, dropout, packed sequences) as
+// include/qkv/ops/attention.hpp defines them.
 template <class T>
 NaiveAttention<T> naive_attention(const AttentionProblem& p, const Tensor<double>& dout_d,
                                   Magnitude magnitude = Magnitude::none, NaiveOrder order = NaiveOrder::forward) {
