@@ -12,12 +12,11 @@
 // top-left alignment, softcap, ALiBi, sinks, dropout and packed sequences; Q, K and V stored as
 // float16, bfloat16 or int8 (K and V), each type drawn apart; and K and V in a KvCache of any type,
 // each batch one sequence appended in chunks, in turn with the others so that their pages
-// interleave. The forward with lse and without it (which takes the few-query layout of decoding
-// for up to 16 queries), and the backward (dq, dk, dv, dbias, dsinks; recomputing the forward and
-// from the saved lse; not for a cache, which has none) are held to the suite's rule
-// (attention_tolerance in support/attention_problems.hpp), on the values stored operands and the
-// cache stand for. A case both implementations refuse with a qkv::Error counts as refused; one that
-// only one of them refuses is a failure.
+// interleave (with holes left by a removed sequence, or compacted). The forward with lse and without it (which takes
+// the few-query layout of decoding for up to 16 queries), and the backward (dq, dk, dv, dbias, dsinks; recomputing the
+// forward and from the saved lse; not for a cache, which has none) are held to the suite's rule (attention_tolerance in
+// support/attention_problems.hpp), on the values stored operands and the cache stand for. A case both implementations
+// refuse with a qkv::Error counts as refused; one that only one of them refuses is a failure.
 //
 // Progress goes to stderr; the counts to stdout. The first failure prints the command that repeats
 // it and the case, and exits 1; with --keep-going every failing case is reported and counted, and
@@ -76,10 +75,12 @@ struct SoakOptions {
   bool keep_going = false;
 };
 
-// K and V of a case in a KvCache: sequence ids[b] holds batch b's.
+// K and V of a case in a KvCache: sequence ids[b] holds batch b's; `history` says what else
+// the cache went through, for a failure report.
 struct CachedKeys {
   KvCache cache;
   std::vector<int64_t> ids;
+  std::string history;
 };
 
 // One drawn case: the problem in float64, which of q, k and v the fused call sees strided, the
@@ -150,20 +151,27 @@ StorageType draw_storage(Rng& rng, bool int8) {
 }
 
 // p's K and V appended to a cache of a drawn type and page size, batch b as sequence b, in chunks
-// of 1 to 70 tokens taken in turn from each sequence; p's k and v become the values it holds.
+// of 1 to 70 tokens taken in turn from each sequence; p's k and v become the values it holds. A
+// scratch sequence (a copy of batch 0's) may grow among them and be removed before the attention,
+// leaving holes between their pages, and the cache may then be compacted.
 CachedKeys cache_keys(Rng& rng, AttentionProblem& p) {
   const int64_t batches = p.k.shape()[0], hkv = p.k.shape()[1], tk = p.k.shape()[2];
   const StorageType type = draw_storage(rng, true);
   const int64_t page_tokens = pick(rng, {1, 3, 16, 64, 256});
-  const int64_t pages = std::max<int64_t>(1, batches * ((tk + page_tokens - 1) / page_tokens) + pick(rng, {0, 1, 5}));
+  const bool scratch = chance(rng, 0.3), compact = chance(rng, 0.3);
+  const int64_t sequences = batches + (scratch ? 1 : 0);
+  const int64_t pages = std::max<int64_t>(1, sequences * ((tk + page_tokens - 1) / page_tokens) + pick(rng, {0, 1, 5}));
   CachedKeys c{KvCache(KvCacheShape{.kv_heads = hkv,
                                     .dk = p.k.shape()[3],
                                     .dv = p.v.shape()[3],
                                     .type = type,
                                     .page_tokens = page_tokens,
                                     .pages = pages}),
-               {}};
-  for (int64_t n = 0; n < batches; ++n) c.ids.push_back(c.cache.add_sequence());
+               {},
+               fmt::format(" cache={} page_tokens={} pages={}{}{}", storage_name(type), page_tokens, pages,
+                           scratch ? " scratch" : "", compact ? " compacted" : "")};
+  std::vector<int64_t> ids;  // batch n's sequence, then the scratch one
+  for (int64_t n = 0; n < sequences; ++n) ids.push_back(c.cache.add_sequence());
   // Token t of batch n's k or v, as the cache takes them: [Hkv, count, D] from t.
   const auto tokens = [](const Tensor<double>& x, int64_t n, int64_t t, int64_t count) {
     const Shape& s = x.shape();
@@ -173,19 +181,23 @@ CachedKeys cache_keys(Rng& rng, AttentionProblem& p) {
         for (int64_t d = 0; d < s[3]; ++d) r.view()(h, i, d) = static_cast<float>(x.view()(n, h, t + i, d));
     return r;
   };
-  std::vector<int64_t> appended(static_cast<size_t>(batches), 0);
+  std::vector<int64_t> appended(static_cast<size_t>(sequences), 0);
   for (bool more = true; more;) {
     more = false;
-    for (int64_t n = 0; n < batches; ++n) {
+    for (int64_t n = 0; n < sequences; ++n) {
       int64_t& done = appended[static_cast<size_t>(n)];
       const int64_t count = std::min(tk - done, pick(rng, {1, 1, 2, 7, 70}));
       if (count == 0) continue;
-      c.cache.append(c.ids[static_cast<size_t>(n)], tokens(p.k, n, done, count).cview(),
-                     tokens(p.v, n, done, count).cview());
+      const int64_t source = n < batches ? n : 0;
+      c.cache.append(ids[static_cast<size_t>(n)], tokens(p.k, source, done, count).cview(),
+                     tokens(p.v, source, done, count).cview());
       done += count;
       more = more || done < tk;
     }
   }
+  if (scratch) c.cache.remove_sequence(ids.back());
+  if (compact) c.cache.compact();
+  c.ids.assign(ids.begin(), ids.begin() + batches);
   for (int64_t n = 0; n < batches; ++n) {
     const Tensor<float> k = c.cache.keys(c.ids[static_cast<size_t>(n)]);
     const Tensor<float> v = c.cache.values(c.ids[static_cast<size_t>(n)]);
@@ -317,9 +329,7 @@ SoakCase draw_case(uint64_t seed, uint64_t number) {
     c.cached = cache_keys(rng, p);
     c.strided[1] = c.strided[2] = false;
     strided.erase(std::remove_if(strided.begin(), strided.end(), [](char x) { return x != 'q'; }), strided.end());
-    const KvCacheShape& shape = c.cached->cache.shape();
-    variants +=
-        fmt::format(" cache={} page_tokens={} pages={}", storage_name(shape.type), shape.page_tokens, shape.pages);
+    variants += c.cached->history;
   }
   c.description = fmt::format("B={} H={} Tq={} Tk={} Dk={} Dv={} causal={} scale={}{}{} logits~{} strided={}", b, h, tq,
                               tk, dk, dv, p.causal, p.scale ? fmt::format("{}", *p.scale) : "default", masks, variants,
