@@ -244,9 +244,10 @@ TEST(AttentionVariants, FusedFloat32WithLargeLogits) {
 
 TEST(AttentionVariants, SoftcapGradientsSurviveOnTanhsFlatTail) {
   // Every x / c between 6.75 and 14, where the cap's slope sech² is 5·10⁻⁵ to 3·10⁻¹², so dQ and dK
-  // are that small too. In float32, 1 − tanh² is a multiple of 6·10⁻⁸ there and 0 from |x / c| ≈ 9
-  // (the naive float32 computation gives dQ = 0 for the first two rows); the kernel's slope keeps
-  // its relative precision, so its gradients stay within 10⁻⁴ of the largest.
+  // are that small too. In float32, 1 − tanh² is a multiple of 6·10⁻⁸ there, and 0 once tanh rounds
+  // to ±1 (from |x / c| ≈ 9, the first two rows' smallest): a slope so computed leaves their dQ at 0
+  // or off by its whole size. The kernel's slope keeps its relative precision, so its gradients stay
+  // within 10⁻⁴ of the largest.
   Problem p;
   p.q = Tensor<double>({1, 1, 3, 1}, {1.0, -1.0, 0.75});
   p.k = Tensor<double>({1, 1, 5, 1}, {9.0, 10.0, 11.5, 13.0, 14.0});
