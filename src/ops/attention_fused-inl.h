@@ -354,7 +354,8 @@ constexpr int64_t kDecodeTasks = 64;      // chunks × heads aimed at: enough to
 // at Tk = 32768, d = 128, it is faster than the query-vector layout up to 8 queries, slower from 12.
 constexpr size_t kFewQueries = 8;
 // How far ahead of its keys AttendFewQueries asks for the K and V rows it converts (float16,
-// bfloat16, int8, paged), counted in bytes of K (32 KiB: 64 keys at d = 128). Chosen on Zen 3 when
+// bfloat16, int8, paged) where a vector is a whole line (narrower vectors ask row by row), counted
+// in bytes of K (32 KiB: 64 keys at d = 128). Chosen on Zen 3 when
 // every operand was prefetched: 8 keys ahead (the next block) 62% of the triad, 16 keys 69–74%,
 // 64 keys 74–76%, 128 and more lower.
 constexpr size_t kFewQueriesPrefetchBytes = 32 * 1024;
@@ -744,7 +745,7 @@ class StoredRowRange {
     }
   }
 
-  StoredRow<S> row(size_t j) const {
+  HWY_INLINE StoredRow<S> row(size_t j) const {
     constexpr auto kBytes = static_cast<size_t>(storage_bytes(S));
     if (j < run_) {
       const uint8_t* data = first_ + j * static_cast<size_t>(x_.row_stride) * kBytes;
@@ -766,7 +767,7 @@ class StoredRowRange {
   // Row j's integers alone (int8).
   struct Integers {
     const StoredRowRange& rows;
-    Int8Integers row(size_t j) const { return {reinterpret_cast<const int8_t*>(rows.row(j).data)}; }
+    HWY_INLINE Int8Integers row(size_t j) const { return {reinterpret_cast<const int8_t*>(rows.row(j).data)}; }
   };
 
  private:
@@ -866,6 +867,27 @@ struct AskingRows {
     return rows.row(j);
   }
 };
+
+// The rows an AskingRows reads, for reads that must not ask again (an int8 row's scales), or the
+// rows themselves.
+template <class Rows>
+HWY_INLINE const Rows& Unasked(const Rows& rows) {
+  return rows;
+}
+template <class Rows>
+HWY_INLINE const Rows& Unasked(const AskingRows<Rows>& rows) {
+  return rows.rows;
+}
+
+// An int8 operand's rows as their integers alone (StoredRowRange::Integers), asking as they did.
+template <class Rows>
+HWY_INLINE auto IntegersOf(const Rows& rows) {
+  return typename Rows::Integers{rows};
+}
+template <class Rows>
+HWY_INLINE auto IntegersOf(const AskingRows<Rows>& rows) {
+  return AskingRows<typename Rows::Integers>{IntegersOf(rows.rows), rows.ahead};
+}
 
 // WithRowsInPlace for the n rows [t0, t0 + n) that AttendFewQueries streams. Where a vector is a
 // whole cache line, rows of T (float32 read in place, or paged float32 rows in one run) whose
@@ -1364,6 +1386,28 @@ HWY_INLINE void AccumulateWeightedColumns(D d, const Rows& v, size_t nk, const T
   }
 }
 
+// Adds p[j + r]·v_(j + r) for kKeys keys from j into `block` (zeros in place of its values at j = 0),
+// one multiply-add per key in key order, so that each column's sum is the same however many keys
+// a pass takes.
+template <size_t kKeys, class D, class Rows, class T = hn::TFromD<D>>
+HWY_INLINE void AddRowsToBlock(D d, const Rows& v, size_t j, const T* HWY_RESTRICT p, size_t vectors,
+                               T* HWY_RESTRICT block) {
+  const size_t N = hn::Lanes(d);
+  const auto rows = [&]<size_t... r>(std::index_sequence<r...>) {
+    return std::array<decltype(v.row(0)), kKeys>{v.row(j + r)...};
+  }
+  (std::make_index_sequence<kKeys>());
+  hn::Vec<D> weights[kKeys];
+  HWY_UNROLL(4)
+  for (size_t r = 0; r < kKeys; ++r) weights[r] = hn::Set(d, p[j + r]);
+  for (size_t c = 0; c < vectors * N; c += N) {
+    hn::Vec<D> sum = j == 0 ? hn::Zero(d) : hn::Load(d, block + c);
+    HWY_UNROLL(4)
+    for (size_t r = 0; r < kKeys; ++r) sum = hn::MulAdd(weights[r], LoadRow(d, rows[r], c), sum);
+    hn::Store(sum, d, block + c);
+  }
+}
+
 // AccumulateWeightedColumns over `vectors` column vectors, more than the registers hold, with the
 // block's sum kept in `block` (L1) instead: the same operations in the same order, so the same
 // result, but each V row is read once from start to end (see AttendFewQueries).
@@ -1372,28 +1416,14 @@ HWY_INLINE void AccumulateWeightedRowsThroughMemory(D d, const Rows& v, size_t n
                                                     size_t vectors, T* HWY_RESTRICT block, T* HWY_RESTRICT o_row) {
   const size_t N = hn::Lanes(d);
   size_t j = 0;
-  // Converted rows are bound by the conversion, and two keys a pass halve the loads and stores of
-  // `block`; rows of T read in place are bound by memory, where two streams at once measured
-  // 0.9× one (Zen 3, d = 128).
-  constexpr bool kTwoKeys = kConvertsRow<decltype(v.row(0))>;
-  for (; kTwoKeys && j + 2 <= nk; j += 2) {
-    const auto v0 = v.row(j);
-    const auto v1 = v.row(j + 1);
-    const hn::Vec<D> p0 = hn::Set(d, p[j]);
-    const hn::Vec<D> p1 = hn::Set(d, p[j + 1]);
-    for (size_t c = 0; c < vectors * N; c += N) {
-      const hn::Vec<D> sum = j == 0 ? hn::Zero(d) : hn::Load(d, block + c);
-      hn::Store(hn::MulAdd(p1, LoadRow(d, v1, c), hn::MulAdd(p0, LoadRow(d, v0, c), sum)), d, block + c);
-    }
+  // Converted rows are bound by the conversion, and several keys a pass share the loads and stores
+  // of `block`: four rather than two ran decode 1.03× as fast from int8 (Tk = 32768 and 1024) and
+  // 1.025× from float16 (Zen 3, d = 128, the same bits). Rows of T read in place are bound by
+  // memory, where two streams at once measured 0.9× one (Zen 3, d = 128).
+  if constexpr (kConvertsRow<decltype(v.row(0))>) {
+    for (; j + 4 <= nk; j += 4) AddRowsToBlock<4>(d, v, j, p, vectors, block);
   }
-  for (; j < nk; ++j) {
-    const auto vj = v.row(j);
-    const hn::Vec<D> pj = hn::Set(d, p[j]);
-    for (size_t c = 0; c < vectors * N; c += N) {
-      const hn::Vec<D> sum = j == 0 ? hn::Zero(d) : hn::Load(d, block + c);
-      hn::Store(hn::MulAdd(pj, LoadRow(d, vj, c), sum), d, block + c);
-    }
-  }
+  for (; j < nk; ++j) AddRowsToBlock<1>(d, v, j, p, vectors, block);
   for (size_t c = 0; c < vectors * N; c += N) {
     hn::Store(hn::MulAdd(hn::Load(d, o_row + c), hn::Set(d, corr), hn::Load(d, block + c)), d, o_row + c);
   }
@@ -1503,13 +1533,13 @@ HWY_INLINE hn::Vec<D> KeyDots(D d, const Rows& keys, size_t first, size_t nk, co
 // multiply each element.
 template <class Rows, class T, class F>
 HWY_INLINE void WithWeightedValues(const Rows& values, size_t nk, T* const* p, size_t rows, F&& f) {
-  if constexpr (std::is_same_v<Rows, StoredRowRange<StorageType::int8>>) {
-    if (values.row(0).scale_step == 0) {
+  if constexpr (std::is_same_v<std::decay_t<decltype(Unasked(values))>, StoredRowRange<StorageType::int8>>) {
+    if (Unasked(values).row(0).scale_step == 0) {
       for (size_t j = 0; j < nk; ++j) {
-        const T scale = values.row(j).scale[0];
+        const T scale = Unasked(values).row(j).scale[0];
         for (size_t r = 0; r < rows; ++r) p[r][j] *= scale;
       }
-      return f(typename Rows::Integers{values});
+      return f(IntegersOf(values));
     }
   }
   f(values);
@@ -1599,14 +1629,18 @@ inline int64_t KeysToBlockEnd(int64_t j, int64_t width, int64_t shift) { return 
 // (LookaheadRow). Stored rows (float16, bfloat16, int8, paged) are read the same way, converted in
 // registers, and asked for ahead, kFewQueriesPrefetchBytes of K, since converting them holds their
 // loads back (without it, int8 measured 0.9×).
-// With vectors narrower than a line the first query's reads keep both operands' streams busy
-// instead (AskingRows): each K row read asks for the V row of the same key, each V row read for
-// the next block's K row, so that neither stream's prefetcher idles while the block reads the
-// other operand (a block of 8 keys of 128 float32 channels is 4 KiB of each). On Zen 3 (AVX2,
-// H = 32, Tk = 32768, d = 128, 2 threads), against the requests 32 KiB ahead for stored rows and
-// none for rows read in place: float32 1.15× (0.95–1.38), float16 1.13× (1.03–1.48), bfloat16
-// 1.15× (1.09–1.22), all at 84–104% of the triad. int8, whose conversion holds its loads back
-// most, keeps the requests ahead.
+// With vectors narrower than a line the first query's V reads ask instead for the K and V rows of
+// the next block, key by key (AskingRows), in every storage type, so that each stream's prefetcher
+// has a block's rows requested ahead of it (a block of 8 keys of 128 float32 channels is 4 KiB of
+// each operand), with the requests spread over the block rather than issued at its start. Zen 3,
+// AVX2, H = 32, d = 128, 2 threads, the variants alternated call by call in one process:
+// - against each K row read asking for its key's V row as well: float16 1.02× at Tk = 32768 and
+//   1.07× at Tk = 1024 (K and V in the last-level cache), float32 1.00×, int8 0.97× and 1.09×;
+// - against int8's former requests 32 KiB ahead of its stored rows: 1.06× and 0.95×;
+// - against no requests at all, int8: 1.09× and 0.95×. Where K and V are in the caches already
+//   the requests cost a little, but a decode step of a model reads K and V that the other layers'
+//   weights have pushed out of them.
+// Requests to the second-level cache alone (prefetcht2) measured 0.98–1.01× (float16, float32).
 template <size_t kBlockVectors, class D, class T = hn::TFromD<D>>
 void AttendFewQueries(D d, const Inputs<T>& in, int64_t b, int64_t h, int64_t q0, size_t nq, int64_t key_begin,
                       int64_t key_end, int64_t prefetch_end, ForwardScratch<T>& s) {
@@ -1619,8 +1653,7 @@ void AttendFewQueries(D d, const Inputs<T>& in, int64_t b, int64_t h, int64_t q0
   const auto prefetch_keys =
       static_cast<int64_t>(RoundUp(kFewQueriesPrefetchBytes / ToSize(in.key_row_bytes()) + 1, N));
   const RowBlock<T> queries = StageRows(d, in.q, in.q_stored, b, h, q0, nq, dk, s.q_stage.get());
-  constexpr bool kAsksAcross = hn::MaxLanes(D()) * sizeof(T) < kLineBytes;
-  const bool ask_across = kAsksAcross && !StoredAsInt8(in.k_stored) && !StoredAsInt8(in.v_stored);
+  constexpr bool kAsksAhead = hn::MaxLanes(D()) * sizeof(T) < kLineBytes;
   s.q_scaled_by.fill(nullptr);
   // Blocks start at the keys N/2 past a multiple of their width, not at the multiples: K and V of
   // a head usually start on a page (or 16 bytes in, as malloc and numpy place large arrays), and a
@@ -1636,7 +1669,7 @@ void AttendFewQueries(D d, const Inputs<T>& in, int64_t b, int64_t h, int64_t q0
     const size_t nk = ToSize(std::min<int64_t>(n, key_end - j0));
     const size_t vectors = kBlockVectors == 1 ? 1 : DivCeil(nk, N);
     const int64_t ahead = j0 + prefetch_keys;
-    if (!ask_across && ahead < prefetch_end) {
+    if (!kAsksAhead && ahead < prefetch_end) {
       const int64_t n_ahead = std::min<int64_t>(block_keys, prefetch_end - ahead);
       if (in.k_stored) PrefetchRows(in.k, in.k_stored, b, hk, ahead, n_ahead, dk);
       if (in.v_stored) PrefetchRows(in.v, in.v_stored, b, hk, ahead, n_ahead, dv);
@@ -1645,7 +1678,6 @@ void AttendFewQueries(D d, const Inputs<T>& in, int64_t b, int64_t h, int64_t q0
     for (size_t i = 0; i < nq; ++i) {
       const int64_t qi = q0 + static_cast<int64_t>(i);
       const T* HWY_RESTRICT q = queries.row(i);
-      const bool ask = ask_across && i == 0;
       hn::Vec<D> scores[kBlockVectors];
       const auto key_dots = [&](const auto& keys) {
         for (size_t v = 0; v < vectors; ++v) {
@@ -1655,31 +1687,19 @@ void AttendFewQueries(D d, const Inputs<T>& in, int64_t b, int64_t h, int64_t q0
           scores[v] = hn::IfThenElse(hn::FirstN(d, count), Scores(d, in, b, h, run, dots), neg_inf);
         }
       };
-      WithStreamedRows(d, in.k, in.k_stored, b, hk, j0, nk, in.tk, [&](const auto& keys) {
-        using Rows = std::decay_t<decltype(keys)>;
-        if constexpr (kAsksAcross && !std::is_same_v<Rows, StoredRowRange<StorageType::int8>>) {
-          if (ask) {
-            const RowsAhead values{.k = {},
-                                   .v = RowRunOf(in.v, in.v_stored, b, hk, j0, nk),
-                                   .k_bytes = 0,
-                                   .v_bytes = ToSize(in.value_row_bytes())};
-            return key_dots(AskingRows<Rows>{keys, values});
-          }
-        }
-        key_dots(keys);
-      });
+      WithStreamedRows(d, in.k, in.k_stored, b, hk, j0, nk, in.tk, key_dots);
       const T corr = FewQueriesSoftmaxStep(d, scores, vectors, i, s, p);
       T* HWY_RESTRICT o_row = s.few.get() + i * s.few_row;
       WithStreamedRows(d, in.v, in.v_stored, b, hk, j0, nk, in.tk, [&](const auto& values) {
-        using Rows = std::decay_t<decltype(values)>;
-        if constexpr (kAsksAcross && !std::is_same_v<Rows, StoredRowRange<StorageType::int8>>) {
-          if (ask && next < key_end) {
+        if constexpr (kAsksAhead) {
+          if (i == 0 && next < key_end) {
             const size_t n_next = ToSize(std::min<int64_t>(block_keys, key_end - next));
-            const RowsAhead keys{.k = RowRunOf(in.k, in.k_stored, b, hk, next, n_next),
-                                 .v = {},
-                                 .k_bytes = ToSize(in.key_row_bytes()),
-                                 .v_bytes = 0};
-            return ValueSums(d, AskingRows<Rows>{values, keys}, nk, p, corr, dv, s, o_row);
+            const RowsAhead next_rows{.k = RowRunOf(in.k, in.k_stored, b, hk, next, n_next),
+                                      .v = RowRunOf(in.v, in.v_stored, b, hk, next, n_next),
+                                      .k_bytes = ToSize(in.key_row_bytes()),
+                                      .v_bytes = ToSize(in.value_row_bytes())};
+            return ValueSums(d, AskingRows<std::decay_t<decltype(values)>>{values, next_rows}, nk, p, corr, dv, s,
+                             o_row);
           }
         }
         ValueSums(d, values, nk, p, corr, dv, s, o_row);
