@@ -839,8 +839,8 @@ RowRun RowRunOf(const fused::RowsView<const T>& x, const fused::StoredRows& stor
   return run;
 }
 
-// Rows of K and V asked for as the kernel reaches each key (a fixed distance ahead, or of the other
-// operand): row j of each run, while the run has it.
+// Rows of K and V asked for as the kernel reaches each key (a fixed distance ahead, or of the next
+// block): row j of each run, while the run has it.
 struct RowsAhead {
   RowRun k, v;
   size_t k_bytes = 0, v_bytes = 0;
