@@ -443,18 +443,6 @@ void expect_shape(std::string_view arg, const Shape& actual, const Shape& expect
   }
 }
 
-constexpr std::string_view kMaskDtypes =
-    "bool, uint8, int32 or int64 (nonzero = may attend) or float32/float64 (a bias)";
-
-template <class T>
-Tensor<T> to_tensor(NpyArray array, std::string_view arg) {
-  if constexpr (std::is_same_v<T, double>) {
-    return to_float64(std::move(array), arg);
-  } else {
-    return to_float32(std::move(array), arg);
-  }
-}
-
 // Reads --mask as a bool or integer mask or a float bias and checks that it broadcasts to the scores.
 template <class T>
 void load_mask(const InputOptions& o, const Shape& scores, Operands<T>& x) {
@@ -464,27 +452,13 @@ void load_mask(const InputOptions& o, const Shape& scores, Operands<T>& x) {
     batched_scores.insert(batched_scores.end(), scores.dims().begin() + 1, scores.dims().end());
     x.mask_batch = flatten_mask_batch(array, x.batch, batched_scores);
   }
-  if (array.dtype == DType::boolean || array.dtype == DType::uint8 || array.dtype == DType::int32 ||
-      array.dtype == DType::int64) {
-    x.allowed = to_bool(std::move(array), "--mask");
-  } else if (array.dtype == DType::float32 || array.dtype == DType::float64) {
-    x.bias = to_tensor<T>(std::move(array), "--mask");
-  } else {
-    throw ShapeError(fmt::format("--mask: expected dtype {}, got {} (shape {})", kMaskDtypes, dtype_name(array.dtype),
-                                 array.shape_str()));
-  }
-  const Shape shape = x.allowed ? x.allowed->shape() : x.bias->shape();
-  bool broadcasts = shape.rank() <= scores.rank();
-  for (int i = 1; i <= shape.rank() && broadcasts; ++i) {
-    broadcasts = shape.from_back(i) == 1 || shape.from_back(i) == scores.from_back(i);
-  }
-  if (!broadcasts) {
-    throw ShapeError(fmt::format("--mask: expected a shape that broadcasts to the scores [B, H, Tq, Tk] = {}, got {}",
-                                 scores.str(), shape.str()));
-  }
+  MaskArrays<T> mask = to_mask<T>(std::move(array), "--mask");
+  expect_broadcasts("--mask", mask.shape(), scores, "[B, H, Tq, Tk]");
+  x.allowed = std::move(mask.allowed);
+  x.bias = std::move(mask.bias);
 }
 
-// One value per head of Q, as --alibi and --sinks give them.
+// One value per head of Q, as --sinks gives them.
 template <class T>
 Tensor<T> load_per_head(NpyArray array, std::string_view arg, int64_t heads, std::string_view meaning) {
   Tensor<T> values = to_tensor<T>(std::move(array), arg);
@@ -500,18 +474,7 @@ Tensor<int64_t> load_offsets(const std::string& path, std::string_view arg) {
 // --alibi, --sinks and --cu-seqlens-q/-k, read and shaped against the `heads` of Q.
 template <class T>
 void load_variants(const InputOptions& o, int64_t heads, Operands<T>& x) {
-  if (o.alibi == "auto") {
-    const std::vector<double> slopes = alibi_slopes(heads);
-    x.alibi = Tensor<T>(Shape{heads}, std::vector<T>(slopes.begin(), slopes.end()));
-  } else if (!o.alibi.empty()) {
-    NpyArray array;
-    try {
-      array = read_input(o.alibi, "--alibi", kFloatDtypes);
-    } catch (const IoError& e) {
-      throw IoError(fmt::format("{} (--alibi takes auto or a .npy file of one slope per head)", e.what()));
-    }
-    x.alibi = load_per_head<T>(std::move(array), "--alibi", heads, "[H]: one slope per head of --q");
-  }
+  if (!o.alibi.empty()) x.alibi = read_alibi<T>(o.alibi, "--alibi", heads);
   if (!o.sinks.empty()) {
     x.sinks = load_per_head<T>(read_input(o.sinks, "--sinks", kFloatDtypes), "--sinks", heads,
                                "[H]: one logit per head of --q");

@@ -312,6 +312,58 @@ Tensor<T> sum_expanded_mask_gradient(const Tensor<T>& gradient, const Batch& bat
 template Tensor<float> sum_expanded_mask_gradient(const Tensor<float>&, const Batch&, const BatchedMask&);
 template Tensor<double> sum_expanded_mask_gradient(const Tensor<double>&, const Batch&, const BatchedMask&);
 
+template <class T>
+MaskArrays<T> to_mask(NpyArray array, std::string_view arg) {
+  MaskArrays<T> mask;
+  if (array.dtype == DType::boolean || array.dtype == DType::uint8 || array.dtype == DType::int32 ||
+      array.dtype == DType::int64) {
+    mask.allowed = to_bool(std::move(array), arg);
+  } else if (array.dtype == DType::float32 || array.dtype == DType::float64) {
+    mask.bias = to_tensor<T>(std::move(array), arg);
+  } else {
+    throw ShapeError(fmt::format("{}: expected dtype {}, got {} (shape {})", arg, kMaskDtypes, dtype_name(array.dtype),
+                                 array.shape_str()));
+  }
+  return mask;
+}
+
+template MaskArrays<float> to_mask(NpyArray, std::string_view);
+template MaskArrays<double> to_mask(NpyArray, std::string_view);
+
+void expect_broadcasts(std::string_view arg, const Shape& shape, const Shape& scores, std::string_view scores_dims) {
+  bool broadcasts = shape.rank() <= scores.rank();
+  for (int i = 1; i <= shape.rank() && broadcasts; ++i) {
+    broadcasts = shape.from_back(i) == 1 || shape.from_back(i) == scores.from_back(i);
+  }
+  if (!broadcasts) {
+    throw ShapeError(fmt::format("{}: expected a shape that broadcasts to the scores {} = {}, got {}", arg, scores_dims,
+                                 scores.str(), shape.str()));
+  }
+}
+
+template <class T>
+Tensor<T> read_alibi(const std::string& value, std::string_view arg, int64_t heads) {
+  if (value == "auto") {
+    const std::vector<double> slopes = alibi_slopes(heads);
+    return Tensor<T>(Shape{heads}, std::vector<T>(slopes.begin(), slopes.end()));
+  }
+  NpyArray array;
+  try {
+    array = read_input(value, arg, kFloatDtypes);
+  } catch (const IoError& e) {
+    throw IoError(fmt::format("{} ({} takes auto or a .npy file of one slope per head)", e.what(), arg));
+  }
+  Tensor<T> slopes = to_tensor<T>(std::move(array), arg);
+  if (!(slopes.shape() == Shape{heads})) {
+    throw ShapeError(fmt::format("{}: expected shape [{}] ([H]: one slope per head of --q), got {}", arg, heads,
+                                 slopes.shape().str()));
+  }
+  return slopes;
+}
+
+template Tensor<float> read_alibi(const std::string&, std::string_view, int64_t);
+template Tensor<double> read_alibi(const std::string&, std::string_view, int64_t);
+
 // ---- Outputs --------------------------------------------------------------------------------
 
 template <class T>

@@ -12,6 +12,7 @@
 #include <span>
 #include <string>
 #include <string_view>
+#include <type_traits>
 #include <utility>
 #include <variant>
 #include <vector>
@@ -60,6 +61,43 @@ Shape shape_of(const NpyArray& array, std::string_view arg);
 
 // read_input then to_float32: the usual way to take a float operand.
 Tensor<float> load_float32(const std::filesystem::path& path, std::string_view arg);
+
+// to_float32 or to_float64, for a run in T.
+template <class T>
+Tensor<T> to_tensor(NpyArray array, std::string_view arg) {
+  if constexpr (std::is_same_v<T, double>) {
+    return to_float64(std::move(array), arg);
+  } else {
+    return to_float32(std::move(array), arg);
+  }
+}
+
+// The dtypes a --mask takes, as its messages list them.
+inline constexpr std::string_view kMaskDtypes =
+    "bool, uint8, int32 or int64 (nonzero = may attend) or float32/float64 (a bias)";
+
+// A mask as read: a bool or integer array says which keys a query may attend to (`allowed`), a
+// float one is a bias added to the scores, where -inf masks the key.
+template <class T>
+struct MaskArrays {
+  std::optional<Tensor<uint8_t>> allowed;
+  std::optional<Tensor<T>> bias;
+
+  const Shape& shape() const { return allowed ? allowed->shape() : bias->shape(); }
+};
+
+// The array given to `arg` as a mask (kMaskDtypes); a ShapeError naming `arg` for any other dtype.
+template <class T>
+MaskArrays<T> to_mask(NpyArray array, std::string_view arg);
+
+// A ShapeError naming `arg` unless `shape` broadcasts to the scores `scores`, which the message
+// calls `scores_dims` ("[B, H, Tq, Tk]").
+void expect_broadcasts(std::string_view arg, const Shape& shape, const Shape& scores, std::string_view scores_dims);
+
+// ALiBi's slopes as option `arg` gives them: "auto" for the standard slopes of `heads` heads, or a
+// .npy file of one slope per head, refused (naming `arg`) with any other shape.
+template <class T>
+Tensor<T> read_alibi(const std::string& value, std::string_view arg, int64_t heads);
 
 inline constexpr std::string_view kAllowNonfiniteRemedy = "pass --allow-nonfinite to accept them";
 

@@ -32,7 +32,7 @@ namespace qkv::cli {
 namespace {
 
 struct DecodeOptions {
-  std::string q, k, v, k_scales, v_scales, dtype, cache, cache_file, window, sinks, out, lse;
+  std::string q, k, v, k_scales, v_scales, dtype, cache, cache_file, window, sinks, mask, alibi, out, lse;
   int64_t page_tokens = 256;
   CLI::Option* page_tokens_option = nullptr;
   double scale = 0;
@@ -162,11 +162,22 @@ void run_decode(const DecodeOptions& o) {
       throw ShapeError(
           fmt::format("--sinks: expected shape [{}] (one per head of --q), got {}", heads, sinks->shape().str()));
     }
-    check_input_finite(sinks->cview(), "--sinks");
+    check_finite(sinks->cview(), "--sinks");
   }
+  if (stored_cache) check_stored_cache(*stored_cache, o, kv_heads, dk, dv, *cache);
+  // The sequence's length once K and V are appended: the keys a mask covers.
+  const int64_t length = (stored_cache ? stored_cache->length(0) : 0) + tk;
+  MaskArrays<float> mask;
+  if (!o.mask.empty()) {
+    mask = to_mask<float>(read_input(o.mask, "--mask", kMaskDtypes), "--mask");
+    expect_broadcasts("--mask", mask.shape(), Shape{heads, tq, length}, "[H, Tq, L]");
+    if (mask.bias) check_finite(mask.bias->cview(), "--mask", NonFinite::minus_infinity_allowed);
+  }
+  std::optional<Tensor<float>> alibi;
+  if (!o.alibi.empty()) alibi = read_alibi<float>(o.alibi, "--alibi", heads);
   const std::optional<double> scale = o.scale_option->count() > 0 ? std::optional(o.scale) : std::nullopt;
   const std::optional<double> softcap = o.softcap_option->count() > 0 ? std::optional(o.softcap) : std::nullopt;
-  const std::optional<TensorView<const float>> sink_view = sinks ? std::optional(sinks->cview()) : std::nullopt;
+  const auto view_of = [](const auto& x) { return x ? std::optional(x->cview()) : std::nullopt; };
 
   Tensor<float> out = allocate_output<float>(Shape{heads, tq, dv}, "-o");
   std::optional<Tensor<float>> lse;
@@ -179,12 +190,14 @@ void run_decode(const DecodeOptions& o) {
       p.mask.causal = !o.full;
       p.mask.window = window;
       p.softcap = softcap;
-      p.sinks = sink_view;
+      p.sinks = view_of(sinks);
+      p.mask.allowed = view_of(mask.allowed);
+      p.mask.bias = view_of(mask.bias);
+      p.mask.alibi_slopes = view_of(alibi);
       attention_forward(p, outputs, AttentionImpl::fused);
       return;
     }
     KvCache c = stored_cache ? std::move(*stored_cache) : new_cache(kv_heads, dk, dv, *cache, o.page_tokens);
-    if (stored_cache) check_stored_cache(c, o, kv_heads, dk, dv, *cache);
     const int64_t id = 0;
     const int64_t page = c.shape().page_tokens;
     const int64_t pages_needed = (c.length(id) + tk + page - 1) / page;
@@ -192,9 +205,15 @@ void run_decode(const DecodeOptions& o) {
     c.add_pages(std::max<int64_t>(0, pages_needed - held - c.free_pages()));
     c.append(id, k.view(), v.view());
     std::optional<Tensor<float>> q_copy;
-    c.attend(
-        id, float32_values(q, q_copy), outputs,
-        KvAttendOptions{.scale = scale, .causal = !o.full, .window = window, .softcap = softcap, .sinks = sink_view});
+    c.attend(id, float32_values(q, q_copy), outputs,
+             KvAttendOptions{.scale = scale,
+                             .causal = !o.full,
+                             .window = window,
+                             .softcap = softcap,
+                             .sinks = view_of(sinks),
+                             .allowed = view_of(mask.allowed),
+                             .bias = view_of(mask.bias),
+                             .alibi_slopes = view_of(alibi)});
     if (!o.cache_file.empty()) files.set("--cache-file", encode_kv_cache_file(c.state()));
   });
   files.set("-o", std::move(out));
@@ -220,6 +239,10 @@ are appended to a paged KV cache of that type, --page-tokens per page, and atten
 --cache-file F as well, the cache outlives the run: F is read when it exists, --k and --v are the new
 tokens appended to it (Tk of them; all of the sequence's when F is new), the queries are the last Tq
 tokens of the sequence after them, and F is written back with -o, all or nothing.
+--mask, --window and --alibi cover the whole sequence after the append, L keys (with --cache-file, the
+tokens the file held and the new ones): --mask is [H, Tq, L] or broadcasts to it; the mask of one step's
+drafts (a tree of them, each seeing the sequence and its own branch) is [1, Tq, L]. A query that sees
+no key gets output 0 and lse -inf.
 Out is [H, Tq, Dv] and --lse [H, Tq], float32.)");
   cmd->add_option("--q", o->q, "the new queries, [H, Tq, Dk]: float32, float16 or bfloat16 (.npy)")->required();
   cmd->add_option("--k", o->k, "the keys, [Hkv, Tk, Dk], any storage type (.npy)")->required();
@@ -236,6 +259,12 @@ Out is [H, Tq, Dv] and --lse [H, Tq], float32.)");
   cmd->add_option("--window", o->window, "LEFT,RIGHT: a query sees keys within LEFT before and RIGHT after it");
   o->softcap_option = cmd->add_option("--softcap", o->softcap, "cap the scores at C: C tanh(s / C)");
   cmd->add_option("--sinks", o->sinks, "one float32 logit per head [H], joining each row's normaliser (.npy)");
+  cmd->add_option("--mask", o->mask,
+                  "[H, Tq, L] (L: the sequence's length) or broadcasting to it: bool or integer = may attend "
+                  "(nonzero), float = a bias added to the scores (-inf masks) (.npy)");
+  cmd->add_option("--alibi", o->alibi,
+                  "ALiBi: adds -m_h * |i + L - Tq - j| to head h; auto for the standard slopes, or SLOPES.npy [H]")
+      ->type_name("auto|FILE");
   cmd->add_option("-o", o->out, "the output, [H, Tq, Dv] (.npy)")->required();
   cmd->add_option("--lse", o->lse, "the log-sum-exp of each query's scores, [H, Tq] (.npy)");
   cmd->callback([o] { run_decode(*o); });

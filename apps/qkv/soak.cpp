@@ -12,11 +12,13 @@
 // top-left alignment, softcap, ALiBi, sinks, dropout and packed sequences; Q, K and V stored as
 // float16, bfloat16 or int8 (K and V), each type drawn apart; and K and V in a KvCache of any type,
 // each batch one sequence appended in chunks, in turn with the others so that their pages
-// interleave (with holes left by a removed sequence, or compacted). The forward with lse and without it (which takes
-// the few-query layout of decoding for up to 16 queries), and the backward (dq, dk, dv, dbias, dsinks; recomputing the
-// forward and from the saved lse; not for a cache, which has none) are held to the suite's rule (attention_tolerance in
-// support/attention_problems.hpp), on the values stored operands and the cache stand for. A case both implementations
-// refuse with a qkv::Error counts as refused; one that only one of them refuses is a failure.
+// interleave (with holes left by a removed sequence, or compacted), attended with its masks, bias
+// and variants (all but dropout, packed sequences and top-left alignment, which a cache has not). The forward with lse
+// and without it (which takes the few-query layout of decoding for up to 16 queries), and the backward (dq, dk, dv,
+// dbias, dsinks; recomputing the forward and from the saved lse; not for a cache, which has none) are held to the
+// suite's rule (attention_tolerance in support/attention_problems.hpp), on the values stored operands and the cache
+// stand for. A case both implementations refuse with a qkv::Error counts as refused; one that only one of them refuses
+// is a failure.
 //
 // Progress goes to stderr; the counts to stdout. The first failure prints the command that repeats
 // it and the case, and exits 1; with --keep-going every failing case is reported and counted, and
@@ -324,8 +326,8 @@ SoakCase draw_case(uint64_t seed, uint64_t number) {
     c.strided = {};
     strided.clear();
     variants += fmt::format(" q={} k={} v={}", storage_name(q_type), storage_name(k_type), storage_name(v_type));
-  } else if (b > 0 && !p.allowed && !p.bias && !p.alibi && !p.dropout && !p.cu_seqlens_q &&
-             p.alignment == CausalAlignment::bottom_right && chance(rng, 0.5)) {
+  } else if (b > 0 && !p.dropout && !p.cu_seqlens_q && p.alignment == CausalAlignment::bottom_right &&
+             chance(rng, 0.5)) {
     c.cached = cache_keys(rng, p);
     c.strided[1] = c.strided[2] = false;
     strided.erase(std::remove_if(strided.begin(), strided.end(), [](char x) { return x != 'q'; }), strided.end());
@@ -385,9 +387,19 @@ Results run_fused(const SoakCase& c, const Tensor<double>& dout_d, bool from_sav
       c.stored ? std::optional(testing::stored_params(*c.stored, params)) : std::nullopt;
   const auto forward = [&](const AttentionOutputs<float>& outputs) {
     if (c.cached) {
-      const KvAttendOptions options{
-          .scale = p.scale, .causal = p.causal, .window = p.window, .softcap = p.softcap, .sinks = params.sinks};
+      // Batch n's mask and bias, from their broadcast over the whole batch's scores.
+      const auto batch_of = [&](const auto& mask, int64_t n) {
+        return mask ? std::optional(batch(broadcast_to(*mask, p.scores(), "mask"), n)) : std::nullopt;
+      };
       for (int64_t n = 0; n < p.q.shape()[0]; ++n) {
+        const KvAttendOptions options{.scale = p.scale,
+                                      .causal = p.causal,
+                                      .window = p.window,
+                                      .softcap = p.softcap,
+                                      .sinks = params.sinks,
+                                      .allowed = batch_of(params.mask.allowed, n),
+                                      .bias = batch_of(params.mask.bias, n),
+                                      .alibi_slopes = params.mask.alibi_slopes};
         AttentionOutputs<float> one{.out = batch(outputs.out, n), .weights = {}, .lse = {}};
         if (outputs.lse) one.lse = batch(*outputs.lse, n);
         c.cached->cache.attend(c.cached->ids[static_cast<size_t>(n)], batch(params.q, n), one, options);

@@ -559,13 +559,22 @@ void KvCache::attend(int64_t id, TensorView<const float> q, const AttentionOutpu
     throw ShapeError(fmt::format("q: expected [H, Tq, Dk] with Dk = {}, got shape {}", shape_.dk, q.shape.str()));
   }
   const int64_t hkv = shape_.kv_heads, page = shape_.page_tokens;
+  // Checked here so that a mask's message gives the cache's [H, Tq, length], not attention's
+  // [B, H, Tq, Tk]; the names are attention's own.
+  const Shape scores{q.shape[0], q.shape[1], s.length};
+  if (options.allowed) broadcast_to(*options.allowed, scores, "mask");
+  if (options.bias) broadcast_to(*options.bias, scores, "bias");
   // K and V's shapes, for the problem's checks; the kernel reads the pages.
   const Shape k_shape{hkv, s.length, shape_.dk}, v_shape{hkv, s.length, shape_.dv};
   AttentionParams<float> params{.q = q,
                                 .k = {nullptr, k_shape, contiguous_strides(k_shape)},
                                 .v = {nullptr, v_shape, contiguous_strides(v_shape)},
                                 .scale = options.scale,
-                                .mask = {.causal = options.causal, .window = options.window},
+                                .mask = {.causal = options.causal,
+                                         .window = options.window,
+                                         .allowed = options.allowed,
+                                         .bias = options.bias,
+                                         .alibi_slopes = options.alibi_slopes},
                                 .softcap = options.softcap,
                                 .sinks = options.sinks};
   const detail::AttentionProblem<float> problem = detail::make_attention_problem(params);

@@ -26,8 +26,9 @@ TOL = 2e-5
 INT8_TOL = 5e-2
 
 
-def attention(q, k, v, full=False, window=None, softcap=None, sinks=None, scale=None):
-    """float64 decode: q [H, Tq, D] as the last Tq tokens over k, v [Hkv, Tk, D]."""
+def attention(q, k, v, full=False, window=None, softcap=None, sinks=None, scale=None, mask=None, alibi=None):
+    """float64 decode: q [H, Tq, D] as the last Tq tokens over k, v [Hkv, Tk, D]; mask: bool (may
+    attend) or float (a bias), broadcasting to [H, Tq, Tk]; alibi: [H] slopes."""
     q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
     h, tq, d = q.shape
     group = h // k.shape[0]
@@ -41,15 +42,26 @@ def attention(q, k, v, full=False, window=None, softcap=None, sinks=None, scale=
     visible = np.ones((tq, tk), bool) if full else j <= i
     if window:
         visible &= (j >= i - window[0]) & (j <= i + window[1])
-    s = np.where(visible[None], s, -np.inf)
+    if alibi is not None:
+        s = s - alibi[:, None, None] * np.abs(i - j)[None]
+    if mask is not None and mask.dtype == bool:
+        visible = visible[None] & mask
+    elif mask is not None:
+        s = s + mask
+    s = np.where(visible, s, -np.inf)
     m = s.max(axis=2, keepdims=True)
     if sinks is not None:
         m = np.maximum(m, sinks[:, None, None])
+    seen = np.isfinite(m)  # a query that sees no key: output 0, lse -inf
+    m = np.where(seen, m, 0.0)
     e = np.exp(s - m)
     z = e.sum(axis=2, keepdims=True)
     if sinks is not None:
         z = z + np.exp(sinks[:, None, None] - m)
-    return (e / z) @ v, (m + np.log(z))[..., 0]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        out = np.where(seen, (e / np.where(seen, z, 1.0)) @ v, 0.0)
+        lse = np.where(seen, m + np.log(z), -np.inf)
+    return out, lse[..., 0]
 
 
 def checks(s):
@@ -76,8 +88,12 @@ def checks(s):
             if out.shape != want_out.shape or out.dtype != np.float32:
                 return f"out: shape {out.shape} {out.dtype}, expected {want_out.shape} float32"
             err = float(np.max(np.abs(out - want_out)))
-            lse_err = float(np.max(np.abs(lse - want_lse)))
-            if err > tol * max(1.0, float(np.max(np.abs(want_out)))) or lse_err > tol * float(np.max(np.abs(want_lse))):
+            finite = np.isfinite(want_lse)
+            if not np.array_equal(np.isfinite(lse), finite):
+                return "lse: -inf where the reference has a finite value, or the other way round"
+            lse_err = float(np.max(np.abs(lse[finite] - want_lse[finite])))
+            if err > tol * max(1.0, float(np.max(np.abs(want_out)))) or lse_err > tol * float(
+                    np.max(np.abs(want_lse[finite]))):
                 return f"max error {err:.3g} (lse {lse_err:.3g}) > {tol}"
             return None
         return check
@@ -101,6 +117,15 @@ def checks(s):
                *outputs], matches(q, k, v, tol=INT8_TOL))
     s.succeed("float16 queries", ["decode", "--q", "q16.npy", "--k", "k16.npy", "--v", "v16.npy", *outputs],
               matches(q16, k16, v16))
+
+    # Three drafts verified in one step: draft 0 and its children 1 and 2 (a tree), each seeing the
+    # sequence before them and its own branch; a bias per head and key; ALiBi's standard slopes.
+    def tree(length):
+        m = np.zeros((1, tq, length), bool)
+        m[:, :, :length - tq] = True
+        for i, branch in enumerate(((0,), (0, 1), (0, 2))):
+            m[0, i, [length - tq + a for a in branch]] = True
+        return m
     sinks = np.array([0.5, -1.0, 0.0, 2.0], np.float32)
     s.save("sinks.npy", sinks)
     options = ["--window", "20,0", "--softcap", "4", "--sinks", "sinks.npy", "--scale", "0.3"]
@@ -112,6 +137,27 @@ def checks(s):
               matches(q, k16, v16, window=(20, 0), softcap=4.0, sinks=sinks.astype(np.float64), scale=0.3))
     s.succeed("--full: every key", ["decode", "--q", "q.npy", "--k", "k.npy", "--v", "v.npy", "--full", *outputs],
               matches(q, k, v, full=True))
+
+    bias = rng.standard_normal((h, 1, tk)).astype(np.float32)
+    slopes = 2.0 ** (-8.0 / h * np.arange(1, h + 1))
+    s.save("tree.npy", tree(tk))
+    s.save("bias.npy", bias)
+    s.save("slopes.npy", slopes.astype(np.float32))
+    for cache in ([], ["--cache", "f16", "--page-tokens", "7"]):
+        where = " through an f16 cache" if cache else ", as stored"
+        s.succeed("a tree mask and ALiBi" + where,
+                  ["decode", "--q", "q.npy", "--k", "k16.npy", "--v", "v16.npy", *cache, "--mask", "tree.npy",
+                   "--alibi", "auto", *outputs], matches(q, k16, v16, mask=tree(tk), alibi=slopes))
+        s.succeed("a bias and ALiBi slopes from a file" + where,
+                  ["decode", "--q", "q.npy", "--k", "k16.npy", "--v", "v16.npy", *cache, "--mask", "bias.npy",
+                   "--alibi", "slopes.npy", *outputs],
+                  matches(q, k16, v16, mask=bias.astype(np.float64), alibi=slopes))
+    blind = np.ones((h, tq, tk), np.uint8)
+    blind[:, 1] = 0
+    s.save("blind.npy", blind)
+    s.succeed("a query the mask hides every key from", ["decode", "--q", "q.npy", "--k", "k.npy", "--v", "v.npy",
+                                                        "--mask", "blind.npy", *outputs],
+              matches(q, k, v, mask=blind.astype(bool)))
 
     # A cache file kept across runs: a prompt of 40 tokens, then 20, then 1, is the cache of all 61
     # built in one run, bit for bit, in every type; the file grows its pool as the sequence does.
@@ -130,6 +176,17 @@ def checks(s):
             same = (lambda _: None if np.array_equal(load("out.npy"), load("whole.npy")) and
                     np.array_equal(load("lse.npy"), load("whole_lse.npy")) else "differs from the one-run cache")
             s.succeed(f"{cache} cache file, run {part + 1} of 3", run, same if part == 2 else None)
+    # With a cache file, a mask covers the tokens the file held and the new ones.
+    s.save("tree60.npy", tree(60))
+    s.save("tree20.npy", tree(20))
+    grown = ["--cache", "f32", "--cache-file", "state_mask.qkvc"]
+    s.succeed("a cache file of 40 tokens", ["decode", "--q", "q.npy", "--k", "k_part0.npy", "--v", "v_part0.npy",
+                                             *grown, *outputs])
+    s.refuse("a mask of the new tokens alone", ["decode", "--q", "q.npy", "--k", "k_part1.npy", "--v", "v_part1.npy",
+                                                *grown, "--mask", "tree20.npy", *outputs], "--mask", "[4, 3, 60]")
+    s.succeed("a tree mask over the cache file's 40 tokens and 20 new ones",
+              ["decode", "--q", "q.npy", "--k", "k_part1.npy", "--v", "v_part1.npy", *grown, "--mask", "tree60.npy",
+               *outputs], matches(q, k[:, :60], v[:, :60], mask=tree(60)))
     s.save("v_part2_wide.npy", np.zeros((hkv, 1, d + 1), np.float32))
     more = ["decode", "--q", "q.npy", "-o", "out.npy"]
     new_token = ["--k", "k_part2.npy", "--v", "v_part2.npy"]
@@ -187,6 +244,21 @@ def checks(s):
     s.refuse("--page-tokens without --cache", [*base, "--k", "k.npy", "--v", "v.npy", "--page-tokens", "8"],
              "--page-tokens", "--cache")
     s.refuse("sinks of the wrong length", [*base, "--k", "k.npy", "--v", "v.npy", "--sinks", "k8s.npy"], "--sinks")
+    s.save("mask_short.npy", np.ones((1, tq, tk - 1), bool))
+    bias_nan = bias.copy()
+    bias_nan[2, 0, 9] = np.nan
+    s.save("bias_nan.npy", bias_nan)
+    s.save("mask16.npy", np.ones((1, tq, tk), np.float16))
+    s.save("slopes3.npy", np.ones(3, np.float32))
+    s.refuse("a mask of another Tk", [*base, "--k", "k.npy", "--v", "v.npy", "--mask", "mask_short.npy"], "--mask",
+             f"[H, Tq, L] = [{h}, {tq}, {tk}]")
+    s.refuse("a NaN in the bias", [*base, "--k", "k.npy", "--v", "v.npy", "--mask", "bias_nan.npy"], "--mask",
+             "finite values or -inf")
+    s.refuse("a float16 mask", [*base, "--k", "k.npy", "--v", "v.npy", "--mask", "mask16.npy"], "--mask", "bool")
+    s.refuse("ALiBi slopes of the wrong length", [*base, "--k", "k.npy", "--v", "v.npy", "--alibi", "slopes3.npy"],
+             "--alibi", f"[{h}]")
+    s.refuse("ALiBi neither auto nor a file", [*base, "--k", "k.npy", "--v", "v.npy", "--alibi", "standard"],
+             "--alibi", "auto")
     k_big = k.copy()
     k_big[1, 7, 4] = 7e4
     s.save("k_big.npy", k_big)

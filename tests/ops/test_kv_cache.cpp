@@ -45,20 +45,50 @@ Attended from_cache(const KvCache& cache, int64_t id, const Tensor<float>& q, co
   return {cast<double>(out), cast<double>(lse)};
 }
 
+// What attend() would compute with `options`, as attention over k and v [Hkv, length, D].
+AttentionParams<float> params_of(const Tensor<float>& q, const Tensor<float>& k, const Tensor<float>& v,
+                                 const KvAttendOptions& options) {
+  return {.q = q.cview(),
+          .k = k.cview(),
+          .v = v.cview(),
+          .scale = options.scale,
+          .mask = {.causal = options.causal,
+                   .window = options.window,
+                   .allowed = options.allowed,
+                   .bias = options.bias,
+                   .alibi_slopes = options.alibi_slopes},
+          .softcap = options.softcap,
+          .sinks = options.sinks};
+}
+
 // The fused kernel on the cache's contents copied out contiguous, float32.
 Attended from_copy(const KvCache& cache, int64_t id, const Tensor<float>& q, const KvAttendOptions& options) {
   const Tensor<float> k = cache.keys(id), v = cache.values(id);
   const Shape& s = q.shape();
   Tensor<float> out({s[0], s[1], cache.shape().dv}), lse({s[0], s[1]});
-  attention_forward<float>({.q = q.cview(),
-                            .k = k.cview(),
-                            .v = v.cview(),
-                            .scale = options.scale,
-                            .mask = {.causal = options.causal, .window = options.window},
-                            .softcap = options.softcap,
-                            .sinks = options.sinks},
-                           {.out = out.view(), .weights = {}, .lse = lse.view()}, AttentionImpl::fused);
+  attention_forward<float>(params_of(q, k, v, options), {.out = out.view(), .weights = {}, .lse = lse.view()},
+                           AttentionImpl::fused);
   return {cast<double>(out), cast<double>(lse)};
+}
+
+// The mask [1, Tq, length] of Tq draft tokens verified in one step: a binary tree whose node i has
+// parent (i − 1) / 2, each seeing the sequence before the drafts and its own branch.
+Tensor<uint8_t> tree_mask(int64_t tq, int64_t length) {
+  Tensor<uint8_t> m({1, tq, length});
+  for (int64_t i = 0; i < tq; ++i) {
+    for (int64_t j = 0; j < length - tq; ++j) m.view()(0, i, j) = 1;
+    for (int64_t a = i;; a = (a - 1) / 2) {
+      m.view()(0, i, length - tq + a) = 1;
+      if (a == 0) break;
+    }
+  }
+  return m;
+}
+
+// ALiBi's standard slopes for `heads` heads, float32.
+Tensor<float> standard_slopes(int64_t heads) {
+  const std::vector<double> slopes = alibi_slopes(heads);
+  return Tensor<float>(Shape{heads}, std::vector<float>(slopes.begin(), slopes.end()));
 }
 
 constexpr StorageType kAllTypes[] = {StorageType::float32, StorageType::float16, StorageType::bfloat16,
@@ -92,6 +122,16 @@ TEST(KvCache, AttendMatchesTheFusedKernelOnItsContentsBitForBit) {
       const Tensor<float> q = random_rows({4, 1, 72}, rng);
       const KvAttendOptions windowed{.scale = 0.3, .window = AttentionWindow{.left = 100, .right = 0}, .softcap = 20.0};
       EXPECT_TRUE(bit_identical(from_cache(cache, a, q, windowed).out, from_copy(cache, a, q, windowed).out));
+      // Seven drafts verified at once: a tree mask, a bias per head and key, and ALiBi.
+      const Tensor<float> drafts = random_rows({4, 7, 72}, rng);
+      const Tensor<uint8_t> tree = tree_mask(7, cache.length(a));
+      const Tensor<float> bias = random_rows({4, 1, cache.length(a)}, rng), slopes = standard_slopes(4);
+      const KvAttendOptions masked{.allowed = tree.cview(), .bias = bias.cview(), .alibi_slopes = slopes.cview()};
+      on_every_target([&] {
+        const Attended got = from_cache(cache, a, drafts, masked), want = from_copy(cache, a, drafts, masked);
+        EXPECT_TRUE(bit_identical(got.out, want.out));
+        EXPECT_TRUE(bit_identical(got.lse, want.lse));
+      });
     }
   }
 }
@@ -120,24 +160,25 @@ TEST(KvCache, DecodeOfOutAloneReadsThePagesInPlace) {
         cache.append(id, random_rows({2, n, 40}, rng, 2.0).cview(), random_rows({2, n, 24}, rng).cview());
       }
       const Tensor<float> k = cache.keys(id), v = cache.values(id);
+      const int64_t length = cache.length(id);
+      const Tensor<float> bias = random_rows({4, 1, length}, rng), slopes = standard_slopes(4);
       for (const int64_t tq : {1, 5}) {
         const Tensor<float> q = random_rows({4, tq, 40}, rng);
+        const Tensor<uint8_t> tree = tree_mask(tq, length);
         const KvAttendOptions options[] = {
-            {.causal = true}, {.scale = 0.3, .window = AttentionWindow{.left = 333, .right = 0}, .softcap = 20.0}};
+            {.causal = true},
+            {.scale = 0.3, .window = AttentionWindow{.left = 333, .right = 0}, .softcap = 20.0},
+            {.allowed = tree.cview(), .bias = bias.cview(), .alibi_slopes = slopes.cview()}};
         for (const KvAttendOptions& o : options) {
-          SCOPED_TRACE(fmt::format("Tq={}{}", tq, o.window ? ", window and softcap" : ""));
+          SCOPED_TRACE(fmt::format("Tq={}{}{}", tq, o.window ? ", window and softcap" : "",
+                                   o.allowed ? ", a tree mask, a bias and ALiBi" : ""));
           on_every_target([&] {
             Tensor<float> got({4, tq, 24});
             cache.attend(id, q.cview(), {.out = got.view(), .weights = {}, .lse = {}}, o);
             if (type == StorageType::float32) {
               Tensor<float> want({4, tq, 24});
-              const AttentionParams<float> copied{.q = q.cview(),
-                                                  .k = k.cview(),
-                                                  .v = v.cview(),
-                                                  .scale = o.scale,
-                                                  .mask = {.causal = o.causal, .window = o.window},
-                                                  .softcap = o.softcap};
-              attention_forward<float>(copied, {.out = want.view(), .weights = {}, .lse = {}}, AttentionImpl::fused);
+              attention_forward<float>(params_of(q, k, v, o), {.out = want.view(), .weights = {}, .lse = {}},
+                                       AttentionImpl::fused);
               EXPECT_TRUE(bit_identical(cast<double>(got), cast<double>(want)));
               return;
             }
@@ -146,6 +187,12 @@ TEST(KvCache, DecodeOfOutAloneReadsThePagesInPlace) {
             p.scale = o.scale;
             p.window = o.window;
             p.softcap = o.softcap;
+            if (o.allowed) {
+              p.allowed =
+                  Tensor<uint8_t>({1, 1, tq, length}, std::vector<uint8_t>(tree.data(), tree.data() + tree.numel()));
+              p.bias = batch_of_one(bias);
+              p.alibi = cast<double>(slopes);
+            }
             const testing::Forward exact = testing::reference_forward(p);
             const testing::AttentionYardsticks y = testing::attention_yardsticks(p, testing::random_dout(p, 3));
             EXPECT_TRUE(testing::all_close("out", batch_of_one(got), exact.out,
@@ -270,6 +317,41 @@ TEST(KvCache, AnEmptySequenceGivesZerosAndMinusInfinity) {
   EXPECT_EQ(got.lse[0], -std::numeric_limits<double>::infinity());
 }
 
+TEST(KvCache, AQueryTheMaskHidesEverythingFromGetsZerosAndMinusInfinity) {
+  for (const StorageType type : kAllTypes) {
+    SCOPED_TRACE(storage_name(type));
+    KvCache cache({.kv_heads = 1, .dk = 24, .dv = 16, .type = type, .page_tokens = 16, .pages = 8});
+    const int64_t id = cache.add_sequence();
+    Rng rng(static_cast<uint64_t>(type) + 11);
+    cache.append(id, random_rows({1, 70, 24}, rng).cview(), random_rows({1, 70, 16}, rng).cview());
+    const Tensor<float> q = random_rows({2, 3, 24}, rng);
+    // Query 1 sees no key; queries 0 and 2 see every other one, and a bias of −inf hides one more.
+    Tensor<uint8_t> allowed({1, 3, 70});
+    for (int64_t j = 0; j < 70; ++j) allowed.view()(0, 0, j) = allowed.view()(0, 2, j) = static_cast<uint8_t>(j % 2);
+    Tensor<float> bias({1, 1, 70});
+    bias[1] = -std::numeric_limits<float>::infinity();
+    const Tensor<float> slopes = standard_slopes(2);
+    const KvAttendOptions o{.allowed = allowed.cview(), .bias = bias.cview(), .alibi_slopes = slopes.cview()};
+    on_every_target([&] {
+      for (const bool with_lse : {true, false}) {
+        Tensor<float> out({2, 3, 16}), lse({2, 3});
+        AttentionOutputs<float> outputs{.out = out.view(), .weights = {}, .lse = {}};
+        if (with_lse) outputs.lse = lse.view();
+        cache.attend(id, q.cview(), outputs, o);
+        for (int64_t h = 0; h < 2; ++h) {
+          for (int64_t c = 0; c < 16; ++c) EXPECT_EQ(out.view()(h, 1, c), 0.0f) << "head " << h;
+          for (const int64_t i : {0, 2}) {
+            for (int64_t c = 0; c < 16; ++c) EXPECT_TRUE(std::isfinite(out.view()(h, i, c)));
+          }
+          if (with_lse) {
+            EXPECT_EQ(lse.view()(h, 1), -std::numeric_limits<float>::infinity());
+          }
+        }
+      }
+    });
+  }
+}
+
 template <class Error>
 void expect_refused(const std::function<void()>& call, const std::string& message) {
   try {
@@ -351,6 +433,30 @@ TEST(KvCache, BadCallsAreRefusedAndChangeNothing) {
         cache.attend(id, random_rows({3, 1, 16}, rng).cview(), {.out = out.view(), .weights = {}, .lse = {}});
       },
       "not a multiple of k's 2");
+  const Tensor<float> three_slopes({3});
+  expect_refused<ShapeError>(
+      [&] {
+        Tensor<float> out({4, 1, 8});
+        cache.attend(id, random_rows({4, 1, 16}, rng).cview(), {.out = out.view(), .weights = {}, .lse = {}},
+                     {.alibi_slopes = three_slopes.cview()});
+      },
+      "alibi_slopes: expected shape [4], got [3]");
+  const Tensor<uint8_t> short_mask({1, 1, 99});
+  expect_refused<ShapeError>(
+      [&] {
+        Tensor<float> out({4, 1, 8});
+        cache.attend(id, random_rows({4, 1, 16}, rng).cview(), {.out = out.view(), .weights = {}, .lse = {}},
+                     {.allowed = short_mask.cview()});
+      },
+      "mask: shape [1, 1, 99] does not broadcast to [4, 1, 100]");
+  const Tensor<float> short_bias({4, 2, 100});
+  expect_refused<ShapeError>(
+      [&] {
+        Tensor<float> out({4, 1, 8});
+        cache.attend(id, random_rows({4, 1, 16}, rng).cview(), {.out = out.view(), .weights = {}, .lse = {}},
+                     {.bias = short_bias.cview()});
+      },
+      "bias: shape [4, 2, 100] does not broadcast to [4, 1, 100]");
   const int64_t other = cache.add_sequence();
   EXPECT_EQ(cache.free_pages(), 1);
   cache.remove_sequence(id);

@@ -194,6 +194,21 @@ def test_kv_cache_decodes_as_attention_on_what_it_holds(rng, target, dtype):
     np.testing.assert_allclose(windowed, qkv.attention(q, keys, values, causal=True, window=(4, 0), softcap=5.0,
                                                        sinks=np.array([0.5, -1.0, 0.0, 2.0], np.float32)),
                                atol=1e-5)
+    # Three drafts in a tree (1 and 2 are children of 0), each seeing the sequence and its own
+    # branch; a bias per key; ALiBi from each query's position in the sequence.
+    tree = np.zeros((1, 3, 23), bool)
+    tree[..., :20] = True
+    for i, branch in enumerate(((0,), (0, 1), (0, 2))):
+        tree[0, i, [20 + a for a in branch]] = True
+    bias = randn(rng, (1, 1, 23))
+    for mask in (tree, bias):
+        masked = cache.attend(first, q, mask=mask, alibi="auto")
+        np.testing.assert_allclose(masked, qkv.attention(q, keys, values, causal=True, mask=mask, alibi="auto"),
+                                   atol=1e-5)
+    blind = np.ones((4, 3, 23), np.int32)
+    blind[:, 1] = 0
+    out, lse = cache.attend(first, q, mask=blind, alibi=[0.1, 0.2, 0.3, 0.4], return_lse=True)
+    assert np.all(out[:, 1] == 0) and np.all(lse[:, 1] == -np.inf) and np.all(np.isfinite(out))
     cache.remove_sequence(first)
     assert cache.free_pages == 12 - 1
 
@@ -294,6 +309,16 @@ def test_kv_cache_refusals(rng):
         cache.attend(seq, randn(rng, (2, 1, 1, 4)))
     with pytest.raises(ValueError, match="no sequence 7"):
         cache.attend(7, randn(rng, (2, 1, 4)))
+    with pytest.raises(ValueError, match=r"mask: shape \[1, 1, 5\] does not broadcast to \[2, 1, 6\]"):
+        cache.attend(seq, randn(rng, (2, 1, 4)), mask=np.ones((1, 1, 5), bool))
+    with pytest.raises(ValueError, match=r"bias: shape \[3, 1, 6\] does not broadcast to \[2, 1, 6\]"):
+        cache.attend(seq, randn(rng, (2, 1, 4)), mask=np.zeros((3, 1, 6), np.float32))
+    with pytest.raises(ValueError, match="mask: expected finite values or -inf"):
+        cache.attend(seq, randn(rng, (2, 1, 4)), mask=np.full((1, 1, 6), np.nan, np.float32))
+    with pytest.raises(ValueError, match=r"alibi: expected shape \[2\], got \[3\]"):
+        cache.attend(seq, randn(rng, (2, 1, 4)), alibi=[0.1, 0.2, 0.3])
+    with pytest.raises(ValueError, match="alibi: expected None, \"auto\" or"):
+        cache.attend(seq, randn(rng, (2, 1, 4)), alibi="standard")
     with pytest.raises(ValueError, match="dtype: expected float32, float16, bfloat16 or int8"):
         qkv.KvCache(2, 4, 4, dtype="int4", pages=1)
     with pytest.raises(ValueError, match="pages: expected at least 1, got 0"):

@@ -176,16 +176,29 @@ class PyKvCache {
   py::array_t<float> values(int64_t id) { return read(id, false); }
 
   py::object attend(int64_t id, const py::object& q, std::optional<double> scale, bool causal, const py::object& window,
-                    std::optional<double> softcap, const py::object& sinks, bool return_lse) {
+                    std::optional<double> softcap, const py::object& sinks, const py::object& mask,
+                    const py::object& alibi, bool return_lse) {
     Inputs in;
     const TensorView<const float> qf = float32_operand(in, q, "q");
     if (qf.rank() != 3) {
       throw ShapeError(
           fmt::format("q: expected [H, Tq, Dk] with Dk = {}, got shape {}", cache_.shape().dk, qf.shape.str()));
     }
-    KvAttendOptions options{.scale = scale, .causal = causal, .window = window_of(window), .softcap = softcap};
-    if (!sinks.is_none()) options.sinks = in.per_head<float>(sinks, "sinks", false);
     const int64_t heads = qf.shape[0], tq = qf.shape[1];
+    ForwardRequest request;
+    request.alibi = alibi;
+    request.sinks = sinks;
+    AttentionMask<float> m = in.mask<float>(mask, causal, false);
+    std::optional<TensorView<const float>> sink_view;
+    set_head_options<float>(in, request, heads, m, sink_view);
+    const KvAttendOptions options{.scale = scale,
+                                  .causal = causal,
+                                  .window = window_of(window),
+                                  .softcap = softcap,
+                                  .sinks = sink_view,
+                                  .allowed = m.allowed,
+                                  .bias = m.bias,
+                                  .alibi_slopes = m.alibi_slopes};
     py::array_t<float> out = new_array<float>(Shape{heads, tq, cache_.shape().dv}, "out");
     std::optional<py::array_t<float>> lse;
     AttentionOutputs<float> outputs{view_of(out), std::nullopt, std::nullopt};
@@ -285,10 +298,13 @@ void add_stored(py::module_& m) {
       .def("values", &PyKvCache::values, "id"_a,
            "The sequence's values as attend() reads them: float32 [Hkv, length, Dv].")
       .def("attend", &PyKvCache::attend, "id"_a, "q"_a, py::kw_only(), "scale"_a = py::none(), "causal"_a = true,
-           "window"_a = py::none(), "softcap"_a = py::none(), "sinks"_a = py::none(), "return_lse"_a = false,
+           "window"_a = py::none(), "softcap"_a = py::none(), "sinks"_a = py::none(), "mask"_a = py::none(),
+           "alibi"_a = py::none(), "return_lse"_a = false,
            "Attention of q [H, Tq, Dk] (H a multiple of Hkv), the sequence's last Tq tokens, over its keys and "
            "values: out [H, Tq, Dv] float32, and (out, lse [H, Tq]) with return_lse. causal: query i sees keys up "
-           "to length - Tq + i; scale, window, softcap and sinks as in attention().");
+           "to length - Tq + i; mask broadcasts to [H, Tq, length] (bool or integer: may attend; float32: a bias, "
+           "-inf masks), e.g. [1, Tq, length] for a tree of draft tokens; scale, window, softcap, sinks and alibi "
+           "as in attention(), ALiBi's distances counted from each query's position in the sequence.");
 }
 
 }  // namespace qkv::python

@@ -41,6 +41,14 @@ struct KvAttendOptions {
   std::optional<AttentionWindow> window = std::nullopt;
   std::optional<double> softcap = std::nullopt;
   std::optional<TensorView<const float>> sinks = std::nullopt;  // [H]
+  // Broadcastable to [H, Tq, length]: nonzero = may attend, on top of causality and the window (a
+  // tree of draft tokens verified in one step sees only its own branch).
+  std::optional<TensorView<const uint8_t>> allowed = std::nullopt;
+  // Broadcastable to [H, Tq, length]: added to the scaled (and softcapped) scores; −inf masks a key.
+  std::optional<TensorView<const float>> bias = std::nullopt;
+  // [H] ALiBi slopes (alibi_slopes(H) gives the standard ones): −slope_h·|i + length − Tq − j| is
+  // added, the distance from query i's own position, as causality and the window measure it.
+  std::optional<TensorView<const float>> alibi_slopes = std::nullopt;
 };
 
 class KvCache {
