@@ -260,7 +260,17 @@ inline StoredAttentionParams stored_params(const Stored& s, const AttentionParam
 // [H] with sinks).
 template <class T>
 struct NaiveAttention {
-  Tensor<T> out, scores, weights, lse, dq, dk, dv, dbias, dsinks;
+  // products: scale·q·k of the visible pairs before a softcap (0 elsewhere).
+  Tensor<T> out, scores, products, weights, lse, dq, dk, dv, dbias, dsinks;
+};
+
+// The typical float32 error of a visible pair's score (root mean square, as the naive float32
+// computation errs): `scores` of the scores themselves, `products` of scale·q·k before a softcap
+// (0 without one). Where a softcap flattens most scores, their errors vanish with sech² while the
+// products near 0 keep errors of a dot product's size, which the RMS of the scores hides.
+struct ScoreErrors {
+  double scores = 0;
+  double products = 0;
 };
 
 // The orders a naive computation may take, each as straightforward as the other: every sum from
@@ -279,15 +289,18 @@ enum class Magnitude { none, terms, sums, exposure };
 // attention_tolerance for what they bound): Magnitude::terms sums the absolute values of the
 // gradients' terms (|P dO|, |dS k|, |dS q|, |dS|, with dS as |P (dP − D)|); Magnitude::sums sums
 // the absolute values of everything any sum adds, dP and D apart (out Σ P|v|, lse |m| + |log z|, dS
-// P (Σ|dO v| + Σ|dO| out)); Magnitude::exposure gives how far each result moves per unit of
-// independent errors of the scores, as root sums of squares (out_d sqrt(Σ_j (P_j w_j (v_jd −
-// out_d))², a sink a term with v = 0; lse 1; dS P w |dP − D| + P Σ_d |dO_d| out_d, and through a
-// softcap dX that times sech² plus 2|tanh|/c·|dS|; w_j as attention_tolerance derives it). The
-// variants (grouped heads, window, alignment, softcap, ALiBi, sinks, dropout, packed sequences) as
-// include/qkv/ops/attention.hpp defines them.
+// P (Σ|dO v| + Σ|dO| out)); Magnitude::exposure gives how far each result moves under independent
+// errors of the scores of the sizes `errors` gives, as root sums of squares (out_d sqrt(Σ_j (P_j w_j
+// (v_jd − out_d))², a sink a term with v = 0; lse the row's largest error; dS P w |dP − D| + P Σ_d
+// |dO_d| out_d, and through a softcap dX that times sech² plus the slope's own move, 2|tanh|·sech²/c
+// times |dS| and the product's error; w_j as attention_tolerance derives it). Pair j's score errs by
+// σ_j = sqrt((sech²_j·errors.products)² + errors.scores²): its product's error through the cap, and
+// the scores' own. The variants (grouped heads, window, alignment, softcap, ALiBi, sinks, dropout,
+// packed sequences) as include/qkv/ops/attention.hpp defines them.
 template <class T>
 NaiveAttention<T> naive_attention(const AttentionProblem& p, const Tensor<double>& dout_d,
-                                  Magnitude magnitude = Magnitude::none, NaiveOrder order = NaiveOrder::forward) {
+                                  Magnitude magnitude = Magnitude::none, NaiveOrder order = NaiveOrder::forward,
+                                  ScoreErrors errors = {}) {
   const bool absolute = magnitude != Magnitude::none, sums = magnitude == Magnitude::sums;
   const AttentionOperands<T> ops(p);
   const int64_t B = p.q.shape()[0], H = p.q.shape()[1], Tq = p.q.shape()[2], Tk = p.k.shape()[2], Dk = p.q.shape()[3],
@@ -301,6 +314,7 @@ NaiveAttention<T> naive_attention(const AttentionProblem& p, const Tensor<double
   const Tensor<T> dout_t = cast<T>(dout_d);
   const TensorView<const T> dout = dout_t.view();
   NaiveAttention<T> r{Tensor<T>({B, H, Tq, Dv}),
+                      Tensor<T>({B, H, Tq, Tk}),
                       Tensor<T>({B, H, Tq, Tk}),
                       Tensor<T>({B, H, Tq, Tk}),
                       Tensor<T>({B, H, Tq}),
@@ -363,6 +377,7 @@ NaiveAttention<T> naive_attention(const AttentionProblem& p, const Tensor<double
             dot += (q_factor * q(b, h, i, d)) * k(b, hk, j, d);
           }
           T x = dot_factor * dot;
+          r.products.view()(b, h, i, j) = x;
           if (softcap > 0) {
             const T t = std::tanh(x / softcap);
             x = softcap * t;
@@ -400,9 +415,20 @@ NaiveAttention<T> naive_attention(const AttentionProblem& p, const Tensor<double
           const auto star = static_cast<size_t>(std::max_element(s.begin(), s.end()) - s.begin());
           const bool sink_is_star = p.sinks && (s.empty() || sink >= s[star]);
           const T p_star = sink_is_star ? std::exp(sink - m) / z : prob[star];
-          const auto exposure = [&](size_t j) { return T(j == star && !sink_is_star ? 0 : 1) + (1 - p_star); };
+          std::vector<T> error(s.size(), T{0});  // σ_j
+          T row_error = 0;                       // the row's largest σ_j
+          for (size_t j = 0; j < s.size(); ++j) {
+            if (s[j] == -inf) continue;
+            const T through_cap = cap_slope[j] * static_cast<T>(errors.products);
+            error[j] = std::sqrt(through_cap * through_cap + static_cast<T>(errors.scores * errors.scores));
+            row_error = std::max(row_error, error[j]);
+          }
+          const auto exposure = [&](size_t j) {
+            return T(j == star && !sink_is_star ? 0 : 1) * error[j] + (1 - p_star) * row_error;
+          };
           // The sink is one more weight, of value 0, exposed to the errors of the scores beside it.
-          const T sink_weight = p.sinks ? std::exp(sink - m) / z * (T(sink_is_star ? 0 : 1) + (1 - p_star)) : T{0};
+          const T sink_weight =
+              p.sinks ? std::exp(sink - m) / z * (T(sink_is_star ? 0 : 1) + (1 - p_star)) * row_error : T{0};
           std::vector<T> out_i(static_cast<size_t>(Dv));
           for (int64_t d = 0; d < Dv; ++d) {
             out_i[static_cast<size_t>(d)] = r.out.view()(b, h, i, d);
@@ -415,7 +441,7 @@ NaiveAttention<T> naive_attention(const AttentionProblem& p, const Tensor<double
             }
             r.out.view()(b, h, i, d) = std::sqrt(square_sum);
           }
-          r.lse.view()(b, h, i) = 1;
+          r.lse.view()(b, h, i) = row_error;
           if (dout_d.numel() == 0) continue;
           // δD_i = dO_i·δout_i, bounded per unit of score error; it enters every dS_ij of the row.
           T row_dot = 0, row_dot_exposure = 0;
@@ -436,12 +462,12 @@ NaiveAttention<T> naive_attention(const AttentionProblem& p, const Tensor<double
               r.dv.view()(b, hk, jj, d) += x * x;
             }
             const T ds = prob[j] * exposure(j) * std::abs(keep[j] * dp - row_dot) + prob[j] * row_dot_exposure;
-            // Through a softcap, dX = dS·sech²(x / c) moves with the score's own error too: an error
-            // δs of s = c·tanh(x / c) is one of δs / sech² in x, which moves sech² by 2|tanh|/c·δs.
-            // On tanh's flat tail a score's error is far below the typical one this is counted in,
-            // so there the term is generous; a test holds the kernel's slope there on its own.
-            const T cap_term =
-                softcap > 0 ? 2 * std::abs(cap_tanh[j]) / softcap * std::abs(prob[j] * (keep[j] * dp - row_dot)) : T{0};
+            // Through a softcap, dX = dS·sech²(x / c) moves with the product's own error too: an
+            // error δx moves sech² by 2|tanh|·sech²/c·δx.
+            const T cap_term = softcap > 0
+                                   ? 2 * std::abs(cap_tanh[j]) * cap_slope[j] / softcap *
+                                         static_cast<T>(errors.products) * std::abs(prob[j] * (keep[j] * dp - row_dot))
+                                   : T{0};
             const T dx = std::abs(scale) * (ds * cap_slope[j] + cap_term);
             for (int64_t d = 0; d < Dk; ++d) {
               r.dq.view()(b, h, i, d) += (dx * k(b, hk, jj, d)) * (dx * k(b, hk, jj, d));
@@ -522,32 +548,38 @@ const Tensor<T>& naive_result(const NaiveAttention<T>& n, NaiveResult which) {
 }
 
 // What the tolerance rule measures a float32 result against: the naive float32 computation in
-// every NaiveOrder, the three magnitudes of the float64 one, and the root mean square of the
-// naive float32 scores' errors (over the visible scores: the typical error of a float32 score).
+// every NaiveOrder, the magnitudes of the float64 one, and the typical errors of the naive float32
+// scores (over the visible pairs), which the exposure is measured in.
 struct AttentionYardsticks {
   std::vector<NaiveAttention<float>> naive;
   NaiveAttention<double> terms, sums, exposure;
-  double score_error = 0;
+  ScoreErrors score_errors;
 };
 
+// The root mean square of naive − exact over the pairs where exact `visible` is finite.
+inline double rms_error(const Tensor<float>& naive, const Tensor<double>& exact, const Tensor<double>& visible) {
+  double square_sum = 0;
+  int64_t count = 0;
+  for (int64_t i = 0; i < exact.numel(); ++i) {
+    if (!std::isfinite(visible[i])) continue;
+    const double error = static_cast<double>(naive[i]) - exact[i];
+    square_sum += error * error;
+    ++count;
+  }
+  return count > 0 ? std::sqrt(square_sum / static_cast<double>(count)) : 0.0;
+}
+
 inline AttentionYardsticks attention_yardsticks(const AttentionProblem& p, const Tensor<double>& dout) {
-  AttentionYardsticks y{{},
-                        naive_attention<double>(p, dout, Magnitude::terms),
-                        naive_attention<double>(p, dout, Magnitude::sums),
-                        naive_attention<double>(p, dout, Magnitude::exposure)};
+  AttentionYardsticks y;
   for (const NaiveOrder order : kNaiveOrders) {
     y.naive.push_back(naive_attention<float>(p, dout, Magnitude::none, order));
   }
-  double square_sum = 0;
-  int64_t visible = 0;
-  for (int64_t i = 0; i < y.exposure.scores.numel(); ++i) {
-    const double exact = y.exposure.scores[i];
-    if (!std::isfinite(exact)) continue;
-    const double error = static_cast<double>(y.naive.front().scores[i]) - exact;
-    square_sum += error * error;
-    ++visible;
-  }
-  if (visible > 0) y.score_error = std::sqrt(square_sum / static_cast<double>(visible));
+  y.terms = naive_attention<double>(p, dout, Magnitude::terms);
+  y.sums = naive_attention<double>(p, dout, Magnitude::sums);
+  const NaiveAttention<float>& first = y.naive.front();
+  y.score_errors.scores = rms_error(first.scores, y.terms.scores, y.terms.scores);
+  if (p.softcap) y.score_errors.products = rms_error(first.products, y.terms.products, y.terms.scores);
+  y.exposure = naive_attention<double>(p, dout, Magnitude::exposure, NaiveOrder::forward, y.score_errors);
   return y;
 }
 
@@ -559,13 +591,16 @@ inline AttentionYardsticks attention_yardsticks(const AttentionProblem& p, const
 //     order. The case it is there for: D_i and dP_ij of a row's largest weight nearly cancel in
 //     dS, so their roundings, not their difference, set its error, and one naive order may round
 //     them alike by chance. An epsilon of Σ|terms| stays below a sum's worst case (n/2 of them).
-//   - independent errors of the typical float32 size σ in every score: softmax ignores a
-//     shift of a row, so errors e_j move P only through ε_j = e_j − e_* (e_* that of the row's
-//     largest logit): δP_j = P_j (ε_j − ε̄), ε̄ = Σ_k P_k ε_k, and |ε_j − ε̄| is at most
-//     ([j ≠ *] + 1 − P_*) times the largest |ε|. Summed as independent errors, that puts a
-//     standard deviation of at most 2σ·exposure on each result; the rule allows kScoreSigmas of
-//     them, enough for the largest of a million outputs. A row's largest weight is not exposed, so
-//     a kernel whose backward recomputes that weight with an error of its own still fails.
+//   - independent errors of the typical float32 size σ_j in every score (ScoreErrors: the scores'
+//     own, and through a softcap the products' times sech²): softmax ignores a shift of a row, so
+//     errors e_j move P only through ε_j = e_j − e_* (e_* that of the row's largest logit): δP_j =
+//     P_j (ε_j − ε̄), ε̄ = Σ_k P_k ε_k, and |ε_j − ε̄| is at most [j ≠ *]·σ_j + (1 − P_*)·max σ.
+//     Summed as independent errors, that puts a standard deviation of at most 2·exposure on each
+//     result; the rule allows kScoreSigmas of them, enough for the largest of a million outputs. A
+//     row's largest weight is not exposed, so a kernel whose backward recomputes that weight with
+//     an error of its own still fails. The products' error counts apart because a softcap hides it:
+//     with a large scale most scores sit on tanh's flat tail and err by nothing, so the scores' RMS
+//     error is far below that of a product near 0, whose slope sech² a dot product's rounding moves.
 //   - for a gradient from a saved float32 lse, its relative error ρ on every P times the terms
 //     magnitude, which bounds that error's effect.
 inline constexpr double kScoreSigmas = 5.0;
@@ -575,8 +610,7 @@ double attention_tolerance(const AttentionYardsticks& y, NaiveResult which, cons
                            double saved_lse_rho = 0.0) {
   std::vector<const Tensor<float>*> naives;
   for (const NaiveAttention<float>& n : y.naive) naives.push_back(&naive_result(n, which));
-  return tolerance_from_naive(naives, exact) +
-         kScoreSigmas * 2 * y.score_error * max_abs(naive_result(y.exposure, which)) +
+  return tolerance_from_naive(naives, exact) + kScoreSigmas * 2 * max_abs(naive_result(y.exposure, which)) +
          std::numeric_limits<float>::epsilon() * max_abs(naive_result(y.sums, which)) +
          saved_lse_rho * max_abs(naive_result(y.terms, which));
 }
