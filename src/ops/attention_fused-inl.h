@@ -1829,10 +1829,13 @@ HWY_INLINE void SharedKeyDots(D d, const Rows& keys, size_t first, size_t nk, co
   constexpr size_t kN = hn::MaxLanes(D());
   const size_t N = hn::Lanes(d);
   hn::Vec<D> lanes[kRows][kN];
-  HWY_ALIGN T tails[kRows][kN] = {};
+  // Zeroed only when used: filled for every call, their kRows·kN floats cost a `rep stos` a vector
+  // of keys, 4% of grouped-query int8 decode's time (Zen 3).
+  HWY_ALIGN T tails[kRows][kN];
   HWY_ALIGN T key_scales[kN] = {};
   bool per_key = false;
   const bool tail = dk % N != 0;
+  if (tail) std::fill(&tails[0][0], &tails[0][0] + kRows * kN, T{0});
   const T* HWY_RESTRICT q[kRows];
   for (size_t r = 0; r < kRows; ++r) q[r] = rows[r].q;
   // The channel scales the rows' queries were last scaled by: keys share them (a head's, a page's),
