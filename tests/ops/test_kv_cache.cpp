@@ -433,30 +433,21 @@ TEST(KvCache, BadCallsAreRefusedAndChangeNothing) {
         cache.attend(id, random_rows({3, 1, 16}, rng).cview(), {.out = out.view(), .weights = {}, .lse = {}});
       },
       "not a multiple of k's 2");
-  const Tensor<float> three_slopes({3});
-  expect_refused<ShapeError>(
-      [&] {
-        Tensor<float> out({4, 1, 8});
-        cache.attend(id, random_rows({4, 1, 16}, rng).cview(), {.out = out.view(), .weights = {}, .lse = {}},
-                     {.alibi_slopes = three_slopes.cview()});
-      },
-      "alibi_slopes: expected shape [4], got [3]");
+  // Four query heads over the sequence's 100 keys, with `options`.
+  const auto attend_with = [&](const KvAttendOptions& options) {
+    return [&cache, &rng, id, options] {
+      Tensor<float> out({4, 1, 8});
+      cache.attend(id, random_rows({4, 1, 16}, rng).cview(), {.out = out.view(), .weights = {}, .lse = {}}, options);
+    };
+  };
+  const Tensor<float> three_slopes({3}), short_bias({4, 2, 100});
   const Tensor<uint8_t> short_mask({1, 1, 99});
-  expect_refused<ShapeError>(
-      [&] {
-        Tensor<float> out({4, 1, 8});
-        cache.attend(id, random_rows({4, 1, 16}, rng).cview(), {.out = out.view(), .weights = {}, .lse = {}},
-                     {.allowed = short_mask.cview()});
-      },
-      "mask: shape [1, 1, 99] does not broadcast to [4, 1, 100]");
-  const Tensor<float> short_bias({4, 2, 100});
-  expect_refused<ShapeError>(
-      [&] {
-        Tensor<float> out({4, 1, 8});
-        cache.attend(id, random_rows({4, 1, 16}, rng).cview(), {.out = out.view(), .weights = {}, .lse = {}},
-                     {.bias = short_bias.cview()});
-      },
-      "bias: shape [4, 2, 100] does not broadcast to [4, 1, 100]");
+  expect_refused<ShapeError>(attend_with({.alibi_slopes = three_slopes.cview()}),
+                             "alibi_slopes: expected shape [4], got [3]");
+  expect_refused<ShapeError>(attend_with({.allowed = short_mask.cview()}),
+                             "mask: shape [1, 1, 99] does not broadcast to [4, 1, 100]");
+  expect_refused<ShapeError>(attend_with({.bias = short_bias.cview()}),
+                             "bias: shape [4, 2, 100] does not broadcast to [4, 1, 100]");
   const int64_t other = cache.add_sequence();
   EXPECT_EQ(cache.free_pages(), 1);
   cache.remove_sequence(id);
