@@ -1685,6 +1685,14 @@ inline int64_t KeysToBlockEnd(int64_t j, int64_t width, int64_t shift) { return 
 //   weights have pushed out of them.
 // Requests to the second-level cache alone (prefetcht2) measured 0.98–1.01× for float16 and float32
 // and 1.01–1.06× for int8 in three runs, too little to set int8 apart.
+// Wide blocks (kBlockVectors > 1: int8, or four query rows and more) ask for the next block's K
+// rows from the K reads and its V rows from the V reads, so that requests go out during both
+// passes: an int8 K pass of 32 keys takes longer than the memory needs for the rows asked for in
+// the V pass before it, and with every request in the V pass the memory idled through it (at
+// Tk = 32768 a step without the V sums took as long, one without K's dot products 0.57 as long).
+// Against every request in the V pass (Zen 3, the same alternation): int8 1.04–1.08× at
+// Tk = 32768, 0.96× at Tk = 1024; four queries 0.99–1.02×. Narrow blocks of 8 keys keep every
+// request in the V pass: split, a float32 block's K requests came too late, 0.83× (float16 0.91×).
 template <size_t kBlockVectors, class D, class T = hn::TFromD<D>>
 void AttendFewQueries(D d, const Inputs<T>& in, int64_t b, int64_t h, int64_t q0, size_t nq, int64_t key_begin,
                       int64_t key_end, int64_t prefetch_end, ForwardScratch<T>& s) {
@@ -1719,6 +1727,21 @@ void AttendFewQueries(D d, const Inputs<T>& in, int64_t b, int64_t h, int64_t q0
       if (in.v_stored) PrefetchRows(in.v, in.v_stored, b, hk, ahead, n_ahead, dv);
     }
     const int64_t next = j0 + static_cast<int64_t>(nk);
+    // The next block's rows, asked for as the first query reads this block's: K's with K's and V's
+    // with V's in wide blocks, both with V's in narrow ones.
+    RowsAhead next_k, next_v;
+    if (kAsksAhead && next < key_end) {
+      const size_t n_next = ToSize(std::min<int64_t>(block_keys, key_end - next));
+      const RowRun k_run = RowRunOf(in.k, in.k_stored, b, hk, next, n_next);
+      const RowRun v_run = RowRunOf(in.v, in.v_stored, b, hk, next, n_next);
+      const auto k_bytes = ToSize(in.key_row_bytes()), v_bytes = ToSize(in.value_row_bytes());
+      if (kBlockVectors > 1) {
+        next_k = {.k = k_run, .k_bytes = k_bytes};
+        next_v = {.v = v_run, .v_bytes = v_bytes};
+      } else {
+        next_v = {.k = k_run, .v = v_run, .k_bytes = k_bytes, .v_bytes = v_bytes};
+      }
+    }
     for (size_t i = 0; i < nq; ++i) {
       const int64_t qi = q0 + static_cast<int64_t>(i);
       const T* HWY_RESTRICT q = queries.row(i);
@@ -1726,6 +1749,9 @@ void AttendFewQueries(D d, const Inputs<T>& in, int64_t b, int64_t h, int64_t q0
       const auto key_dots = [&](const auto& keys) {
         for (size_t v = 0; v < vectors; ++v) {
           const size_t count = std::min(N, nk - v * N);
+          if (kAsksAhead && kBlockVectors > 1 && i == 0) {
+            for (size_t j = v * N; j < v * N + count; ++j) next_k.Ask(j);
+          }
           const hn::Vec<D> dots = KeyDots(d, keys, v * N, count, q, i, dk, s);
           const LaneRun run{.i = qi, .j = j0 + static_cast<int64_t>(v * N), .di = 0, .dj = 1, .count = count};
           scores[v] = hn::IfThenElse(hn::FirstN(d, count), Scores(d, in, b, h, run, dots), neg_inf);
@@ -1737,13 +1763,7 @@ void AttendFewQueries(D d, const Inputs<T>& in, int64_t b, int64_t h, int64_t q0
       WithStreamedRows(d, in.v, in.v_stored, b, hk, j0, nk, in.tk, [&](const auto& values) {
         if constexpr (kAsksAhead) {
           if (i == 0 && next < key_end) {
-            const size_t n_next = ToSize(std::min<int64_t>(block_keys, key_end - next));
-            const RowsAhead next_rows{.k = RowRunOf(in.k, in.k_stored, b, hk, next, n_next),
-                                      .v = RowRunOf(in.v, in.v_stored, b, hk, next, n_next),
-                                      .k_bytes = ToSize(in.key_row_bytes()),
-                                      .v_bytes = ToSize(in.value_row_bytes())};
-            return ValueSums(d, AskingRows<std::decay_t<decltype(values)>>{values, next_rows}, nk, p, corr, dv, s,
-                             o_row);
+            return ValueSums(d, AskingRows<std::decay_t<decltype(values)>>{values, next_v}, nk, p, corr, dv, s, o_row);
           }
         }
         ValueSums(d, values, nk, p, corr, dv, s, o_row);
