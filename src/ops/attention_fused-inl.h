@@ -1287,6 +1287,19 @@ HWY_INLINE void OnlineSoftmaxStep(D d, const Inputs<T>& in, int64_t b, int64_t h
 // from memory (Tk = 32768) int8 1.013×.
 constexpr size_t kUnrolledRowVectors = 16;
 
+// Calls four_vectors(c) at c = 0, 4N, 8N, … for the whole groups of four vectors in `cols`, unrolled
+// whole when the row is kUnrolledRowVectors vectors long, and returns the first column after them.
+template <class F>
+HWY_INLINE size_t ForGroupsOfFourVectors(size_t N, size_t cols, const F& four_vectors) {
+  size_t c = 0;
+  if (cols == kUnrolledRowVectors * N) {
+    HWY_UNROLL(4)
+    for (; c < kUnrolledRowVectors * N; c += 4 * N) four_vectors(c);
+  }
+  for (; c + 4 * N <= cols; c += 4 * N) four_vectors(c);
+  return c;
+}
+
 template <class D, class Row, class T = hn::TFromD<D>>
 HWY_INLINE hn::Vec<D> RowDotLanes(D d, const T* HWY_RESTRICT q, const Row& k, size_t cols) {
   const size_t N = hn::Lanes(d);
@@ -1295,12 +1308,7 @@ HWY_INLINE hn::Vec<D> RowDotLanes(D d, const T* HWY_RESTRICT q, const Row& k, si
     HWY_UNROLL(4)
     for (size_t g = 0; g < 4; ++g) a[g] = hn::MulAdd(hn::LoadU(d, q + c + g * N), LoadRow(d, k, c + g * N), a[g]);
   };
-  size_t c = 0;
-  if (cols == kUnrolledRowVectors * N) {
-    HWY_UNROLL(4)
-    for (; c < kUnrolledRowVectors * N; c += 4 * N) four_vectors(c);
-  }
-  for (; c + 4 * N <= cols; c += 4 * N) four_vectors(c);
+  size_t c = ForGroupsOfFourVectors(N, cols, four_vectors);
   for (; c + N <= cols; c += N) a[0] = hn::MulAdd(hn::LoadU(d, q + c), LoadRow(d, k, c), a[0]);
   return hn::Add(hn::Add(a[0], a[1]), hn::Add(a[2], a[3]));
 }
@@ -1322,12 +1330,7 @@ HWY_INLINE void RowPairDotLanes(D d, const T* HWY_RESTRICT q0, const T* HWY_REST
       b[g] = hn::MulAdd(hn::LoadU(d, q1 + c + g * N), kg, b[g]);
     }
   };
-  size_t c = 0;
-  if (cols == kUnrolledRowVectors * N) {  // as RowDotLanes
-    HWY_UNROLL(4)
-    for (; c < kUnrolledRowVectors * N; c += 4 * N) four_vectors(c);
-  }
-  for (; c + 4 * N <= cols; c += 4 * N) four_vectors(c);
+  size_t c = ForGroupsOfFourVectors(N, cols, four_vectors);
   for (; c + N <= cols; c += N) {
     const hn::Vec<D> kc = LoadRow(d, k, c);
     a[0] = hn::MulAdd(hn::LoadU(d, q0 + c), kc, a[0]);
