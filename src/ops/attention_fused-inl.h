@@ -1638,19 +1638,19 @@ template <class Rows, class T, class F>
 HWY_INLINE void WithWeightedValues(const Rows& values, size_t nk, T* const* p, size_t rows, F&& f) {
   if constexpr (std::is_same_v<std::decay_t<decltype(Unasked(values))>, StoredRowRange<StorageType::int8>>) {
     if (Unasked(values).row(0).scale_step == 0) {
+      const auto weigh = [&](const auto& scale_of) {
+        for (size_t j = 0; j < nk; ++j) {
+          const T scale = scale_of(j);
+          for (size_t r = 0; r < rows; ++r) p[r][j] *= scale;
+        }
+        return f(IntegersOf(values));
+      };
       if (nk <= Unasked(values).run()) {  // the scales a fixed stride apart
         const float* HWY_RESTRICT scale = Unasked(values).first_scale();
         const int64_t step = Unasked(values).scale_row_stride();
-        for (size_t j = 0; j < nk; ++j) {
-          for (size_t r = 0; r < rows; ++r) p[r][j] *= scale[static_cast<int64_t>(j) * step];
-        }
-        return f(IntegersOf(values));
+        return weigh([&](size_t j) { return scale[static_cast<int64_t>(j) * step]; });
       }
-      for (size_t j = 0; j < nk; ++j) {
-        const T scale = Unasked(values).row(j).scale[0];
-        for (size_t r = 0; r < rows; ++r) p[r][j] *= scale;
-      }
-      return f(IntegersOf(values));
+      return weigh([&](size_t j) { return Unasked(values).row(j).scale[0]; });
     }
   }
   f(values);
