@@ -557,6 +557,14 @@ struct Int8Integers {
   const int8_t* data = nullptr;
 };
 
+// The integers of int8 rows at a fixed stride, without their scales.
+struct Int8RunIntegers {
+  const int8_t* first = nullptr;
+  size_t stride = 0;  // bytes
+
+  HWY_INLINE Int8Integers row(size_t j) const { return {first + j * stride}; }
+};
+
 template <class D>
 HWY_INLINE hn::Vec<D> LoadRow(D d, const Int8Integers& row, size_t c) {
   return hn::ConvertTo(d, hn::PromoteTo(hn::Rebind<int32_t, D>(), hn::LoadU(hn::Rebind<int8_t, D>(), row.data + c)));
@@ -772,11 +780,10 @@ class StoredRowRange {
   // Row j's integers alone (int8), those of the first run found without the row's scales.
   struct Integers {
     const StoredRowRange& rows;
-    const int8_t* first = reinterpret_cast<const int8_t*>(rows.first_);
-    size_t stride = rows.row_bytes();
+    Int8RunIntegers in_run{reinterpret_cast<const int8_t*>(rows.first_), rows.row_bytes()};
     size_t run = rows.run_;
     HWY_INLINE Int8Integers row(size_t j) const {
-      if (j < run) return {first + j * stride};
+      if (j < run) return in_run.row(j);
       return {reinterpret_cast<const int8_t*>(rows.row(j).data)};
     }
   };
@@ -908,21 +915,13 @@ HWY_INLINE auto IntegersOf(const AskingRows<Rows, Ahead>& rows) {
   return AskingRows<typename Rows::Integers, Ahead>{IntegersOf(rows.rows), rows.ahead};
 }
 
-// The integers of an int8 operand's first run (StoredRowRange::run()), at a fixed stride: for
-// blocks that lie in it, without Integers' test of each row against the run. With it, and with the
-// V sums asking for V's rows alone (RunAhead) rather than testing an empty run of K's as well,
-// int8 decode with K and V in L3 ran 1.03× as fast (Zen 3, d = 128).
-struct Int8RunIntegers {
-  const int8_t* first = nullptr;
-  size_t stride = 0;  // bytes
-
-  HWY_INLINE Int8Integers row(size_t j) const { return {first + j * stride}; }
-};
-
+// The integers of an int8 operand's first run alone (StoredRowRange::Integers::in_run), for
+// blocks that lie in it. With them, and with the V sums asking for V's rows alone (RunAhead)
+// rather than testing an empty run of K's as well, int8 decode with K and V in L3 ran 1.03× as
+// fast (Zen 3, d = 128).
 template <class Rows>
 HWY_INLINE Int8RunIntegers RunIntegersOf(const Rows& rows) {
-  const typename Rows::Integers integers{rows};
-  return {integers.first, integers.stride};
+  return typename Rows::Integers{rows}.in_run;
 }
 template <class Rows, class Ahead>
 HWY_INLINE auto RunIntegersOf(const AskingRows<Rows, Ahead>& rows) {
