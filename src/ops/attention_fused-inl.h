@@ -905,6 +905,11 @@ HWY_INLINE const Rows& Unasked(const AskingRows<Rows, Ahead>& rows) {
   return rows.rows;
 }
 
+// Whether rows (asked for ahead or not) are an int8 operand's.
+template <class Rows>
+inline constexpr bool kInt8Rows =
+    std::is_same_v<std::decay_t<decltype(Unasked(std::declval<const Rows&>()))>, StoredRowRange<StorageType::int8>>;
+
 // An int8 operand's rows as their integers alone (StoredRowRange::Integers), asking as they did.
 template <class Rows>
 HWY_INLINE auto IntegersOf(const Rows& rows) {
@@ -1597,7 +1602,7 @@ HWY_INLINE const T* ScaledQuery(const T* HWY_RESTRICT q, size_t i, const StoredR
 template <class D, class Rows, class T = hn::TFromD<D>>
 HWY_INLINE hn::Vec<D> KeyDots(D d, const Rows& keys, size_t first, size_t nk, const T* HWY_RESTRICT q, size_t i,
                               size_t dk, ForwardScratch<T>& s, const RunAhead ahead) {
-  constexpr bool kInt8 = std::is_same_v<Rows, StoredRowRange<StorageType::int8>>;
+  constexpr bool kInt8 = kInt8Rows<Rows>;
   constexpr size_t kN = hn::MaxLanes(D());
   hn::Vec<D> lanes[kN];
   HWY_ALIGN T tails[kN] = {};
@@ -1669,11 +1674,6 @@ HWY_INLINE hn::Vec<D> KeyDots(D d, const Rows& keys, size_t first, size_t nk, co
   if (tail) dots = hn::Add(dots, hn::Load(d, tails));
   return per_key ? hn::Mul(dots, hn::Load(d, key_scales)) : dots;
 }
-
-// Whether rows (asked for ahead or not) are an int8 operand's.
-template <class Rows>
-inline constexpr bool kInt8Rows =
-    std::is_same_v<std::decay_t<decltype(Unasked(std::declval<const Rows&>()))>, StoredRowRange<StorageType::int8>>;
 
 // Calls f with the nk values of a block as the weighted sums read them. An int8 value's scale, one
 // per token, multiplies its weight in each of the `rows` rows of weights p[r] (in place) rather
@@ -1992,7 +1992,7 @@ HWY_INLINE void SharedRowDotsOfTwoKeys(D d, const T* HWY_RESTRICT const* q, cons
 template <size_t kRows, class D, class Rows, class T = hn::TFromD<D>>
 HWY_INLINE void SharedKeyDots(D d, const Rows& keys, size_t first, size_t nk, const SharedRow<T>* rows, size_t dk,
                               const RowsAhead& ahead, hn::Vec<D>* HWY_RESTRICT dots) {
-  constexpr bool kInt8 = std::is_same_v<Rows, StoredRowRange<StorageType::int8>>;
+  constexpr bool kInt8 = kInt8Rows<Rows>;
   constexpr size_t kN = hn::MaxLanes(D());
   const size_t N = hn::Lanes(d);
   hn::Vec<D> lanes[kRows][kN];
