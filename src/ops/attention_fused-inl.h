@@ -2009,9 +2009,23 @@ HWY_INLINE void SharedKeyDots(D d, const Rows& keys, size_t first, size_t nk, co
   // and looking up each row's scaled query again for every key made int8 decode of grouped-query
   // heads or several queries 1.12–1.16× slower (Zen 5; the same bits).
   const void* scaled_by = nullptr;
+  // int8 keys that lie in one run and share per-channel scales take the queries scaled once and
+  // their integers at a fixed stride, as KeyDots takes them, rather than each key's row and scales
+  // looked up and compared: grouped-query int8 decode ran 1.06× as fast with K and V in L2 or L3
+  // and from memory, and four queries of one head 1.08× (Zen 5, one thread and two; the same bits).
+  Int8RunIntegers run;
+  if constexpr (kInt8) {
+    const StoredRow<StorageType::int8> k = keys.row(first);
+    if (first + nk <= keys.run() && keys.scale_row_stride() == 0 && k.scale_step != 0) {
+      bool changed = false;
+      for (size_t r = 0; r < kRows; ++r) q[r] = ScaledQuery(rows[r].q, rows[r].i, k, dk, *rows[r].s, changed);
+      run = {reinterpret_cast<const int8_t*>(k.data), keys.row_bytes()};
+    }
+  }
   // Key j's row as the dot products read it, the rows' queries made its own first.
   const auto key_row = [&](size_t j) {
     if constexpr (kInt8) {
+      if (run.first != nullptr) return run.row(j);
       const StoredRow<StorageType::int8> k = keys.row(first + j);
       if (k.scale_step == 0) {
         per_key = true;
@@ -2029,6 +2043,7 @@ HWY_INLINE void SharedKeyDots(D d, const Rows& keys, size_t first, size_t nk, co
   // Whether key j takes the queries key j − 1 took (an int8 key's channel scales change them).
   const auto same_queries = [&](size_t j) {
     if constexpr (kInt8) {
+      if (run.first != nullptr) return true;
       const StoredRow<StorageType::int8> k = keys.row(first + j);
       return k.scale_step == 0 || k.scale == scaled_by;
     } else {
