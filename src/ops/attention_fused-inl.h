@@ -1586,6 +1586,15 @@ HWY_INLINE const T* ScaledQuery(const T* HWY_RESTRICT q, size_t i, const StoredR
   return scaled;
 }
 
+// Whether int8 keys [first, first + nk) of `keys`, k the first, lie in one run and share its
+// per-channel scales (a contiguous K's, or a page's): a query scaled once by k's scales then serves
+// them all, and their integers lie at a fixed stride from k's.
+template <class Rows>
+HWY_INLINE bool SharesChannelScalesInOneRun(const Rows& keys, size_t first, size_t nk,
+                                            const StoredRow<StorageType::int8>& k) {
+  return first + nk <= keys.run() && keys.scale_row_stride() == 0 && k.scale_step != 0;
+}
+
 // Lane j = q·k_(first + j) for nk keys of a block's rows (0 past nk), q being query i of
 // AttendFewQueries. An int8 key's scales multiply the dot product (one scale per key) or the query
 // (one per channel, kept in s.q_scaled while the keys share them), not each element, which makes
@@ -1613,7 +1622,7 @@ HWY_INLINE hn::Vec<D> KeyDots(D d, const Rows& keys, size_t first, size_t nk, co
   size_t run_stride = 0;
   if constexpr (kInt8) {
     const StoredRow<StorageType::int8> k = keys.row(first);
-    if (first + nk <= keys.run() && keys.scale_row_stride() == 0 && k.scale_step != 0) {
+    if (SharesChannelScalesInOneRun(keys, first, nk, k)) {
       bool changed = false;
       shared_query = ScaledQuery(q, i, k, dk, s, changed);
       run_first = reinterpret_cast<const int8_t*>(k.data);
@@ -2016,7 +2025,7 @@ HWY_INLINE void SharedKeyDots(D d, const Rows& keys, size_t first, size_t nk, co
   Int8RunIntegers run;
   if constexpr (kInt8) {
     const StoredRow<StorageType::int8> k = keys.row(first);
-    if (first + nk <= keys.run() && keys.scale_row_stride() == 0 && k.scale_step != 0) {
+    if (SharesChannelScalesInOneRun(keys, first, nk, k)) {
       bool changed = false;
       for (size_t r = 0; r < kRows; ++r) q[r] = ScaledQuery(rows[r].q, rows[r].i, k, dk, *rows[r].s, changed);
       run = {reinterpret_cast<const int8_t*>(k.data), keys.row_bytes()};
