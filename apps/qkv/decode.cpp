@@ -231,6 +231,7 @@ void register_decode(CLI::App& app) {
       "as stored or through a paged KV cache");
   cmd->footer(R"(Shapes: --q [H, Tq, Dk], --k [Hkv, Tk, Dk], --v [Hkv, Tk, Dv] (one sequence; Hkv divides H).
 The queries are the last Tq tokens of the sequence: query i sees keys up to Tk - Tq + i (--full: every key).
+Up to 16 queries a head take the decode kernel (keys split across the threads); more take prefill's tiles.
 Storage: float32 or float64 (rounded to float32); float16 '<f2'; bfloat16 as its bits in a '<u2' file, read
 as bfloat16 only with --dtype bf16; int8 '|i1' (K and V only) with float32 scales that broadcast to it
 (--k-scales [Hkv, 1, Dk] per channel, --v-scales [Hkv, Tk, 1] per token; qkv quantize makes both).
@@ -253,7 +254,8 @@ Out is [H, Tq, Dv] and --lse [H, Tq], float32.)");
   cmd->add_option("--cache", o->cache, "attend through a paged KV cache of this type: f32, f16, bf16 or int8");
   cmd->add_option("--cache-file", o->cache_file,
                   "keep the --cache in this file across runs: --k, --v are then the tokens to append to it");
-  o->page_tokens_option = cmd->add_option("--page-tokens", o->page_tokens, "tokens per page of --cache (256)");
+  o->page_tokens_option = cmd->add_option("--page-tokens", o->page_tokens,
+                                          "tokens per page of --cache (256; an existing --cache-file keeps its own)");
   o->scale_option = cmd->add_option("--scale", o->scale, "the scores' scale (1/sqrt(Dk))");
   cmd->add_flag("--full", o->full, "every query sees every key (no causal mask)");
   cmd->add_option("--window", o->window, "LEFT,RIGHT: a query sees keys within LEFT before and RIGHT after it");

@@ -30,6 +30,7 @@ struct QuantizeOptions {
   std::string output;
   std::string scales;
   std::string group = "per-channel";
+  CLI::Option* group_option = nullptr;
 };
 
 struct DequantizeOptions {
@@ -54,6 +55,10 @@ void run_quantize(const QuantizeOptions& o) {
   if (to != StorageType::int8 && !o.scales.empty()) {
     throw ValueError(fmt::format("--scales: expected none for --to {} (only int8 has scales), got {}", o.to, o.scales));
   }
+  if (to != StorageType::int8 && o.group_option->count() > 0) {
+    throw ValueError(
+        fmt::format("--group: expected none for --to {} (only int8 has scales to group), got {}", o.to, o.group));
+  }
   OutputFiles files;
   files.plan("-o", o.output);
   if (!o.scales.empty()) files.plan("--scales", o.scales);
@@ -69,9 +74,9 @@ void run_quantize(const QuantizeOptions& o) {
     files.set("-o", encode_npy(q.values.cview()));
     files.set("--scales", encode_npy(q.scales.cview()));
   } else if (to == StorageType::float16) {
-    files.set("-o", encode_npy_bits(to_float16(x.cview()).cview(), DType::float16));
+    files.set("-o", encode_npy_bits(to_float16(x.cview(), "IN").cview(), DType::float16));
   } else {
-    files.set("-o", encode_npy_bits(to_bfloat16(x.cview()).cview(), DType::uint16));
+    files.set("-o", encode_npy_bits(to_bfloat16(x.cview(), "IN").cview(), DType::uint16));
   }
   files.commit();
 }
@@ -106,13 +111,15 @@ void register_quantize(CLI::App& app) {
   CLI::App* cmd = app.add_subcommand(
       "quantize", "Store a float array as int8 (with its scales), float16 ('<f2') or bfloat16 (its bits as '<u2')");
   cmd->add_option("IN", o->input, "float32 or float64 .npy, finite")->required();
-  cmd->add_option("--to", o->to, "int8, f16 or bf16")->required();
+  cmd->add_option("--to", o->to, "int8 (i8), f16 (float16) or bf16 (bfloat16)")->required();
   cmd->add_option("-o", o->output, "the stored array (.npy)")->required();
   cmd->add_option("--scales", o->scales, "with --to int8: its float32 scales (.npy), value = scale · stored");
-  cmd->add_option("--group", o->group,
-                  "which elements of [..., T, D] share an int8 scale: per-channel (scales [..., 1, D], the default: "
-                  "for keys), per-token ([..., T, 1]: for values) or per-tensor")
-      ->check(CLI::IsMember({"per-channel", "per-token", "per-tensor"}));
+  o->group_option =
+      cmd->add_option(
+             "--group", o->group,
+             "which elements of [..., T, D] share an int8 scale: per-channel (scales [..., 1, D], the default: "
+             "for keys), per-token ([..., T, 1]: for values) or per-tensor")
+          ->check(CLI::IsMember({"per-channel", "per-token", "per-tensor"}));
   cmd->callback([o] { run_quantize(*o); });
 
   auto d = std::make_shared<DequantizeOptions>();

@@ -6,6 +6,7 @@
 #include <bit>
 #include <cmath>
 #include <cstring>
+#include <limits>
 
 #include "qkv/core/error.hpp"
 #include "qkv/core/parallel.hpp"
@@ -77,6 +78,19 @@ uint16_t bfloat16_from_float(float value) {
 }
 
 float float_from_bfloat16(uint16_t bits) { return std::bit_cast<float>(static_cast<uint32_t>(bits) << 16); }
+
+float rounding_overflow_limit(StorageType type) {
+  switch (type) {
+    case StorageType::float16:
+      return 65520.0f;
+    case StorageType::bfloat16:
+      return std::bit_cast<float>(uint32_t{0x7F7F8000});
+    case StorageType::float32:
+    case StorageType::int8:
+      break;
+  }
+  return std::numeric_limits<float>::infinity();
+}
 
 StoredView StoredView::float32(TensorView<const float> view) {
   return {.type = StorageType::float32, .data = view.data, .shape = view.shape, .strides = view.strides};

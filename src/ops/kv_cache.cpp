@@ -3,11 +3,9 @@
 #include <fmt/format.h>
 
 #include <algorithm>
-#include <bit>
 #include <cmath>
 #include <cstring>
 #include <initializer_list>
-#include <limits>
 #include <optional>
 #include <string>
 #include <string_view>
@@ -429,11 +427,7 @@ void check_representable(const StoredView& x, const std::optional<TensorView<con
   const bool narrowing = (type == StorageType::float16 && x.type != StorageType::float16) ||
                          (type == StorageType::bfloat16 && x.type == StorageType::float32);
   if (!narrowing && x.type != StorageType::int8) return;
-  // The magnitudes from which rounding to the type gives an infinity: half an ulp past its largest
-  // finite value (float16 65504, bfloat16 0x7F7F); float32 holds every finite value.
-  const float limit = type == StorageType::float16    ? 65520.0f
-                      : type == StorageType::bfloat16 ? std::bit_cast<float>(uint32_t{0x7F7F8000})
-                                                      : std::numeric_limits<float>::infinity();
+  const float limit = rounding_overflow_limit(type);
   std::vector<float> row(static_cast<size_t>(x.shape[2]));
   for (int64_t h = 0; h < x.shape[0]; ++h) {
     for (int64_t t = 0; t < x.shape[1]; ++t) {
@@ -472,9 +466,8 @@ void KvCache::append(int64_t id, const StoredView& k, const StoredView& v) {
   const int64_t more = pages_needed - static_cast<int64_t>(s.pages.size());
   if (more > free_pages()) {
     throw ResourceError(
-        fmt::format("k: appending {} tokens to sequence {} (of {}) needs {} more pages of {} tokens, but the cache has "
-                    "{} of its {} "
-                    "free",
+        fmt::format("k: appending {} tokens to sequence {} (length {}) needs {} more pages of {} tokens, but the "
+                    "cache has {} of its {} free",
                     n, id, s.length, more, shape_.page_tokens, free_pages(), shape_.pages));
   }
   std::vector<float> row(static_cast<size_t>(std::max(shape_.dk, shape_.dv)));
@@ -559,6 +552,11 @@ void KvCache::attend(int64_t id, TensorView<const float> q, const AttentionOutpu
     throw ShapeError(fmt::format("q: expected [H, Tq, Dk] with Dk = {}, got shape {}", shape_.dk, q.shape.str()));
   }
   const int64_t hkv = shape_.kv_heads, page = shape_.page_tokens;
+  // Attention's own check would name k, which this call has none of.
+  if (q.shape[0] % hkv != 0) {
+    throw ShapeError(
+        fmt::format("q: expected H a multiple of the cache's {} kv heads, got shape {}", hkv, q.shape.str()));
+  }
   // Checked here so that a mask's message gives the cache's [H, Tq, length], not attention's
   // [B, H, Tq, Tk]; the names are attention's own.
   const Shape scores{q.shape[0], q.shape[1], s.length};

@@ -22,11 +22,21 @@ Shape scales_shape(const Shape& shape, QuantizeGroup group) {
   return scales;
 }
 
+// Refuses a value that is not finite or that rounds past the type's largest one: stored as an
+// infinity, it would give an array that attention refuses.
 template <class F>
-Tensor<uint16_t> convert(TensorView<const float> x, F round) {
+Tensor<uint16_t> convert(TensorView<const float> x, StorageType type, F round, std::string_view name) {
+  check_finite(x, name);
   const Tensor<float> values = to_tensor<float, float>(x);
+  const float limit = rounding_overflow_limit(type);
   Tensor<uint16_t> bits(x.shape);
-  for (int64_t i = 0; i < values.numel(); ++i) bits[i] = round(values[i]);
+  for (int64_t i = 0; i < values.numel(); ++i) {
+    if (!(std::abs(values[i]) < limit)) {
+      throw ValueError(fmt::format("{}: expected values that {} holds (|x| < {}), got {} at {}", name,
+                                   storage_name(type), limit, values[i], index_str(x.shape, i)));
+    }
+    bits[i] = round(values[i]);
+  }
   return bits;
 }
 
@@ -61,7 +71,11 @@ Int8Array quantize_int8(TensorView<const float> x, QuantizeGroup group) {
   return out;
 }
 
-Tensor<uint16_t> to_float16(TensorView<const float> x) { return convert(x, float16_from_float); }
-Tensor<uint16_t> to_bfloat16(TensorView<const float> x) { return convert(x, bfloat16_from_float); }
+Tensor<uint16_t> to_float16(TensorView<const float> x, std::string_view name) {
+  return convert(x, StorageType::float16, float16_from_float, name);
+}
+Tensor<uint16_t> to_bfloat16(TensorView<const float> x, std::string_view name) {
+  return convert(x, StorageType::bfloat16, bfloat16_from_float, name);
+}
 
 }  // namespace qkv

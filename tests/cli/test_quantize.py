@@ -101,6 +101,18 @@ def checks(t):
     t.save("nan.npy", x_nan)
     t.refuse("NaN input", ["quantize", "nan.npy", "--to", "int8", "-o", "out.npy", "--scales", "o.npy"],
              "IN", "finite", "nan")
+    # numpy's astype would store these as infinities, which attend then refuses.
+    x_big = x.copy()
+    x_big[1, 2, 3] = 7e4
+    t.save("big.npy", x_big)
+    t.refuse("float16 overflow", ["quantize", "big.npy", "--to", "f16", "-o", "out.npy"],
+             "IN", "float16", "65520", "70000", "[1, 2, 3]")
+    x_big[1, 2, 3] = 3.4e38
+    t.save("big.npy", x_big)
+    t.refuse("bfloat16 overflow", ["quantize", "big.npy", "--to", "bf16", "-o", "out.npy"],
+             "IN", "bfloat16", "[1, 2, 3]")
+    t.refuse("--group without int8", ["quantize", "x.npy", "--to", "f16", "--group", "per-token", "-o", "out.npy"],
+             "--group", "f16", "per-token")
     t.save("vec.npy", x[0, 0])
     t.refuse("int8 of rank 1", ["quantize", "vec.npy", "--to", "int8", "-o", "out.npy", "--scales", "o.npy"],
              "IN", "rank 2", "[5]")

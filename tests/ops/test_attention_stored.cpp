@@ -88,6 +88,32 @@ TEST(Storage, NamesParseAndUnknownOnesAreRefused) {
   }
 }
 
+// An array with a value that rounds to an infinity is refused, where numpy's astype would store the
+// infinity and attention would then refuse the array.
+TEST(Quantize, ValuesPastTheTypesRangeAreRefused) {
+  Tensor<float> x({2, 3});
+  x.view()(1, 2) = 65519.0f;
+  EXPECT_EQ(to_float16(x.cview()).view()(1, 2), 0x7bff);
+  x.view()(1, 2) = 65520.0f;
+  const auto refused = [](auto convert, const std::string& message) {
+    try {
+      convert();
+      ADD_FAILURE() << "accepted; expected: " << message;
+    } catch (const ValueError& e) {
+      EXPECT_EQ(std::string(e.what()), message);
+    }
+  };
+  refused([&] { to_float16(x.cview(), "k"); },
+          "k: expected values that float16 holds (|x| < 65520), got 65520 at [1, 2]");
+  x.view()(1, 2) = std::numeric_limits<float>::max();
+  refused([&] { to_bfloat16(x.cview()); },
+          fmt::format("x: expected values that bfloat16 holds (|x| < {}), got {} at [1, 2]",
+                      rounding_overflow_limit(StorageType::bfloat16), std::numeric_limits<float>::max()));
+  x.view()(1, 2) = std::nanf("");
+  refused([&] { to_bfloat16(x.cview()); },
+          "x: expected finite values, got 1 non-finite value (the first: nan at [1, 2])");
+}
+
 TEST(Quantize, Int8KeepsEveryElementWithinHalfAStep) {
   Rng rng(11);
   Tensor<float> x = cast<float>(testing::random_tensor<double>({2, 3, 37, 19}, rng, 3.0));

@@ -381,7 +381,8 @@ TEST(KvCache, BadCallsAreRefusedAndChangeNothing) {
       [&] {
         cache.append(id, random_rows({2, 100, 16}, rng).cview(), random_rows({2, 100, 8}, rng).cview());
       },
-      "needs 2 more pages of 64 tokens, but the cache has 1 of its 3 free");
+      "k: appending 100 tokens to sequence 0 (length 100) needs 2 more pages of 64 tokens, but the cache has 1 of "
+      "its 3 free");
   Tensor<float> nan_k({2, 1, 16});
   nan_k.view()(1, 0, 3) = std::nanf("");
   expect_refused<ValueError>(
@@ -432,7 +433,7 @@ TEST(KvCache, BadCallsAreRefusedAndChangeNothing) {
         Tensor<float> out({3, 1, 8});
         cache.attend(id, random_rows({3, 1, 16}, rng).cview(), {.out = out.view(), .weights = {}, .lse = {}});
       },
-      "not a multiple of k's 2");
+      "q: expected H a multiple of the cache's 2 kv heads, got shape [3, 1, 16]");
   // Four query heads over the sequence's 100 keys, with `options`.
   const auto attend_with = [&](const KvAttendOptions& options) {
     return [&cache, &rng, id, options] {

@@ -48,7 +48,8 @@ def refusals(q, k, v):
         ("v of int32", lambda: qkv.attention(q, k, v.astype(np.int32)), qkv.ShapeError,
          r"v: expected dtype float32 \(the dtype of q\), got int32"),
         ("float64 q, float16 v", lambda: qkv.attention(q.astype(np.float64), k, v.astype(np.float16)), qkv.ShapeError,
-         r"q: expected dtype float32, float16, uint16 \(bfloat16 bits, with bf16=True\), got float64"),
+         r"q: expected float32 beside float16, bfloat16 or int8 operands \(float64 runs with q, k and v all float64\), "
+         r"got float64"),
         ("batch differs", lambda: qkv.attention(q[None], k[None].repeat(2, 0), v[None].repeat(2, 0)), qkv.ShapeError,
          r"k: expected shape \[1, 2, "),
         ("heads not a divisor", lambda: qkv.attention(q, k.repeat(2, 0), v.repeat(2, 0)), qkv.ShapeError,

@@ -122,6 +122,10 @@ def test_conversions():
     np.testing.assert_array_equal(qkv.from_bfloat16(bits), [[1.0, -2.5, 2.0**127, 1.0, 1.0 + 2.0**-6, 0]])
     big = np.arange(2 * 3 * 4 * 5 * 6, dtype=np.float32).reshape(2, 3, 4, 5, 6)
     assert qkv.from_bfloat16(qkv.to_bfloat16(big)).shape == big.shape
+    # numpy would give an infinity, which attention() then refuses.
+    with pytest.raises(ValueError, match=r"^x: expected values that bfloat16 holds \(\|x\| < 3\.39\d*e\+38\), got "
+                       r"3\.4e\+38 at \[0, 1\]$"):
+        qkv.to_bfloat16(np.array([[1.0, 3.4e38]], np.float32))
     values, scales = qkv.quantize_int8(np.array([[0.0, 1.0], [0.0, -2.0]], np.float32), "channel")
     np.testing.assert_array_equal(scales, np.array([[1.0, 2.0 / 127]], np.float32))  # a channel of zeros keeps scale 1
     np.testing.assert_array_equal(values, [[0, 64], [0, -127]])
@@ -147,7 +151,9 @@ REFUSALS = [
     (lambda a: qkv.attention(a["q"].astype(np.int8), a["kq"], a["v"], k_scales=a["ks"]), ValueError,
      "q: expected dtype float32, float16, uint16 (bfloat16 bits, with bf16=True), got int8"),
     (lambda a: qkv.attention(a["q"].astype(np.float64), a["kh"], a["v"]), ValueError,
-     "q: expected dtype float32, float16"),
+     "q: expected float32 beside float16, bfloat16 or int8 operands"),
+    (lambda a: qkv.attention(a["q"], a["kh"], a["v"].astype(np.float64)), ValueError,
+     "v: expected float32 beside float16, bfloat16 or int8 operands"),
     (lambda a: qkv.attention(a["q"], a["kh"], a["v"], dropout=0.1), ValueError, "dropout: expected 0 with float16"),
     (lambda a: qkv.attention(a["q"], a["kh"] * np.float16(np.inf), a["v"]), ValueError, "k: expected finite values"),
     (lambda a: qkv.attention(a["q"], a["kh"], a["v"], cu_seqlens_q=[0, 4], cu_seqlens_k=[0, 9]), ValueError,
@@ -186,6 +192,11 @@ def test_kv_cache_decodes_as_attention_on_what_it_holds(rng, target, dtype):
     q = randn(rng, (4, 3, 16))
     out, lse = cache.attend(first, q, return_lse=True)
     kf, vf = np.repeat(keys, 2, axis=0), np.repeat(values, 2, axis=0)
+    # Narrower queries are widened exactly, as qkv decode does.
+    qb = qkv.to_bfloat16(q)
+    np.testing.assert_array_equal(cache.attend(first, qb, bf16=True), cache.attend(first, qkv.from_bfloat16(qb)))
+    qh = q.astype(np.float16)
+    np.testing.assert_array_equal(cache.attend(first, qh), cache.attend(first, qh.astype(np.float32)))
     expected = attention_reference(q, kf, vf, causal=True)
     naive = attention_reference(q, kf, vf, causal=True, dtype=np.float32)
     assert_close(out, expected[0], naive[0], what="out")
@@ -307,6 +318,12 @@ def test_kv_cache_refusals(rng):
     assert cache.length(seq) == 6
     with pytest.raises(ValueError, match=r"q: expected \[H, Tq, Dk\] with Dk = 4"):
         cache.attend(seq, randn(rng, (2, 1, 1, 4)))
+    with pytest.raises(ValueError, match=r"^q: expected H a multiple of the cache's 2 kv heads, got shape \[3, 1, 4\]$"):
+        cache.attend(seq, randn(rng, (3, 1, 4)))
+    with pytest.raises(ValueError, match=r"^bf16: True says q holds bfloat16 bits \(uint16\), but q is float32$"):
+        cache.attend(seq, randn(rng, (2, 1, 4)), bf16=True)
+    with pytest.raises(ValueError, match="^q: expected bf16=True with a uint16 array"):
+        cache.attend(seq, qkv.to_bfloat16(randn(rng, (2, 1, 4))))
     with pytest.raises(ValueError, match="no sequence 7"):
         cache.attend(7, randn(rng, (2, 1, 4)))
     with pytest.raises(ValueError, match=r"mask: shape \[1, 1, 5\] does not broadcast to \[2, 1, 6\]"):

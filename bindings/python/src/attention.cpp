@@ -114,6 +114,16 @@ StoredAttentionParams stored_params(Inputs& in, const py::object& q, const py::o
                     "and float64 ones), got {}",
                     r.dropout.p));
   }
+  // float64 runs the float64 reference, which takes no narrower operand beside it.
+  for (const auto& [operand, name] : {std::pair{&q, "q"}, std::pair{&k, "k"}, std::pair{&v, "v"}}) {
+    const py::array array = py::array::ensure(*operand);
+    if (array && array.dtype().kind() == 'f' && array.itemsize() == 8) {
+      throw ShapeError(
+          fmt::format("{}: expected float32 beside float16, bfloat16 or int8 operands (float64 runs with "
+                      "q, k and v all float64), got float64",
+                      name));
+    }
+  }
   StoredAttentionParams p{.q = in.stored(q, "q", py::none(), "", r.bf16, r.allow_nonfinite),
                           .k = in.stored(k, "k", r.k_scales, "k_scales", r.bf16, r.allow_nonfinite),
                           .v = in.stored(v, "v", r.v_scales, "v_scales", r.bf16, r.allow_nonfinite),

@@ -42,6 +42,21 @@ TensorView<const float> float32_operand(Inputs& in, const py::object& x, std::st
   return view;
 }
 
+// KvCache.attend's q in float32: float64 rounded, float16 and bfloat16 bits (bf16=True) widened
+// exactly, as qkv decode widens a bfloat16 --q.
+TensorView<const float> query_of(Inputs& in, const py::object& q, bool bf16, Tensor<float>& widened) {
+  const py::array array = py::array::ensure(q);
+  if (!(array && array.dtype().kind() == 'u' && array.itemsize() == 2)) {
+    if (bf16) {
+      throw ValueError(fmt::format("bf16: True says q holds bfloat16 bits (uint16), but q is {}",
+                                   array ? py::str(array.dtype()).cast<std::string>() : "no array"));
+    }
+    return float32_operand(in, q, "q");
+  }
+  widened = to_float32(in.stored(q, "q", py::none(), "", bf16, false));
+  return widened.cview();
+}
+
 template <class T>
 py::array_t<T> array_of(const Tensor<T>& tensor, std::string_view what) {
   py::array_t<T> array = new_array<T>(tensor.shape(), what);
@@ -177,9 +192,10 @@ class PyKvCache {
 
   py::object attend(int64_t id, const py::object& q, std::optional<double> scale, bool causal, const py::object& window,
                     std::optional<double> softcap, const py::object& sinks, const py::object& mask,
-                    const py::object& alibi, bool return_lse) {
+                    const py::object& alibi, bool return_lse, bool bf16) {
     Inputs in;
-    const TensorView<const float> qf = float32_operand(in, q, "q");
+    Tensor<float> widened;
+    const TensorView<const float> qf = query_of(in, q, bf16, widened);
     if (qf.rank() != 3) {
       throw ShapeError(
           fmt::format("q: expected [H, Tq, Dk] with Dk = {}, got shape {}", cache_.shape().dk, qf.shape.str()));
@@ -266,7 +282,8 @@ save(path) and KvCache.load(path) keep a cache across runs, in the file qkv deco
 void add_stored(py::module_& m) {
   m.def("quantize_int8", &quantize_int8_py, kQuantizeDoc, "x"_a, "group"_a = "channel");
   m.def("to_bfloat16", &to_bfloat16_py, "x"_a,
-        "x rounded to bfloat16 (nearest even), as its bits in a uint16 array: what attention(..., bf16=True) takes.");
+        "x rounded to bfloat16 (nearest even), as its bits in a uint16 array: what attention(..., bf16=True) takes. "
+        "ValueError (qkv.Error) for a value that is not finite or rounds past bfloat16's largest one.");
   m.def("from_bfloat16", &from_bfloat16_py, "bits"_a, "The float32 values of bfloat16 bits (a uint16 array).");
 
   py::class_<PyKvCache>(m, "KvCache", kKvCacheDoc)
@@ -299,12 +316,13 @@ void add_stored(py::module_& m) {
            "The sequence's values as attend() reads them: float32 [Hkv, length, Dv].")
       .def("attend", &PyKvCache::attend, "id"_a, "q"_a, py::kw_only(), "scale"_a = py::none(), "causal"_a = true,
            "window"_a = py::none(), "softcap"_a = py::none(), "sinks"_a = py::none(), "mask"_a = py::none(),
-           "alibi"_a = py::none(), "return_lse"_a = false,
+           "alibi"_a = py::none(), "return_lse"_a = false, "bf16"_a = false,
            "Attention of q [H, Tq, Dk] (H a multiple of Hkv), the sequence's last Tq tokens, over its keys and "
            "values: out [H, Tq, Dv] float32, and (out, lse [H, Tq]) with return_lse. causal: query i sees keys up "
            "to length - Tq + i; mask broadcasts to [H, Tq, length] (bool or integer: may attend; float32: a bias, "
            "-inf masks), e.g. [1, Tq, length] for a tree of draft tokens; scale, window, softcap, sinks and alibi "
-           "as in attention(), ALiBi's distances counted from each query's position in the sequence.");
+           "as in attention(), ALiBi's distances counted from each query's position in the sequence. q may be "
+           "float32, float64, float16 or bfloat16 bits (uint16, with bf16=True).");
 }
 
 }  // namespace qkv::python

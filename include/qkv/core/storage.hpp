@@ -40,6 +40,10 @@ uint16_t float16_from_float(float value);
 float float_from_float16(uint16_t bits);
 uint16_t bfloat16_from_float(float value);
 float float_from_bfloat16(uint16_t bits);
+// The magnitude from which rounding a float32 to `type` gives an infinity: half an ulp past its
+// largest finite value (float16 65504, bfloat16 0x7F7F); infinity for float32 and int8, whose
+// values a finite float32 always gives.
+float rounding_overflow_limit(StorageType type);
 
 // An array of any storage type. Strides count elements of that type. For int8, element x stands
 // for scale·x, the scales broadcast to the array's shape: one per channel ([..., 1, D]: along

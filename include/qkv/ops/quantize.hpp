@@ -3,6 +3,7 @@
 // nearest even, int8 by symmetric scales over groups of elements. to_float32 (core) goes back.
 
 #include <cstdint>
+#include <string_view>
 
 #include "qkv/core/storage.hpp"
 #include "qkv/core/tensor.hpp"
@@ -28,8 +29,10 @@ struct Int8Array {
 // (1 for a group of zeros, which then stores zeros). x must be finite and of rank 2 or more.
 Int8Array quantize_int8(TensorView<const float> x, QuantizeGroup group);
 
-// Bits of x rounded to float16 (bfloat16), contiguous.
-Tensor<uint16_t> to_float16(TensorView<const float> x);
-Tensor<uint16_t> to_bfloat16(TensorView<const float> x);
+// Bits of x rounded to float16 (bfloat16), contiguous. x must be finite and every value must round
+// to a finite one (|x| < rounding_overflow_limit): ValueError naming `name` and the first that does
+// not, as numpy's astype would store an infinity there.
+Tensor<uint16_t> to_float16(TensorView<const float> x, std::string_view name = "x");
+Tensor<uint16_t> to_bfloat16(TensorView<const float> x, std::string_view name = "x");
 
 }  // namespace qkv
