@@ -46,14 +46,10 @@ TensorView<const float> float32_operand(Inputs& in, const py::object& x, std::st
 // exactly, as qkv decode widens a bfloat16 --q.
 TensorView<const float> query_of(Inputs& in, const py::object& q, bool bf16, Tensor<float>& widened) {
   const py::array array = py::array::ensure(q);
-  if (!(array && array.dtype().kind() == 'u' && array.itemsize() == 2)) {
-    if (bf16) {
-      throw ValueError(fmt::format("bf16: True says q holds bfloat16 bits (uint16), but q is {}",
-                                   array ? py::str(array.dtype()).cast<std::string>() : "no array"));
-    }
-    return float32_operand(in, q, "q");
-  }
-  widened = to_float32(in.stored(q, "q", py::none(), "", bf16, false));
+  if (!bf16 && !(array && array.dtype().kind() == 'u' && array.itemsize() == 2)) return float32_operand(in, q, "q");
+  const StoredView view = in.stored(q, "q", py::none(), "", bf16, false);
+  check_bf16_flag(bf16, {&view}, "q");
+  widened = to_float32(view);
   return widened.cview();
 }
 
