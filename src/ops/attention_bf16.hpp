@@ -28,14 +28,16 @@ namespace qkv::bf16 {
 bool dot_available();
 
 // Qᵀ by pairs of dims: out[c2·ld + i] = (rows[i][2·c2], rows[i][2·c2 + 1]) for the nq query rows of
-// dk elements; 0 for queries i ≥ nq and for the element past an odd dk. [⌈dk/2⌉][ld] words.
+// dk elements; 0 for queries i ≥ nq, for the element past an odd dk and in the rows past ⌈dk/2⌉ up
+// to a multiple of 16, which AMX's tiles read (attention_amx.hpp). [⌈dk/2⌉ rounded up to 16][ld] words.
 void pack_queries(const uint16_t* const* rows, size_t nq, size_t dk, size_t ld, uint32_t* out);
 
 // st[j·ld + i] = k_j·q_i for the nk key rows (dk elements each) and the ld queries of qt.
 void scores(const uint16_t* const* keys, size_t nk, size_t dk, const uint32_t* qt, size_t ld, float* st);
 
 // Pᵀ [nk][ld] (float32) by pairs of keys, each weight rounded to the nearest bfloat16:
-// out[j2·ld + i] = (p[2·j2][i], p[2·j2 + 1][i]), 0 past nk. [⌈nk/2⌉][ld] words.
+// out[j2·ld + i] = (p[2·j2][i], p[2·j2 + 1][i]), 0 past nk and in the rows past ⌈nk/2⌉ up to a
+// multiple of 16, as pack_queries. [⌈nk/2⌉ rounded up to 16][ld] words.
 void pack_weights(const float* pt, size_t nk, size_t ld, uint32_t* out);
 
 // V by pairs of keys: out[j2·dv + c] = (rows[2·j2][c], rows[2·j2 + 1][c]), 0 past nk. [⌈nk/2⌉][dv] words.

@@ -325,6 +325,7 @@ struct BackwardParams {
 #include <type_traits>
 #include <vector>
 
+#include "attention_amx.hpp"
 #include "attention_bf16.hpp"
 #include "hwy/aligned_allocator.h"
 #include "hwy/cache_control.h"
@@ -1208,6 +1209,17 @@ struct Bf16RowTable {
   }
 };
 
+// Scores of n bfloat16 rows against t (bf16::pack_queries' layout) by AMX's tiles where the CPU has
+// them, else by vdpbf16ps: every score of the forward and of the backward's two layouts comes here,
+// so that all of them sum their products in one order.
+inline void Bf16ScoreTile(const uint16_t* const* rows, size_t n, size_t dk, const uint32_t* t, size_t ld, float* out) {
+  if (amx::available()) {
+    amx::scores(rows, n, dk, t, ld, out);
+  } else {
+    bf16::scores(rows, n, dk, t, ld, out);
+  }
+}
+
 template <class T>
 struct ForwardScratch {
   bool bf16_scores;     // UsesBf16Scores
@@ -1231,7 +1243,7 @@ struct ForwardScratch {
   Buffer<T> k_stage;  // [Bc][Dk]
   Buffer<T> v_stage;  // [Bc][Dv]
   // With bf16 products: Qᵀ, Pᵀ and V in pairs of bfloat16 (32-bit words), and the rows they read.
-  Buffer<uint32_t> qt_pairs;  // [⌈Dk/2⌉][Br]
+  Buffer<uint32_t> qt_pairs;  // [⌈Dk/2⌉ rounded up to 16][Br]
   Buffer<uint32_t> p_pairs;   // [Bc/2][Br]
   Buffer<uint32_t> v_pairs;   // [Bc/2][Dv]
   Bf16RowTable Bf16Rows;
@@ -1254,7 +1266,7 @@ struct ForwardScratch {
             std::max(in.q_stored ? kQueryBlock * dk : 0, kFewQueries * RoundUp(dk, hn::Lanes(hn::ScalableTag<T>()))))),
         k_stage(Allocate<T>(in.k_stored ? kKeyBlock * dk : 0)),
         v_stage(Allocate<T>(in.v_stored ? kKeyBlock * dv : 0)),
-        qt_pairs(Allocate<uint32_t>(bf16_scores ? DivCeil(dk, 2) * kQueryBlock : 0)),
+        qt_pairs(Allocate<uint32_t>(bf16_scores ? RoundUp(DivCeil(dk, 2), 16) * kQueryBlock : 0)),
         p_pairs(Allocate<uint32_t>(bf16_values ? kKeyBlock / 2 * kQueryBlock : 0)),
         v_pairs(Allocate<uint32_t>(bf16_values ? kKeyBlock / 2 * dv : 0)) {}
 
@@ -2238,7 +2250,7 @@ void EndQueryBlock(const Inputs<T>& in, size_t nq, bool few, ForwardScratch<T>& 
 template <class T>
 void Bf16Scores(const Inputs<T>& in, int64_t b, int64_t hk, int64_t j0, size_t nk, size_t ld, ForwardScratch<T>& s) {
   if constexpr (std::is_same_v<T, float>) {
-    bf16::scores(s.Bf16Rows(in.k_stored, b, hk, j0, nk), nk, ToSize(in.dk), s.qt_pairs.get(), ld, s.st.get());
+    Bf16ScoreTile(s.Bf16Rows(in.k_stored, b, hk, j0, nk), nk, ToSize(in.dk), s.qt_pairs.get(), ld, s.st.get());
   }
 }
 
@@ -2247,8 +2259,13 @@ template <class T>
 void Bf16AddValues(const Inputs<T>& in, int64_t b, int64_t hk, int64_t j0, size_t nk, size_t ld, ForwardScratch<T>& s) {
   if constexpr (std::is_same_v<T, float>) {
     const size_t dv = ToSize(in.dv);
+    const uint16_t* const* values = s.Bf16Rows(in.v_stored, b, hk, j0, nk);
     bf16::pack_weights(s.st.get(), nk, ld, s.p_pairs.get());
-    bf16::pack_values(s.Bf16Rows(in.v_stored, b, hk, j0, nk), nk, dv, s.v_pairs.get());
+    if (amx::available()) {
+      amx::add_values(values, nk, dv, s.p_pairs.get(), ld, s.acc.get(), kQueryBlock);
+      return;
+    }
+    bf16::pack_values(values, nk, dv, s.v_pairs.get());
     bf16::add_values(s.v_pairs.get(), DivCeil(nk, 2), dv, s.p_pairs.get(), ld, s.acc.get(), kQueryBlock);
   }
 }
@@ -2643,7 +2660,7 @@ struct BackwardScratch {
   Buffer<T> v_stage;  // [Bc][Dv]      the value block's, when V is
   // With bf16 scores (UsesBf16Scores): Kᵀ (one pass and pass 1) or Qᵀ (pass 2) in pairs of
   // bfloat16 dims, and the rows of the other side.
-  Buffer<uint32_t> t_pairs;  // [⌈Dk/2⌉][max(Br, Bc)]
+  Buffer<uint32_t> t_pairs;  // [⌈Dk/2⌉ rounded up to 16][max(Br, Bc)]
   Bf16RowTable Bf16Rows;
 
   BackwardScratch(const fused::Inputs<T>& in, size_t dk, size_t dv, size_t lanes)
@@ -2665,7 +2682,8 @@ struct BackwardScratch {
         q_stage(Allocate<T>(in.q_stored ? kQueryBlock * dk : 0)),
         k_stage(Allocate<T>(in.k_stored ? kKeyBlock * dk : 0)),
         v_stage(Allocate<T>(in.v_stored ? kKeyBlock * dv : 0)),
-        t_pairs(Allocate<uint32_t>(UsesBf16Scores(in) ? DivCeil(dk, 2) * std::max(kQueryBlock, kKeyBlock) : 0)) {}
+        t_pairs(Allocate<uint32_t>(UsesBf16Scores(in) ? RoundUp(DivCeil(dk, 2), 16) * std::max(kQueryBlock, kKeyBlock)
+                                                      : 0)) {}
 };
 
 // P = exp((s − lse_hi) − lse_lo) and dS = P ∘ (dP − D) for one vector of (query, key) pairs, in
@@ -2989,7 +3007,7 @@ class BackwardKernel {
                      size_t ld, BackwardScratch<T>& s, const uint16_t* const* a_bf16) const {
     const D d;
     if (a_bf16 != nullptr) {
-      if constexpr (std::is_same_v<T, float>) bf16::scores(a_bf16, rows, dk_, s.t_pairs.get(), ld, s.p.get());
+      if constexpr (std::is_same_v<T, float>) Bf16ScoreTile(a_bf16, rows, dk_, s.t_pairs.get(), ld, s.p.get());
     } else {
       MatMul<false>(d,
                     Gemm<T>{.a = a.rows,

@@ -1,0 +1,178 @@
+// The tile loops of attention_amx.hpp, written once over a Tiles type that holds the tile
+// instructions: attention_amx.cpp instantiates them with the CPU's (inline assembly), and
+// tests/ops/test_attention_amx.cpp with a plain-loop model of their documented semantics, so that the
+// blocking, the padding and the chunked sums are checked on every CPU, AMX or not.
+//
+// Tiles provides, for tile registers given as template arguments:
+//   Configure()                this thread's tiles as kTileConfig says (every tile 16 rows × 64 bytes);
+//   Zero<t>(), Load<t>(base, stride), Store<t>(base, stride) (strides in bytes);
+//   Dot<c, a, b>()             c[m][n] += Σ_k a[m][k]·b[k][n] over the 16 pairs k of bfloat16 of a's
+//                              row m and of b's row k, word n (tdpbf16ps);
+//   PackValueColumns(rows, nk, dv, out) as amx::pack_value_columns.
+// The includer defines QKV_AMX_TARGET: the target attribute of the functions below (AVX-512 in the
+// library, so that the additions into the output are vectors; nothing in the test).
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace qkv::amx::tiles {
+
+constexpr size_t kTileRows = 16;   // rows of every tile: keys, channels or pairs of depth
+constexpr size_t kTileWords = 16;  // 64 bytes a row: 16 float32, or 16 pairs of bfloat16
+// Pairs of dims a score sums from zero before the sum is added to the score: bf16::scores' chunks.
+constexpr size_t kChunkPairs = 32;
+
+constexpr size_t RoundUp16(size_t n) { return (n + 15) / 16 * 16; }
+
+// A tile operand: 16 rows of 64 bytes each `stride` bytes apart, row r at base + r·stride.
+struct Rows {
+  const std::byte* base;
+  size_t stride;
+};
+
+// The buffers one thread's calls reuse.
+struct Scratch {
+  std::vector<uint16_t> rows;     // key or query rows, copied when they cannot be read in place
+  std::vector<uint32_t> columns;  // Vᵀ by pairs of keys
+  alignas(64) float tile[kTileRows * kTileWords];
+};
+
+// Whether the n rows of `depth` bfloat16 can be A tiles where they lie: whole tiles of rows and of
+// depth (so that no tile reads past the block), each row a fixed positive stride after the last.
+inline bool RowsInPlace(const uint16_t* const* rows, size_t n, size_t depth) {
+  if (n == 0 || n % kTileRows != 0 || depth % (2 * kTileWords) != 0) return false;
+  const ptrdiff_t stride = rows[1] - rows[0];
+  if (stride <= 0) return false;
+  for (size_t r = 2; r < n; ++r) {
+    if (rows[r] - rows[r - 1] != stride) return false;
+  }
+  return true;
+}
+
+// rows → [n rounded up to 16][depth rounded up to 32] bfloat16, zero past the rows' elements.
+inline Rows PackRows(const uint16_t* const* rows, size_t n, size_t depth, std::vector<uint16_t>& out) {
+  const size_t row = (depth + 2 * kTileWords - 1) / (2 * kTileWords) * (2 * kTileWords);
+  out.assign(RoundUp16(n) * row, uint16_t{0});
+  for (size_t r = 0; r < n; ++r) std::memcpy(out.data() + r * row, rows[r], depth * sizeof(uint16_t));
+  return {reinterpret_cast<const std::byte*>(out.data()), row * sizeof(uint16_t)};
+}
+
+// The plain loops of amx::pack_value_columns (which the library writes in AVX-512).
+inline void PackValueColumnsByLoops(const uint16_t* const* rows, size_t nk, size_t dv, uint32_t* out) {
+  const size_t pairs = (nk + 1) / 2;
+  const size_t ld = RoundUp16(pairs);
+  std::fill(out, out + RoundUp16(dv) * ld, uint32_t{0});
+  for (size_t j2 = 0; j2 < pairs; ++j2) {
+    for (size_t c = 0; c < dv; ++c) {
+      const uint32_t high = 2 * j2 + 1 < nk ? rows[2 * j2 + 1][c] : 0;
+      out[c * ld + j2] = rows[2 * j2][c] | high << 16;
+    }
+  }
+}
+
+// One tile of C from tile register t: written to c (m_valid of its 16 rows, 16 columns, c_ld floats
+// apart), or added to it.
+template <class Tiles, int t>
+QKV_AMX_TARGET void Emit(float* c, size_t c_ld, size_t m_valid, bool add, Scratch& s) {
+  if (!add && m_valid == kTileRows) {
+    Tiles::template Store<t>(c, c_ld * sizeof(float));
+    return;
+  }
+  Tiles::template Store<t>(s.tile, kTileWords * sizeof(float));
+  for (size_t r = 0; r < m_valid; ++r) {
+    float* out = c + r * c_ld;
+    const float* in = s.tile + r * kTileWords;
+    if (add) {
+      for (size_t n = 0; n < kTileWords; ++n) out[n] += in[n];
+    } else {
+      for (size_t n = 0; n < kTileWords; ++n) out[n] = in[n];
+    }
+  }
+}
+
+// C [m][n] of RM × RN tiles (1 or 2 each; tiles 0–3 C, 4–5 A, 6–7 B) at rows m0 and columns n0:
+// over the pairs [0, pairs) of depth in chunks of `chunk` pairs, each summed from zero and then
+// written to C (the first, unless `add`) or added to it.
+template <class Tiles, size_t RM, size_t RN>
+QKV_AMX_TARGET void Block(Rows a, const uint32_t* b, size_t b_ld, size_t m0, size_t m, size_t n0, size_t pairs,
+                          size_t chunk, bool add, float* c, size_t c_ld, Scratch& s) {
+  for (size_t k0 = 0; k0 < pairs; k0 += chunk) {
+    Tiles::template Zero<0>();
+    if constexpr (RN == 2) Tiles::template Zero<1>();
+    if constexpr (RM == 2) Tiles::template Zero<2>();
+    if constexpr (RM == 2 && RN == 2) Tiles::template Zero<3>();
+    for (size_t k = k0; k < std::min(pairs, k0 + chunk); k += kTileRows) {
+      const std::byte* a_at = a.base + m0 * a.stride + k * sizeof(uint32_t);
+      const uint32_t* b_at = b + k * b_ld + n0;
+      const size_t b_stride = b_ld * sizeof(uint32_t);
+      Tiles::template Load<4>(a_at, a.stride);
+      if constexpr (RM == 2) Tiles::template Load<5>(a_at + kTileRows * a.stride, a.stride);
+      Tiles::template Load<6>(b_at, b_stride);
+      if constexpr (RN == 2) Tiles::template Load<7>(b_at + kTileWords, b_stride);
+      Tiles::template Dot<0, 4, 6>();
+      if constexpr (RN == 2) Tiles::template Dot<1, 4, 7>();
+      if constexpr (RM == 2) Tiles::template Dot<2, 5, 6>();
+      if constexpr (RM == 2 && RN == 2) Tiles::template Dot<3, 5, 7>();
+    }
+    const bool add_chunk = add || k0 > 0;
+    float* at = c + m0 * c_ld + n0;
+    const size_t first_rows = std::min(kTileRows, m - m0);
+    Emit<Tiles, 0>(at, c_ld, first_rows, add_chunk, s);
+    if constexpr (RN == 2) Emit<Tiles, 1>(at + kTileWords, c_ld, first_rows, add_chunk, s);
+    if constexpr (RM == 2) {
+      const size_t second_rows = m - m0 - kTileRows;
+      Emit<Tiles, 2>(at + kTileRows * c_ld, c_ld, std::min(kTileRows, second_rows), add_chunk, s);
+      if constexpr (RN == 2) {
+        Emit<Tiles, 3>(at + kTileRows * c_ld + kTileWords, c_ld, std::min(kTileRows, second_rows), add_chunk, s);
+      }
+    }
+  }
+}
+
+// C [m][n] (n a multiple of 16) from A's m rows (zero up to a multiple of 16 rows) and B [pairs][n]
+// words b_ld apart, pairs a multiple of 16; C's rows past m are neither read nor written.
+template <class Tiles>
+QKV_AMX_TARGET void Product(Rows a, const uint32_t* b, size_t b_ld, size_t m, size_t n, size_t pairs, size_t chunk,
+                            bool add, float* c, size_t c_ld, Scratch& s) {
+  for (size_t m0 = 0; m0 < m; m0 += 2 * kTileRows) {
+    const bool two_rows = m - m0 > kTileRows;
+    for (size_t n0 = 0; n0 < n; n0 += 2 * kTileWords) {
+      const bool two_columns = n - n0 > kTileWords;
+      if (two_rows && two_columns) {
+        Block<Tiles, 2, 2>(a, b, b_ld, m0, m, n0, pairs, chunk, add, c, c_ld, s);
+      } else if (two_rows) {
+        Block<Tiles, 2, 1>(a, b, b_ld, m0, m, n0, pairs, chunk, add, c, c_ld, s);
+      } else if (two_columns) {
+        Block<Tiles, 1, 2>(a, b, b_ld, m0, m, n0, pairs, chunk, add, c, c_ld, s);
+      } else {
+        Block<Tiles, 1, 1>(a, b, b_ld, m0, m, n0, pairs, chunk, add, c, c_ld, s);
+      }
+    }
+  }
+}
+
+template <class Tiles>
+QKV_AMX_TARGET void Scores(const uint16_t* const* keys, size_t nk, size_t dk, const uint32_t* qt, size_t ld, float* st,
+                           Scratch& s) {
+  Tiles::Configure();
+  const Rows a = RowsInPlace(keys, nk, dk) ? Rows{reinterpret_cast<const std::byte*>(keys[0]),
+                                                  static_cast<size_t>(keys[1] - keys[0]) * sizeof(uint16_t)}
+                                           : PackRows(keys, nk, dk, s.rows);
+  Product<Tiles>(a, qt, ld, nk, ld, RoundUp16((dk + 1) / 2), kChunkPairs, false, st, ld, s);
+}
+
+template <class Tiles>
+QKV_AMX_TARGET void AddValues(const uint16_t* const* values, size_t nk, size_t dv, const uint32_t* pp, size_t ld,
+                              float* acc, size_t acc_row, Scratch& s) {
+  Tiles::Configure();
+  const size_t pairs = RoundUp16((nk + 1) / 2);
+  s.columns.resize(RoundUp16(dv) * pairs);
+  Tiles::PackValueColumns(values, nk, dv, s.columns.data());
+  const Rows a{reinterpret_cast<const std::byte*>(s.columns.data()), pairs * sizeof(uint32_t)};
+  Product<Tiles>(a, pp, ld, dv, ld, pairs, pairs, true, acc, acc_row, s);
+}
+
+}  // namespace qkv::amx::tiles

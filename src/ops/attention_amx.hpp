@@ -1,0 +1,48 @@
+#pragma once
+// The fused kernel's bf16 products on AMX tiles (Sapphire Rapids and later Xeons): the two products
+// of attention_bf16.hpp, Sᵀ = K·Qᵀ and oᵀ += Vᵀ·Pᵀ, each as tdpbf16ps over 16 × 16 blocks of
+// float32 with 32 bfloat16 of depth an instruction, where vdpbf16ps takes one vector of 16 lanes.
+// Where available() says so the fused kernel calls these in place of bf16::scores and
+// bf16::add_values, in the forward and in both layouts of the backward, so that the backward
+// recomputes the forward's very scores.
+//
+// The operands are those of attention_bf16.hpp: Qᵀ (or Kᵀ) from bf16::pack_queries and Pᵀ from
+// bf16::pack_weights, by pairs of depth, zero up to whole tiles of 16 pairs. A tile's A operand wants
+// 16 rows of 64 bytes at one stride: the key (or query) rows are read in place where they lie at
+// one stride and their depth fills whole tiles, else copied (pack_rows); V is turned into Vᵀ by pairs
+// of keys (pack_value_columns). Sums: each chunk of 64 dims (32 pairs) of a score is summed from
+// zero in the tile and the chunk sums added in order, as bf16::scores does; a key block's Σ p·v
+// starts from zero and is then added to oᵀ, as bf16::add_values does. Within a tile the order in
+// which the hardware adds its products is its own: the results differ from vdpbf16ps' in the last
+// bits of the sums, and a score is the same whichever side is A, as both layouts of the backward
+// need (each element of C sums the products of its own row and column pairs, in the same order).
+//
+// Tiles need the operating system's consent (Linux 5.16 on, arch_prctl) and a configuration loaded
+// in each thread; every entry point loads ours unless the thread holds it already, since other code
+// in the process (oneDNN inside PyTorch) may have loaded its own or released the tiles meanwhile.
+
+#include <cstddef>
+#include <cstdint>
+
+namespace qkv::amx {
+
+// Whether this CPU has AMX-BF16 and the operating system lets this process use its tiles (asked
+// once). Tiles are used only beside AVX-512 with AVX512_BF16, which every CPU with AMX has.
+bool available();
+
+// st[j·ld + i] = k_j·q_i for the nk ≤ 64 key rows of dk elements and the ld queries of qt
+// (bf16::pack_queries' layout, rows zero up to a multiple of 16 pairs); as bf16::scores.
+void scores(const uint16_t* const* keys, size_t nk, size_t dk, const uint32_t* qt, size_t ld, float* st);
+
+// acc[c·acc_row + i] += Σ_j v_j[c]·p(j, i) over the nk ≤ 64 value rows of dv elements, with Pᵀ by
+// pairs of keys from bf16::pack_weights (rows zero up to a multiple of 16 pairs); the block's sum
+// starts from zero and is then added to acc.
+void add_values(const uint16_t* const* values, size_t nk, size_t dv, const uint32_t* pp, size_t ld, float* acc,
+                size_t acc_row);
+
+// Vᵀ by pairs of keys: out[c·ld_pairs + j2] = (rows[2·j2][c], rows[2·j2 + 1][c]) for c < dv and
+// j2 < ⌈nk/2⌉, 0 elsewhere in [dv rounded up to 16][ld_pairs], ld_pairs = ⌈nk/2⌉ rounded up to 16.
+// AVX-512; exposed so that it can be checked on any CPU that has AVX-512, with or without AMX.
+void pack_value_columns(const uint16_t* const* rows, size_t nk, size_t dv, uint32_t* out);
+
+}  // namespace qkv::amx
