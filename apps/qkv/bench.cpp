@@ -303,8 +303,10 @@ std::vector<Timing> time_in_rounds(const std::vector<std::function<void()>>& cal
 
 // What the kernels are tuned by and run on, for the reports.
 std::string cpu_line() {
-  return fmt::format("CPU {}; SIMD {}{}", cpu_summary(), simd_target(),
-                     attention_bf16_products() ? " with bf16 dot products" : "");
+  const char* bf16 = !attention_bf16_products() ? ""
+                     : attention_bf16_tiles()   ? " with bf16 products on AMX tiles"
+                                                : " with bf16 dot products";
+  return fmt::format("CPU {}; SIMD {}{}", cpu_summary(), simd_target(), bf16);
 }
 
 // `text` as the inside of a JSON string: quotes and backslashes escaped, control characters dropped.

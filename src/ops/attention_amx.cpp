@@ -9,6 +9,7 @@
 #include <cstring>
 
 #include "attention_bf16.hpp"
+#include "qkv/ops/attention.hpp"
 
 #if defined(__x86_64__) && defined(__linux__) && (defined(__GNUC__) || defined(__clang__))
 #include <cpuid.h>
@@ -163,3 +164,9 @@ void pack_value_columns(const uint16_t* const*, size_t, size_t, uint32_t*) {}
 #endif
 
 }  // namespace qkv::amx
+
+namespace qkv {
+
+bool attention_bf16_tiles() { return attention_bf16_products() && amx::available(); }
+
+}  // namespace qkv

@@ -17,6 +17,9 @@
 
 #include "attention_amx.hpp"
 #include "attention_bf16.hpp"
+#include "qkv/core/simd_target.hpp"
+#include "qkv/ops/attention.hpp"
+#include "testing.hpp"
 
 #define QKV_AMX_TARGET
 #include "attention_amx-inl.h"
@@ -236,6 +239,13 @@ TEST(AttentionAmx, ValueColumnsMatchTheirLoops) {
     qkv::amx::pack_value_columns(rows.data(), nk, dv, got.data());
     qkv::amx::tiles::PackValueColumnsByLoops(rows.data(), nk, dv, want.data());
     EXPECT_EQ(got, want) << "nk=" << nk << " dv=" << dv;
+  }
+}
+
+TEST(AttentionAmx, TilesRunOnlyBesideTheBf16Products) {
+  for (const std::string& target : qkv::simd_targets()) {
+    const qkv::testing::SimdTargetScope scope(target);
+    EXPECT_EQ(qkv::attention_bf16_tiles(), qkv::attention_bf16_products() && qkv::amx::available()) << target;
   }
 }
 

@@ -393,6 +393,12 @@ def test_batch_dims_take_scales_of_fewer_dims_and_inputs_numpy_cannot_read(rng):
         qkv.attention(q[0, 0], torch.zeros(2, 9, 8, dtype=torch.bfloat16), v[0, 0])
 
 
+def test_bf16_tiles_run_only_beside_the_bf16_products(target):
+    """AMX's tiles take the bf16 products' place; no target without those products uses them."""
+    assert isinstance(qkv.attention_bf16_tiles(), bool)
+    assert not qkv.attention_bf16_tiles() or qkv.attention_bf16_products()
+
+
 @pytest.mark.parametrize("causal", [False, True])
 def test_bfloat16_on_the_bf16_dot_product(rng, causal):
     """bfloat16 q, k and v asking for out alone: on a CPU with a bf16 dot product its weights are

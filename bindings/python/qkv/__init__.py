@@ -43,6 +43,7 @@ from ._qkv import (
     attention,
     attention_backward,
     attention_bf16_products,
+    attention_bf16_tiles,
     cpu_summary,
     default_scale,
     get_num_threads,
@@ -88,8 +89,9 @@ def from_bfloat16(bits):
 __all__ = [
     "Error", "FileError", "Heatmap", "KvCache", "ResourceError", "SelfAttention", "ShapeError", "__version__",
     "additive_attention", "additive_attention_backward", "alibi_slopes", "attention", "attention_backward",
-    "attention_bf16_products", "cpu_summary", "default_scale", "explore", "from_bfloat16", "get_num_threads",
-    "heatmap", "quantize_int8", "set_num_threads", "simd_target", "simd_targets", "to_bfloat16", "use_simd_target",
+    "attention_bf16_products", "attention_bf16_tiles", "cpu_summary", "default_scale", "explore", "from_bfloat16",
+    "get_num_threads", "heatmap", "quantize_int8", "set_num_threads", "simd_target", "simd_targets", "to_bfloat16",
+    "use_simd_target",
 ]
 
 # Notebooks show a heatmap as SVG (sharp, with a tooltip per cell) while it stays small; beyond

@@ -47,4 +47,7 @@ PYBIND11_MODULE(_qkv, m) {
         "Whether this CPU, at the SIMD target in use, runs attention on bfloat16 q, k and v (out alone, blocks of "
         "more than 8 queries) with its bf16 dot product (AVX512_BF16), which rounds the weights to bfloat16; "
         "and whether bfloat16 q and k take it for the scores of every forward and backward.");
+  m.def("attention_bf16_tiles", &qkv::attention_bf16_tiles,
+        "Whether those bf16 products run on AMX's tiles (AMX-BF16, where the operating system grants them) rather "
+        "than on AVX512_BF16's dot product; the two differ only in the order of their sums.");
 }

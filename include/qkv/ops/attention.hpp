@@ -191,6 +191,11 @@ struct StoredAttentionParams {
 // Whether this CPU, at the SIMD target in use (simd_target()), has the bf16 dot product above.
 bool attention_bf16_products();
 
+// Whether those bf16 products run on AMX's tiles (AMX-BF16: Sapphire Rapids and later Xeons, where
+// the operating system grants them to the process) rather than on AVX512_BF16's vdpbf16ps. The two
+// differ only in the order of each score's and each output's sums, within the same rule.
+bool attention_bf16_tiles();
+
 // automatic and fused: the fused kernel (weights: the reference); reference: the float64
 // reference on to_float32 of the operands.
 void attention_forward(const StoredAttentionParams& params, const AttentionOutputs<float>& outputs,
