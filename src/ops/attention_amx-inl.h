@@ -73,37 +73,58 @@ inline void PackValueColumnsByLoops(const uint16_t* const* rows, size_t nk, size
   }
 }
 
-// One tile of C from tile register t: written to c (m_valid of its 16 rows, 16 columns, c_ld floats
-// apart), or added to it.
+// out[0..16) = in[0..16), or += where `add`: one row of a tile that went out through the scratch.
+QKV_AMX_TARGET inline void PutRow(float* __restrict out, const float* __restrict in, bool add) {
+  if (add) {
+    for (size_t n = 0; n < kTileWords; ++n) out[n] += in[n];
+  } else {
+    for (size_t n = 0; n < kTileWords; ++n) out[n] = in[n];
+  }
+}
+
+// How a tile of C begins a chunk: loaded from C, to sum on where C already holds the sum so far
+// (a tile whose 16 rows all lie in C), or from zero.
 template <class Tiles, int t>
-QKV_AMX_TARGET void Emit(float* c, size_t c_ld, size_t m_valid, bool add, Scratch& s) {
-  if (!add && m_valid == kTileRows) {
+QKV_AMX_TARGET void Begin(bool from_c, const float* c, size_t c_ld) {
+  if (from_c) {
+    Tiles::template Load<t>(c, c_ld * sizeof(float));
+  } else {
+    Tiles::template Zero<t>();
+  }
+}
+
+// A tile of C (m_valid of its 16 rows, c_ld floats apart) at the end of a chunk: stored whole
+// where it began from C or writes C's first chunk over 16 rows of C; else through the scratch,
+// its valid rows written to C or, where `add`, added to it.
+template <class Tiles, int t>
+QKV_AMX_TARGET void End(bool from_c, float* c, size_t c_ld, size_t m_valid, bool add, Scratch& s) {
+  if (from_c || (!add && m_valid == kTileRows)) {
     Tiles::template Store<t>(c, c_ld * sizeof(float));
     return;
   }
   Tiles::template Store<t>(s.tile, kTileWords * sizeof(float));
-  for (size_t r = 0; r < m_valid; ++r) {
-    float* out = c + r * c_ld;
-    const float* in = s.tile + r * kTileWords;
-    if (add) {
-      for (size_t n = 0; n < kTileWords; ++n) out[n] += in[n];
-    } else {
-      for (size_t n = 0; n < kTileWords; ++n) out[n] = in[n];
-    }
-  }
+  for (size_t r = 0; r < m_valid; ++r) PutRow(c + r * c_ld, s.tile + r * kTileWords, add);
 }
 
 // C [m][n] of RM × RN tiles (1 or 2 each; tiles 0–3 C, 4–5 A, 6–7 B) at rows m0 and columns n0:
 // over the pairs [0, pairs) of depth in chunks of `chunk` pairs, each summed from zero and then
-// written to C (the first, unless `add`) or added to it.
+// written to C (the first, unless `add`) or added to it; except that with `add` and one chunk, a
+// tile whose rows all lie in C sums on from C's values in the tile itself.
 template <class Tiles, size_t RM, size_t RN>
 QKV_AMX_TARGET void Block(Rows a, const uint32_t* b, size_t b_ld, size_t m0, size_t m, size_t n0, size_t pairs,
                           size_t chunk, bool add, float* c, size_t c_ld, Scratch& s) {
+  float* const at = c + m0 * c_ld + n0;
+  float* const below = at + kTileRows * c_ld;
+  const size_t rows0 = std::min(kTileRows, m - m0);
+  const size_t rows1 = RM == 2 ? std::min(kTileRows, m - m0 - kTileRows) : 0;
+  const bool one_chunk = chunk >= pairs;
+  const bool from_c0 = add && one_chunk && rows0 == kTileRows;
+  const bool from_c1 = add && one_chunk && rows1 == kTileRows;
   for (size_t k0 = 0; k0 < pairs; k0 += chunk) {
-    Tiles::template Zero<0>();
-    if constexpr (RN == 2) Tiles::template Zero<1>();
-    if constexpr (RM == 2) Tiles::template Zero<2>();
-    if constexpr (RM == 2 && RN == 2) Tiles::template Zero<3>();
+    Begin<Tiles, 0>(from_c0, at, c_ld);
+    if constexpr (RN == 2) Begin<Tiles, 1>(from_c0, at + kTileWords, c_ld);
+    if constexpr (RM == 2) Begin<Tiles, 2>(from_c1, below, c_ld);
+    if constexpr (RM == 2 && RN == 2) Begin<Tiles, 3>(from_c1, below + kTileWords, c_ld);
     for (size_t k = k0; k < std::min(pairs, k0 + chunk); k += kTileRows) {
       const std::byte* a_at = a.base + m0 * a.stride + k * sizeof(uint32_t);
       const uint32_t* b_at = b + k * b_ld + n0;
@@ -118,17 +139,10 @@ QKV_AMX_TARGET void Block(Rows a, const uint32_t* b, size_t b_ld, size_t m0, siz
       if constexpr (RM == 2 && RN == 2) Tiles::template Dot<3, 5, 7>();
     }
     const bool add_chunk = add || k0 > 0;
-    float* at = c + m0 * c_ld + n0;
-    const size_t first_rows = std::min(kTileRows, m - m0);
-    Emit<Tiles, 0>(at, c_ld, first_rows, add_chunk, s);
-    if constexpr (RN == 2) Emit<Tiles, 1>(at + kTileWords, c_ld, first_rows, add_chunk, s);
-    if constexpr (RM == 2) {
-      const size_t second_rows = m - m0 - kTileRows;
-      Emit<Tiles, 2>(at + kTileRows * c_ld, c_ld, std::min(kTileRows, second_rows), add_chunk, s);
-      if constexpr (RN == 2) {
-        Emit<Tiles, 3>(at + kTileRows * c_ld + kTileWords, c_ld, std::min(kTileRows, second_rows), add_chunk, s);
-      }
-    }
+    End<Tiles, 0>(from_c0, at, c_ld, rows0, add_chunk, s);
+    if constexpr (RN == 2) End<Tiles, 1>(from_c0, at + kTileWords, c_ld, rows0, add_chunk, s);
+    if constexpr (RM == 2) End<Tiles, 2>(from_c1, below, c_ld, rows1, add_chunk, s);
+    if constexpr (RM == 2 && RN == 2) End<Tiles, 3>(from_c1, below + kTileWords, c_ld, rows1, add_chunk, s);
   }
 }
 

@@ -11,8 +11,12 @@
 // 16 rows of 64 bytes at one stride: the key (or query) rows are read in place where they lie at
 // one stride and their depth fills whole tiles, else copied (pack_rows); V is turned into Vᵀ by pairs
 // of keys (pack_value_columns). Sums: each chunk of 64 dims (32 pairs) of a score is summed from
-// zero in the tile and the chunk sums added in order, as bf16::scores does; a key block's Σ p·v
-// starts from zero and is then added to oᵀ, as bf16::add_values does. Within a tile the order in
+// zero in the tile and the chunk sums added in order, as bf16::scores does. A key block's Σ p·v
+// sums on from oᵀ's values loaded into the tile, where the tile's 16 channels all lie in oᵀ:
+// adding the block's sum to oᵀ through memory (as bf16::add_values does, and as the tiles do for a
+// last tile of fewer channels) took bf16 prefill's time outside the products from 30 to 67 ms on
+// Zen 5 (T = 4096, H = 8, d = 64, with the tile instructions made no-ops); the weights' rounding
+// to bfloat16 dwarfs what the longer chain of sums adds to the error. Within a tile the order in
 // which the hardware adds its products is its own: the results differ from vdpbf16ps' in the last
 // bits of the sums, and a score is the same whichever side is A, as both layouts of the backward
 // need (each element of C sums the products of its own row and column pairs, in the same order).
@@ -35,8 +39,7 @@ bool available();
 void scores(const uint16_t* const* keys, size_t nk, size_t dk, const uint32_t* qt, size_t ld, float* st);
 
 // acc[c·acc_row + i] += Σ_j v_j[c]·p(j, i) over the nk ≤ 64 value rows of dv elements, with Pᵀ by
-// pairs of keys from bf16::pack_weights (rows zero up to a multiple of 16 pairs); the block's sum
-// starts from zero and is then added to acc.
+// pairs of keys from bf16::pack_weights (rows zero up to a multiple of 16 pairs).
 void add_values(const uint16_t* const* values, size_t nk, size_t dv, const uint32_t* pp, size_t ld, float* acc,
                 size_t acc_row);
 
