@@ -4,7 +4,8 @@
 // blocking, the padding and the chunked sums are checked on every CPU, AMX or not.
 //
 // Tiles provides, for tile registers given as template arguments:
-//   Configure()                this thread's tiles as kTileConfig says (every tile 16 rows × 64 bytes);
+//   StoreConfig(cfg), LoadConfig(cfg), Release(): sttilecfg, ldtilecfg and tilerelease of this
+//                              thread's 64-byte tile configuration (all zero: no tiles held);
 //   Zero<t>(), Load<t>(base, stride), Store<t>(base, stride) (strides in bytes);
 //   Dot<c, a, b>()             c[m][n] += Σ_k a[m][k]·b[k][n] over the 16 pairs k of bfloat16 of a's
 //                              row m and of b's row k, word n (tdpbf16ps);
@@ -18,6 +19,8 @@
 #include <cstring>
 #include <vector>
 
+#include "attention_amx.hpp"
+
 namespace qkv::amx::tiles {
 
 constexpr size_t kTileRows = 16;   // rows of every tile: keys, channels or pairs of depth
@@ -26,6 +29,51 @@ constexpr size_t kTileWords = 16;  // 64 bytes a row: 16 float32, or 16 pairs of
 constexpr size_t kChunkPairs = 32;
 
 constexpr size_t RoundUp16(size_t n) { return (n + 15) / 16 * 16; }
+
+// Palette 1, tiles 0–7 of 16 rows × 64 bytes.
+inline constexpr TileConfig kTileConfig{
+    .palette = 1, .bytes_per_row = {64, 64, 64, 64, 64, 64, 64, 64}, .rows = {16, 16, 16, 16, 16, 16, 16, 16}};
+
+// TileSession's (attention_amx.hpp) opening and closing over Tiles. Sessions nest: only the
+// outermost loads the configuration and gives back what the thread held; Open says whether it was
+// the outermost, and `held` keeps what Close gives back.
+template <class Tiles>
+int& SessionDepth() {
+  thread_local int depth = 0;
+  return depth;
+}
+
+template <class Tiles>
+bool Open(TileConfig& held) {
+  if (SessionDepth<Tiles>()++ > 0) return false;
+  Tiles::StoreConfig(&held);
+  if (std::memcmp(&held, &kTileConfig, sizeof held) != 0) Tiles::LoadConfig(&kTileConfig);
+  return true;
+}
+
+template <class Tiles>
+void Close(bool outermost, const TileConfig& held) {
+  --SessionDepth<Tiles>();
+  if (!outermost) return;
+  if (held.palette == 0) {
+    Tiles::Release();
+  } else if (std::memcmp(&held, &kTileConfig, sizeof held) != 0) {
+    Tiles::LoadConfig(&held);
+  }
+}
+
+template <class Tiles>
+class Session {
+ public:
+  Session() : outermost_(Open<Tiles>(held_)) {}
+  ~Session() { Close<Tiles>(outermost_, held_); }
+  Session(const Session&) = delete;
+  Session& operator=(const Session&) = delete;
+
+ private:
+  TileConfig held_;
+  bool outermost_;
+};
 
 // A tile operand: 16 rows of 64 bytes each `stride` bytes apart, row r at base + r·stride.
 struct Rows {
@@ -171,7 +219,7 @@ QKV_AMX_TARGET void Product(Rows a, const uint32_t* b, size_t b_ld, size_t m, si
 template <class Tiles>
 QKV_AMX_TARGET void Scores(const uint16_t* const* keys, size_t nk, size_t dk, const uint32_t* qt, size_t ld, float* st,
                            Scratch& s) {
-  Tiles::Configure();
+  const Session<Tiles> session;
   const Rows a = RowsInPlace(keys, nk, dk) ? Rows{reinterpret_cast<const std::byte*>(keys[0]),
                                                   static_cast<size_t>(keys[1] - keys[0]) * sizeof(uint16_t)}
                                            : PackRows(keys, nk, dk, s.rows);
@@ -181,7 +229,7 @@ QKV_AMX_TARGET void Scores(const uint16_t* const* keys, size_t nk, size_t dk, co
 template <class Tiles>
 QKV_AMX_TARGET void AddValues(const uint16_t* const* values, size_t nk, size_t dv, const uint32_t* pp, size_t ld,
                               float* acc, size_t acc_row, Scratch& s) {
-  Tiles::Configure();
+  const Session<Tiles> session;
   const size_t pairs = RoundUp16((nk + 1) / 2);
   s.columns.resize(RoundUp16(dv) * pairs);
   Tiles::PackValueColumns(values, nk, dv, s.columns.data());

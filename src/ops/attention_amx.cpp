@@ -6,7 +6,6 @@
 #include "attention_amx.hpp"
 
 #include <algorithm>
-#include <cstring>
 
 #include "attention_bf16.hpp"
 #include "qkv/ops/attention.hpp"
@@ -33,24 +32,10 @@ namespace {
 constexpr long kRequestComponentPermission = 0x1023;  // ARCH_REQ_XCOMP_PERM
 constexpr long kTileDataComponent = 18;               // XFEATURE_XTILEDATA
 
-// Palette 1, every tile 16 rows of 64 bytes: the layout of the 64-byte operand of ldtilecfg.
-struct alignas(64) TileConfig {
-  uint8_t palette = 1;
-  uint8_t start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t bytes_per_row[16] = {64, 64, 64, 64, 64, 64, 64, 64};
-  uint8_t rows[16] = {16, 16, 16, 16, 16, 16, 16, 16};
-};
-static_assert(sizeof(TileConfig) == 64);
-
-const TileConfig kTileConfig{};
-
 struct CpuTiles {
-  static void Configure() {
-    TileConfig held;
-    asm volatile("sttilecfg %0" : "=m"(held));
-    if (std::memcmp(&held, &kTileConfig, sizeof held) != 0) asm volatile("ldtilecfg %0" : : "m"(kTileConfig));
-  }
+  static void StoreConfig(TileConfig* config) { asm volatile("sttilecfg %0" : "=m"(*config)); }
+  static void LoadConfig(const TileConfig* config) { asm volatile("ldtilecfg %0" : : "m"(*config)); }
+  static void Release() { asm volatile("tilerelease"); }
   template <int t>
   static void Zero() {
     asm volatile("tilezero %%tmm%c0" : : "i"(t));
@@ -114,7 +99,9 @@ tiles::Scratch& ThreadScratch() {
 bool available() {
   static const bool usable = [] {
     unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
-    if (!bf16::dot_available() || !__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx)) return false;
+    // pack_value_columns' masked loads of 16 elements need AVX512VL beside the dot product's AVX-512.
+    if (!bf16::dot_available() || !__builtin_cpu_supports("avx512vl")) return false;
+    if (!__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx)) return false;
     const bool amx_bf16 = (edx >> 22 & 1) != 0, amx_tile = (edx >> 24 & 1) != 0;
     return amx_bf16 && amx_tile && syscall(SYS_arch_prctl, kRequestComponentPermission, kTileDataComponent) == 0;
   }();
@@ -145,6 +132,14 @@ QKV_AMX_TARGET void pack_value_columns(const uint16_t* const* rows, size_t nk, s
 
 #pragma GCC diagnostic pop
 
+TileSession::TileSession(bool wanted) : open_(wanted && available()) {
+  if (open_) outermost_ = tiles::Open<CpuTiles>(held_);
+}
+
+TileSession::~TileSession() {
+  if (open_) tiles::Close<CpuTiles>(outermost_, held_);
+}
+
 void scores(const uint16_t* const* keys, size_t nk, size_t dk, const uint32_t* qt, size_t ld, float* st) {
   tiles::Scores<CpuTiles>(keys, nk, dk, qt, ld, st, ThreadScratch());
 }
@@ -156,6 +151,8 @@ void add_values(const uint16_t* const* values, size_t nk, size_t dv, const uint3
 
 #else
 
+TileSession::TileSession(bool) {}
+TileSession::~TileSession() = default;
 bool available() { return false; }
 void scores(const uint16_t* const*, size_t, size_t, const uint32_t*, size_t, float*) {}
 void add_values(const uint16_t* const*, size_t, size_t, const uint32_t*, size_t, float*, size_t) {}

@@ -21,14 +21,42 @@
 // bits of the sums, and a score is the same whichever side is A, as both layouts of the backward
 // need (each element of C sums the products of its own row and column pairs, in the same order).
 //
-// Tiles need the operating system's consent (Linux 5.16 on, arch_prctl) and a configuration loaded
-// in each thread; every entry point loads ours unless the thread holds it already, since other code
-// in the process (oneDNN inside PyTorch) may have loaded its own or released the tiles meanwhile.
+// Tiles need the operating system's consent (Linux 5.16 on, arch_prctl), once a process, and a
+// configuration loaded in each thread (TileSession).
 
 #include <cstddef>
 #include <cstdint>
 
 namespace qkv::amx {
+
+// The 64-byte operand of ldtilecfg and sttilecfg: all zero where a thread holds no tiles.
+struct alignas(64) TileConfig {
+  uint8_t palette = 0;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t bytes_per_row[16] = {};
+  uint8_t rows[16] = {};
+};
+static_assert(sizeof(TileConfig) == 64);
+
+// This thread's tiles in the configuration scores and add_values use, for the session's lifetime
+// (where `wanted` and available()); at its end the thread gets back what it held before, another
+// library's configuration or none, since libraries that use tiles too (oneDNN inside PyTorch)
+// remember what they last loaded on a thread rather than look. Each call to scores and add_values
+// opens a session of its own, which costs a store and a load of the configuration and a release;
+// a session around many calls (the fused kernel holds one a task) makes theirs free.
+class TileSession {
+ public:
+  explicit TileSession(bool wanted);
+  ~TileSession();
+  TileSession(const TileSession&) = delete;
+  TileSession& operator=(const TileSession&) = delete;
+
+ private:
+  TileConfig held_;
+  bool open_ = false;
+  bool outermost_ = false;
+};
 
 // Whether this CPU has AMX-BF16 and the operating system lets this process use its tiles (asked
 // once). Tiles are used only beside AVX-512 with AVX512_BF16, which every CPU with AMX has.

@@ -1244,7 +1244,7 @@ struct ForwardScratch {
   Buffer<T> v_stage;  // [Bc][Dv]
   // With bf16 products: Qᵀ, Pᵀ and V in pairs of bfloat16 (32-bit words), and the rows they read.
   Buffer<uint32_t> qt_pairs;  // [⌈Dk/2⌉ rounded up to 16][Br]
-  Buffer<uint32_t> p_pairs;   // [Bc/2][Br]
+  Buffer<uint32_t> p_pairs;   // [Bc/2 rounded up to 16][Br]
   Buffer<uint32_t> v_pairs;   // [Bc/2][Dv]
   Bf16RowTable Bf16Rows;
 
@@ -1267,7 +1267,7 @@ struct ForwardScratch {
         k_stage(Allocate<T>(in.k_stored ? kKeyBlock * dk : 0)),
         v_stage(Allocate<T>(in.v_stored ? kKeyBlock * dv : 0)),
         qt_pairs(Allocate<uint32_t>(bf16_scores ? RoundUp(DivCeil(dk, 2), 16) * kQueryBlock : 0)),
-        p_pairs(Allocate<uint32_t>(bf16_values ? kKeyBlock / 2 * kQueryBlock : 0)),
+        p_pairs(Allocate<uint32_t>(bf16_values ? RoundUp(kKeyBlock / 2, 16) * kQueryBlock : 0)),
         v_pairs(Allocate<uint32_t>(bf16_values ? kKeyBlock / 2 * dv : 0)) {}
 
   // o(i, c): the unnormalised output of query i of the block, column c.
@@ -2541,6 +2541,7 @@ void ForwardDecode(D d, const ForwardParams<T>& p, int64_t chunks, std::vector<F
         const int64_t chunk = task % chunks;
         const int64_t begin = std::min(in.tk, chunk * chunk_len), end = std::min(in.tk, begin + chunk_len);
         ForwardScratch<T>* s = &scratch[ToSize(worker) * group];
+        const amx::TileSession tiles(s->bf16_scores);
         for (size_t r = 0; r < group; ++r) {
           const int64_t bh = first + static_cast<int64_t>(r);
           BeginQueryBlock(d, in, bh / in.heads, bh % in.heads, 0, nq, few, s[r]);
@@ -2630,6 +2631,7 @@ void ForwardImpl(const ForwardParams<T>& p) {
         const int64_t q0 = block * static_cast<int64_t>(kQueryBlock);
         const size_t nq = ToSize(std::min(static_cast<int64_t>(kQueryBlock), in.tq - q0));
         ForwardScratch<T>& s = scratch[ToSize(worker)];
+        const amx::TileSession tiles(s.bf16_scores);
         AttendQueryBlock(d, in, b, h, q0, nq, 0, in.tk, !p.scores_as_backward, s);
         WriteOutputs(p, b, h, q0, nq, s);
       },
@@ -2849,6 +2851,7 @@ class BackwardKernel {
       parallel_for(
           groups,
           [&](int64_t g, int worker) HWY_ATTR {
+            const amx::TileSession tiles(bf16_scores_);
             for (int64_t m = 0; m < groups_.size(); ++m) {
               const auto [b, h] = groups_.member(g, m);
               for (int64_t kb = 0; kb < key_blocks; ++kb)
@@ -2861,6 +2864,7 @@ class BackwardKernel {
     parallel_for(
         groups * key_blocks,
         [&](int64_t task, int worker) HWY_ATTR {
+          const amx::TileSession tiles(bf16_scores_);
           for (int64_t m = 0; m < groups_.size(); ++m) {
             const auto [b, h] = groups_.member(task / key_blocks, m);
             KeyBlock(b, h, task % key_blocks, query_blocks, scratch_[ToSize(worker)], false);
@@ -2870,6 +2874,7 @@ class BackwardKernel {
     parallel_for(
         groups * query_blocks,
         [&](int64_t task, int worker) HWY_ATTR {
+          const amx::TileSession tiles(bf16_scores_);
           for (int64_t m = 0; m < groups_.size(); ++m) {
             const auto [b, h] = groups_.member(task / query_blocks, m);
             QueryBlock(b, h, task % query_blocks, key_blocks, scratch_[ToSize(worker)]);

@@ -28,27 +28,39 @@ namespace {
 
 using qkv::amx::tiles::RoundUp16;
 
-// tdpbf16ps and its companions on eight tiles of 16 rows × 64 bytes, as the instruction set
-// reference writes them: each pair's products added to the float32 one after the other, bfloat16
-// subnormals read as 0.
+// tdpbf16ps and its companions on eight tiles of 16 rows × 64 bytes, as the Software Developer's
+// Manual defines them (Dot, below), bfloat16 subnormals read as 0.
 struct ModelTiles {
   using Tile = std::array<std::array<uint32_t, 16>, 16>;
   static inline std::array<Tile, 8> tmm{};
-  static inline int configured = 0;
+  static inline qkv::amx::TileConfig config{};
 
-  static void Configure() { ++configured; }
+  static void StoreConfig(qkv::amx::TileConfig* out) { *out = config; }
+  static void LoadConfig(const qkv::amx::TileConfig* in) {
+    config = *in;
+    tmm = {};
+  }
+  static void Release() { LoadConfig(&kNone); }
+  // Every tile instruction runs in the configuration the loops were written for.
+  static void ExpectConfigured() {
+    EXPECT_EQ(std::memcmp(&config, &qkv::amx::tiles::kTileConfig, sizeof config), 0) << "tiles not configured";
+  }
   template <int t>
   static void Zero() {
+    ExpectConfigured();
     tmm[t] = Tile{};
   }
   template <int t>
   static void Load(const void* base, size_t stride) {
+    ExpectConfigured();
     for (size_t r = 0; r < 16; ++r) std::memcpy(tmm[t][r].data(), static_cast<const std::byte*>(base) + r * stride, 64);
   }
   template <int t>
   static void Store(void* base, size_t stride) {
+    ExpectConfigured();
     for (size_t r = 0; r < 16; ++r) std::memcpy(static_cast<std::byte*>(base) + r * stride, tmm[t][r].data(), 64);
   }
+  static constexpr qkv::amx::TileConfig kNone{};
   static float Widen(uint32_t bits16) {
     if ((bits16 & 0x7f80) == 0) bits16 &= 0x8000;
     const uint32_t bits = bits16 << 16;
@@ -56,17 +68,23 @@ struct ModelTiles {
     std::memcpy(&x, &bits, sizeof x);
     return x;
   }
+  static float FlushSubnormal(float x) { return std::fpclassify(x) == FP_SUBNORMAL ? std::copysign(0.0f, x) : x; }
+  // The SDM's form: the even and the odd elements of the pairs each summed from zero (exact
+  // products, one rounding a sum), then C + (even + odd), subnormal results flushed to zero.
   template <int c, int a, int b>
   static void Dot() {
+    ExpectConfigured();
     for (size_t m = 0; m < 16; ++m) {
       for (size_t n = 0; n < 16; ++n) {
-        float sum;
-        std::memcpy(&sum, &tmm[c][m][n], sizeof sum);
+        float even = 0, odd = 0;
         for (size_t k = 0; k < 16; ++k) {
           const uint32_t aw = tmm[a][m][k], bw = tmm[b][k][n];
-          sum += Widen(aw & 0xffff) * Widen(bw & 0xffff);
-          sum += Widen(aw >> 16) * Widen(bw >> 16);
+          even = FlushSubnormal(even + Widen(aw & 0xffff) * Widen(bw & 0xffff));
+          odd = FlushSubnormal(odd + Widen(aw >> 16) * Widen(bw >> 16));
         }
+        float sum;
+        std::memcpy(&sum, &tmm[c][m][n], sizeof sum);
+        sum = FlushSubnormal(sum + FlushSubnormal(even + odd));
         std::memcpy(&tmm[c][m][n], &sum, sizeof sum);
       }
     }
@@ -217,13 +235,29 @@ TEST(AttentionAmx, ModelTilesAddTheWeightedValues) {
   }
 }
 
-TEST(AttentionAmx, EveryCallLoadsTheConfiguration) {
-  // Other code in the process may load tiles of its own between two calls (see attention_amx.hpp).
+TEST(AttentionAmx, EveryCallGivesBackTheTilesItFound) {
+  // Other code in the process may hold tiles of its own between two calls (see attention_amx.hpp).
+  using qkv::amx::TileConfig;
   qkv::amx::tiles::Scratch scratch;
-  const int before = ModelTiles::configured;
-  CheckScores({16, 32, 16, false}, 7, [&](auto... args) { qkv::amx::tiles::Scores<ModelTiles>(args..., scratch); });
-  CheckAddValues({16, 16, 16}, 8, [&](auto... args) { qkv::amx::tiles::AddValues<ModelTiles>(args..., scratch); });
-  EXPECT_EQ(ModelTiles::configured, before + 2);
+  const auto scores = [&](auto... args) { qkv::amx::tiles::Scores<ModelTiles>(args..., scratch); };
+  const auto add_values = [&](auto... args) { qkv::amx::tiles::AddValues<ModelTiles>(args..., scratch); };
+  const auto same = [](const TileConfig& a, const TileConfig& b) { return std::memcmp(&a, &b, sizeof a) == 0; };
+  const TileConfig foreign{.palette = 1, .bytes_per_row = {32, 64}, .rows = {8, 16}};
+  for (const TileConfig& before : {ModelTiles::kNone, foreign, qkv::amx::tiles::kTileConfig}) {
+    ModelTiles::config = before;
+    CheckScores({16, 32, 16, false}, 7, scores);
+    EXPECT_TRUE(same(ModelTiles::config, before)) << "palette " << int{before.palette};
+    CheckAddValues({16, 16, 16}, 8, add_values);
+    EXPECT_TRUE(same(ModelTiles::config, before)) << "palette " << int{before.palette};
+  }
+  // Inside a session the calls leave the tiles configured; its end gives back what it found.
+  ModelTiles::config = foreign;
+  {
+    const qkv::amx::tiles::Session<ModelTiles> session;
+    CheckScores({16, 32, 16, false}, 9, scores);
+    EXPECT_TRUE(same(ModelTiles::config, qkv::amx::tiles::kTileConfig));
+  }
+  EXPECT_TRUE(same(ModelTiles::config, foreign));
 }
 
 TEST(AttentionAmx, ValueColumnsMatchTheirLoops) {
@@ -266,20 +300,30 @@ TEST(AttentionAmx, CpuTilesAddTheWeightedValues) {
 }
 
 TEST(AttentionAmx, CpuTilesGiveAScoreTheSameBitsWhicheverSideIsA) {
-  // The backward computes its scores with queries as A in one layout and keys as A in the other.
+  // The backward computes its scores with keys as A in one layout and queries as A in the other.
   if (!qkv::amx::available()) GTEST_SKIP() << kNoTiles;
   std::mt19937_64 rng(500);
-  const size_t n = 64, dk = 128;
-  const std::vector<uint16_t> k = RandomBf16(n * dk, rng), q = RandomBf16(n * dk, rng);
-  const std::vector<const uint16_t*> keys = RowTable(k, n, dk, false), queries = RowTable(q, n, dk, false);
-  std::vector<uint32_t> qt(RoundUp16(dk / 2) * n), kt(RoundUp16(dk / 2) * n);
-  qkv::bf16::pack_queries(queries.data(), n, dk, n, qt.data());
-  qkv::bf16::pack_queries(keys.data(), n, dk, n, kt.data());
-  std::vector<float> st(n * n), s(n * n);
-  qkv::amx::scores(keys.data(), n, dk, qt.data(), n, st.data());
-  qkv::amx::scores(queries.data(), n, dk, kt.data(), n, s.data());
-  for (size_t j = 0; j < n; ++j) {
-    for (size_t i = 0; i < n; ++i) ASSERT_EQ(st[j * n + i], s[i * n + j]) << "key " << j << ", query " << i;
+  struct Sides {
+    size_t nk, nq, dk;
+    bool scattered;
+  };
+  for (const Sides& c : {Sides{64, 64, 128, false}, Sides{40, 17, 33, true}, Sides{64, 48, 200, false},
+                         Sides{16, 64, 64, true}, Sides{33, 1, 1, false}}) {
+    SCOPED_TRACE("nk=" + std::to_string(c.nk) + " nq=" + std::to_string(c.nq) + " dk=" + std::to_string(c.dk));
+    const size_t stride = c.dk + (c.scattered ? 5 : 0);
+    const std::vector<uint16_t> k = RandomBf16(c.nk * stride, rng), q = RandomBf16(c.nq * stride, rng);
+    const std::vector<const uint16_t*> keys = RowTable(k, c.nk, stride, c.scattered);
+    const std::vector<const uint16_t*> queries = RowTable(q, c.nq, stride, c.scattered);
+    const size_t ld_q = RoundUp16(c.nq), ld_k = RoundUp16(c.nk), pairs = RoundUp16((c.dk + 1) / 2);
+    std::vector<uint32_t> qt(pairs * ld_q), kt(pairs * ld_k);
+    qkv::bf16::pack_queries(queries.data(), c.nq, c.dk, ld_q, qt.data());
+    qkv::bf16::pack_queries(keys.data(), c.nk, c.dk, ld_k, kt.data());
+    std::vector<float> st(64 * ld_q), s(64 * ld_k);
+    qkv::amx::scores(keys.data(), c.nk, c.dk, qt.data(), ld_q, st.data());
+    qkv::amx::scores(queries.data(), c.nq, c.dk, kt.data(), ld_k, s.data());
+    for (size_t j = 0; j < c.nk; ++j) {
+      for (size_t i = 0; i < c.nq; ++i) ASSERT_EQ(st[j * ld_q + i], s[i * ld_k + j]) << "key " << j << ", query " << i;
+    }
   }
 }
 
