@@ -28,8 +28,6 @@ constexpr size_t kTileWords = 16;  // 64 bytes a row: 16 float32, or 16 pairs of
 // Pairs of dims a score sums from zero before the sum is added to the score: bf16::scores' chunks.
 constexpr size_t kChunkPairs = 32;
 
-constexpr size_t RoundUp16(size_t n) { return (n + 15) / 16 * 16; }
-
 // Palette 1, tiles 0–7 of 16 rows × 64 bytes.
 inline constexpr TileConfig kTileConfig{
     .palette = 1, .bytes_per_row = {64, 64, 64, 64, 64, 64, 64, 64}, .rows = {16, 16, 16, 16, 16, 16, 16, 16}};
@@ -103,7 +101,7 @@ inline bool RowsInPlace(const uint16_t* const* rows, size_t n, size_t depth) {
 // rows → [n rounded up to 16][depth rounded up to 32] bfloat16, zero past the rows' elements.
 inline Rows PackRows(const uint16_t* const* rows, size_t n, size_t depth, std::vector<uint16_t>& out) {
   const size_t row = (depth + 2 * kTileWords - 1) / (2 * kTileWords) * (2 * kTileWords);
-  out.assign(RoundUp16(n) * row, uint16_t{0});
+  out.assign(RoundUpToTile(n) * row, uint16_t{0});
   for (size_t r = 0; r < n; ++r) std::memcpy(out.data() + r * row, rows[r], depth * sizeof(uint16_t));
   return {reinterpret_cast<const std::byte*>(out.data()), row * sizeof(uint16_t)};
 }
@@ -111,8 +109,8 @@ inline Rows PackRows(const uint16_t* const* rows, size_t n, size_t depth, std::v
 // The plain loops of amx::pack_value_columns (which the library writes in AVX-512).
 inline void PackValueColumnsByLoops(const uint16_t* const* rows, size_t nk, size_t dv, uint32_t* out) {
   const size_t pairs = (nk + 1) / 2;
-  const size_t ld = RoundUp16(pairs);
-  std::fill(out, out + RoundUp16(dv) * ld, uint32_t{0});
+  const size_t ld = RoundUpToTile(pairs);
+  std::fill(out, out + RoundUpToTile(dv) * ld, uint32_t{0});
   for (size_t j2 = 0; j2 < pairs; ++j2) {
     for (size_t c = 0; c < dv; ++c) {
       const uint32_t high = 2 * j2 + 1 < nk ? rows[2 * j2 + 1][c] : 0;
@@ -223,15 +221,15 @@ QKV_AMX_TARGET void Scores(const uint16_t* const* keys, size_t nk, size_t dk, co
   const Rows a = RowsInPlace(keys, nk, dk) ? Rows{reinterpret_cast<const std::byte*>(keys[0]),
                                                   static_cast<size_t>(keys[1] - keys[0]) * sizeof(uint16_t)}
                                            : PackRows(keys, nk, dk, s.rows);
-  Product<Tiles>(a, qt, ld, nk, ld, RoundUp16((dk + 1) / 2), kChunkPairs, false, st, ld, s);
+  Product<Tiles>(a, qt, ld, nk, ld, RoundUpToTile((dk + 1) / 2), kChunkPairs, false, st, ld, s);
 }
 
 template <class Tiles>
 QKV_AMX_TARGET void AddValues(const uint16_t* const* values, size_t nk, size_t dv, const uint32_t* pp, size_t ld,
                               float* acc, size_t acc_row, Scratch& s) {
   const Session<Tiles> session;
-  const size_t pairs = RoundUp16((nk + 1) / 2);
-  s.columns.resize(RoundUp16(dv) * pairs);
+  const size_t pairs = RoundUpToTile((nk + 1) / 2);
+  s.columns.resize(RoundUpToTile(dv) * pairs);
   Tiles::PackValueColumns(values, nk, dv, s.columns.data());
   const Rows a{reinterpret_cast<const std::byte*>(s.columns.data()), pairs * sizeof(uint32_t)};
   Product<Tiles>(a, pp, ld, dv, ld, pairs, pairs, true, acc, acc_row, s);

@@ -109,7 +109,7 @@ bool available() {
 }
 
 QKV_AMX_TARGET void pack_value_columns(const uint16_t* const* rows, size_t nk, size_t dv, uint32_t* out) {
-  const size_t ld = tiles::RoundUp16((nk + 1) / 2);
+  const size_t ld = RoundUpToTile((nk + 1) / 2);
   for (size_t c0 = 0; c0 < dv; c0 += 16) {
     const size_t channels = std::min<size_t>(16, dv - c0);
     const __mmask16 load = static_cast<__mmask16>((uint32_t{1} << channels) - 1);

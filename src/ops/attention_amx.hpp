@@ -29,6 +29,10 @@
 
 namespace qkv::amx {
 
+// A count of rows rounded up to whole tiles, which take their operands 16 rows at a time: the rows
+// of pairs that bf16::pack_queries and pack_weights zero, and that the fused kernel's buffers hold.
+constexpr size_t RoundUpToTile(size_t rows) { return (rows + 15) / 16 * 16; }
+
 // The 64-byte operand of ldtilecfg and sttilecfg: all zero where a thread holds no tiles.
 struct alignas(64) TileConfig {
   uint8_t palette = 0;

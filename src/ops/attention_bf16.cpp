@@ -8,6 +8,8 @@
 #include <algorithm>
 #include <cstring>
 
+#include "attention_amx.hpp"
+
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #include <immintrin.h>
 #define QKV_BF16_DOT 1
@@ -26,8 +28,6 @@ namespace {
 // summation of the float32 kernel (64 elements a chunk).
 constexpr size_t kChunkPairs = 32;
 constexpr size_t kLanes = 16;
-// AMX's tiles read their operands 16 rows of pairs at a time (attention_amx.hpp).
-constexpr size_t RoundUpToTile(size_t pairs) { return (pairs + 15) / 16 * 16; }
 // A tile of four rows by up to four vectors of 16 lanes: 16 accumulators, four loaded vectors and a
 // broadcast (six rows measured 0.93× on Zen 5). Every loop over a tile's rows or vectors is
 // unrolled whole (`#pragma GCC unroll`), so that the accumulators live in registers alone: left as
@@ -159,7 +159,7 @@ void pack_queries(const uint16_t* const* rows, size_t nq, size_t dk, size_t ld, 
     for (size_t i = 0; i < nq; ++i) line[i] = pair_at(rows[i], c2, dk);
     std::fill(line + nq, line + ld, uint32_t{0});
   }
-  std::fill(out + pairs * ld, out + RoundUpToTile(pairs) * ld, uint32_t{0});
+  std::fill(out + pairs * ld, out + amx::RoundUpToTile(pairs) * ld, uint32_t{0});
 }
 
 QKV_BF16_TARGET void scores(const uint16_t* const* keys, size_t nk, size_t dk, const uint32_t* qt, size_t ld,
@@ -189,7 +189,7 @@ QKV_BF16_TARGET void pack_weights(const float* pt, size_t nk, size_t ld, uint32_
     }
   }
   const size_t pairs = (nk + 1) / 2;
-  std::fill(out + pairs * ld, out + RoundUpToTile(pairs) * ld, uint32_t{0});
+  std::fill(out + pairs * ld, out + amx::RoundUpToTile(pairs) * ld, uint32_t{0});
 }
 
 QKV_BF16_TARGET void pack_values(const uint16_t* const* rows, size_t nk, size_t dv, uint32_t* out) {

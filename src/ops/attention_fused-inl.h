@@ -1266,8 +1266,8 @@ struct ForwardScratch {
             std::max(in.q_stored ? kQueryBlock * dk : 0, kFewQueries * RoundUp(dk, hn::Lanes(hn::ScalableTag<T>()))))),
         k_stage(Allocate<T>(in.k_stored ? kKeyBlock * dk : 0)),
         v_stage(Allocate<T>(in.v_stored ? kKeyBlock * dv : 0)),
-        qt_pairs(Allocate<uint32_t>(bf16_scores ? RoundUp(DivCeil(dk, 2), 16) * kQueryBlock : 0)),
-        p_pairs(Allocate<uint32_t>(bf16_values ? RoundUp(kKeyBlock / 2, 16) * kQueryBlock : 0)),
+        qt_pairs(Allocate<uint32_t>(bf16_scores ? amx::RoundUpToTile(DivCeil(dk, 2)) * kQueryBlock : 0)),
+        p_pairs(Allocate<uint32_t>(bf16_values ? amx::RoundUpToTile(kKeyBlock / 2) * kQueryBlock : 0)),
         v_pairs(Allocate<uint32_t>(bf16_values ? kKeyBlock / 2 * dv : 0)) {}
 
   // o(i, c): the unnormalised output of query i of the block, column c.
@@ -2684,8 +2684,8 @@ struct BackwardScratch {
         q_stage(Allocate<T>(in.q_stored ? kQueryBlock * dk : 0)),
         k_stage(Allocate<T>(in.k_stored ? kKeyBlock * dk : 0)),
         v_stage(Allocate<T>(in.v_stored ? kKeyBlock * dv : 0)),
-        t_pairs(Allocate<uint32_t>(UsesBf16Scores(in) ? RoundUp(DivCeil(dk, 2), 16) * std::max(kQueryBlock, kKeyBlock)
-                                                      : 0)) {}
+        t_pairs(Allocate<uint32_t>(
+            UsesBf16Scores(in) ? amx::RoundUpToTile(DivCeil(dk, 2)) * std::max(kQueryBlock, kKeyBlock) : 0)) {}
 };
 
 // P = exp((s − lse_hi) − lse_lo) and dS = P ∘ (dP − D) for one vector of (query, key) pairs, in

@@ -26,7 +26,7 @@
 
 namespace {
 
-using qkv::amx::tiles::RoundUp16;
+using qkv::amx::RoundUpToTile;
 
 // tdpbf16ps and its companions on eight tiles of 16 rows × 64 bytes, as the Software Developer's
 // Manual defines them (Dot, below), bfloat16 subnormals read as 0.
@@ -142,7 +142,7 @@ void CheckScores(const ScoreCase& c, uint64_t seed, ScoresFn&& scores) {
   const std::vector<uint16_t> k = RandomBf16(c.nk * stride, rng), q = RandomBf16(c.ld * c.dk, rng);
   const std::vector<const uint16_t*> keys = RowTable(k, c.nk, stride, c.scattered);
   const std::vector<const uint16_t*> queries = RowTable(q, c.ld, c.dk, false);
-  std::vector<uint32_t> qt(RoundUp16((c.dk + 1) / 2) * c.ld, 0xdeadbeef);
+  std::vector<uint32_t> qt(RoundUpToTile((c.dk + 1) / 2) * c.ld, 0xdeadbeef);
   qkv::bf16::pack_queries(queries.data(), c.ld, c.dk, c.ld, qt.data());
   const float untouched = -12345.0f;
   std::vector<float> st(64 * c.ld, untouched);
@@ -168,7 +168,7 @@ void CheckScores(const ScoreCase& c, uint64_t seed, ScoresFn&& scores) {
 // Pᵀ by pairs of keys, rows zero up to a multiple of 16 pairs (bf16::pack_weights' layout), from
 // weights already bfloat16.
 std::vector<uint32_t> WeightPairs(const std::vector<uint16_t>& p, size_t nk, size_t ld) {
-  std::vector<uint32_t> out(RoundUp16((nk + 1) / 2) * ld, 0);
+  std::vector<uint32_t> out(RoundUpToTile((nk + 1) / 2) * ld, 0);
   for (size_t j = 0; j < nk; ++j) {
     for (size_t i = 0; i < ld; ++i) out[j / 2 * ld + i] |= uint32_t{p[j * ld + i]} << (j % 2 * 16);
   }
@@ -268,7 +268,7 @@ TEST(AttentionAmx, ValueColumnsMatchTheirLoops) {
   for (const auto& [nk, dv] : std::vector<std::pair<size_t, size_t>>{{1, 1}, {2, 16}, {33, 17}, {64, 64}, {63, 200}}) {
     const std::vector<uint16_t> v = RandomBf16(nk * dv, rng);
     const std::vector<const uint16_t*> rows = RowTable(v, nk, dv, true);
-    const size_t words = RoundUp16(dv) * RoundUp16((nk + 1) / 2);
+    const size_t words = RoundUpToTile(dv) * RoundUpToTile((nk + 1) / 2);
     std::vector<uint32_t> got(words, 0xdeadbeef), want(words, 0xfeedface);
     qkv::amx::pack_value_columns(rows.data(), nk, dv, got.data());
     qkv::amx::tiles::PackValueColumnsByLoops(rows.data(), nk, dv, want.data());
@@ -314,7 +314,7 @@ TEST(AttentionAmx, CpuTilesGiveAScoreTheSameBitsWhicheverSideIsA) {
     const std::vector<uint16_t> k = RandomBf16(c.nk * stride, rng), q = RandomBf16(c.nq * stride, rng);
     const std::vector<const uint16_t*> keys = RowTable(k, c.nk, stride, c.scattered);
     const std::vector<const uint16_t*> queries = RowTable(q, c.nq, stride, c.scattered);
-    const size_t ld_q = RoundUp16(c.nq), ld_k = RoundUp16(c.nk), pairs = RoundUp16((c.dk + 1) / 2);
+    const size_t ld_q = RoundUpToTile(c.nq), ld_k = RoundUpToTile(c.nk), pairs = RoundUpToTile((c.dk + 1) / 2);
     std::vector<uint32_t> qt(pairs * ld_q), kt(pairs * ld_k);
     qkv::bf16::pack_queries(queries.data(), c.nq, c.dk, ld_q, qt.data());
     qkv::bf16::pack_queries(keys.data(), c.nk, c.dk, ld_k, kt.data());
