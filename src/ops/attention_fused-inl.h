@@ -1245,7 +1245,7 @@ struct ForwardScratch {
   // With bf16 products: Qᵀ, Pᵀ and V in pairs of bfloat16 (32-bit words), and the rows they read.
   Buffer<uint32_t> qt_pairs;  // [⌈Dk/2⌉ rounded up to 16][Br]
   Buffer<uint32_t> p_pairs;   // [Bc/2 rounded up to 16][Br]
-  Buffer<uint32_t> v_pairs;   // [Bc/2][Dv]
+  Buffer<uint32_t> v_pairs;   // [Bc/2][Dv]     none on AMX's tiles, which keep their own Vᵀ
   Bf16RowTable Bf16Rows;
 
   ForwardScratch(size_t dk, size_t dv, size_t dv_pad, const Inputs<T>& in)
@@ -1268,7 +1268,7 @@ struct ForwardScratch {
         v_stage(Allocate<T>(in.v_stored ? kKeyBlock * dv : 0)),
         qt_pairs(Allocate<uint32_t>(bf16_scores ? amx::RoundUpToTile(DivCeil(dk, 2)) * kQueryBlock : 0)),
         p_pairs(Allocate<uint32_t>(bf16_values ? amx::RoundUpToTile(kKeyBlock / 2) * kQueryBlock : 0)),
-        v_pairs(Allocate<uint32_t>(bf16_values ? kKeyBlock / 2 * dv : 0)) {}
+        v_pairs(Allocate<uint32_t>(bf16_values && !amx::available() ? kKeyBlock / 2 * dv : 0)) {}
 
   // o(i, c): the unnormalised output of query i of the block, column c.
   T output(size_t i, size_t c) const { return acc[c * kQueryBlock + i]; }
