@@ -6,6 +6,8 @@
 #include "attention_amx.hpp"
 
 #include <algorithm>
+#include <cerrno>
+#include <cstring>
 
 #include "attention_bf16.hpp"
 #include "qkv/ops/attention.hpp"
@@ -94,19 +96,32 @@ tiles::Scratch& ThreadScratch() {
   return scratch;
 }
 
+// Empty where the tiles can be used, else why not.
+const std::string& Refusal() {
+  static const std::string refusal = []() -> std::string {
+    unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+    const bool cpuid = __get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx);
+    if (!cpuid || (edx >> 22 & 1) == 0 || (edx >> 24 & 1) == 0) return "this CPU has no AMX-BF16 tiles";
+    // pack_value_columns' masked loads of 16 elements need AVX512VL beside the dot product's AVX-512.
+    if (!bf16::dot_available() || !__builtin_cpu_supports("avx512vl")) {
+      return "this CPU has AMX-BF16 but not the AVX-512 (F, BW, VL, BF16) the tiles are used beside";
+    }
+    if (syscall(SYS_arch_prctl, kRequestComponentPermission, kTileDataComponent) != 0) {
+      return std::string(
+                 "this CPU has AMX-BF16 but Linux refused its tiles (arch_prctl(ARCH_REQ_XCOMP_PERM, "
+                 "XFEATURE_XTILEDATA): ") +
+             std::strerror(errno) + ")";
+    }
+    return "";
+  }();
+  return refusal;
+}
+
 }  // namespace
 
-bool available() {
-  static const bool usable = [] {
-    unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
-    // pack_value_columns' masked loads of 16 elements need AVX512VL beside the dot product's AVX-512.
-    if (!bf16::dot_available() || !__builtin_cpu_supports("avx512vl")) return false;
-    if (!__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx)) return false;
-    const bool amx_bf16 = (edx >> 22 & 1) != 0, amx_tile = (edx >> 24 & 1) != 0;
-    return amx_bf16 && amx_tile && syscall(SYS_arch_prctl, kRequestComponentPermission, kTileDataComponent) == 0;
-  }();
-  return usable;
-}
+bool available() { return Refusal().empty(); }
+
+const std::string& why_unavailable() { return Refusal(); }
 
 QKV_AMX_TARGET void pack_value_columns(const uint16_t* const* rows, size_t nk, size_t dv, uint32_t* out) {
   const size_t ld = RoundUpToTile((nk + 1) / 2);
@@ -157,6 +172,10 @@ bool available() { return false; }
 void scores(const uint16_t* const*, size_t, size_t, const uint32_t*, size_t, float*) {}
 void add_values(const uint16_t* const*, size_t, size_t, const uint32_t*, size_t, float*, size_t) {}
 void pack_value_columns(const uint16_t* const*, size_t, size_t, uint32_t*) {}
+const std::string& why_unavailable() {
+  static const std::string why = "qkv was built without AMX's tiles (they need x86-64 Linux and GCC or clang)";
+  return why;
+}
 
 #endif
 

@@ -26,6 +26,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <string>
 
 namespace qkv::amx {
 
@@ -65,6 +66,11 @@ class TileSession {
 // Whether this CPU has AMX-BF16 and the operating system lets this process use its tiles (asked
 // once). Tiles are used only beside AVX-512 with AVX512_BF16, which every CPU with AMX has.
 bool available();
+
+// Why available() is false (empty where it is true): no AMX, no AVX-512 beside it, or Linux's
+// refusal with its error, so that a CPU with AMX whose tiles are refused does not pass for one
+// without.
+const std::string& why_unavailable();
 
 // st[j·ld + i] = k_j·q_i for the nk ≤ 64 key rows of dk elements and the ld queries of qt
 // (bf16::pack_queries' layout, rows zero up to a multiple of 16 pairs); as bf16::scores.

@@ -7,12 +7,7 @@
 
 #include <gtest/gtest.h>
 
-#include <cpuid.h>
-#include <sys/syscall.h>
-#include <unistd.h>
-
 #include <array>
-#include <cerrno>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -289,25 +284,13 @@ TEST(AttentionAmx, TilesRunOnlyBesideTheBf16Products) {
   }
 }
 
-// Why the CPU's tiles do not run here. Where the CPU has them but Linux refused them (an alternate
-// signal stack too small for their state, a kernel or hypervisor without them), the request is
-// asked again for its error, so that a skip on such a CPU says so rather than pass for a CPU
-// without AMX.
+TEST(AttentionAmx, SaysWhyTheTilesDoNotRun) {
+  EXPECT_EQ(qkv::amx::why_unavailable().empty(), qkv::amx::available()) << qkv::amx::why_unavailable();
+}
+
 std::string NoTilesReason() {
-  const std::string rest = ": the bf16 products run by vdpbf16ps, and the tiles' loops are checked on the model above";
-  unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
-  const bool has_amx = __get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx) && (edx >> 22 & 1) != 0 && (edx >> 24 & 1) != 0;
-  if (!has_amx) return "this CPU has no AMX-BF16 tiles" + rest;
-  constexpr long kRequestComponentPermission = 0x1023, kTileDataComponent = 18;
-  if (syscall(SYS_arch_prctl, kRequestComponentPermission, kTileDataComponent) != 0) {
-    return std::string(
-               "this CPU has AMX-BF16 but Linux refused its tiles (arch_prctl(ARCH_REQ_XCOMP_PERM, "
-               "XFEATURE_XTILEDATA): ") +
-           std::strerror(errno) + ")" + rest;
-  }
-  return "this CPU has AMX-BF16 and Linux grants its tiles, but the CPU lacks the AVX-512 (F, BW, VL, BF16) they "
-         "are used beside" +
-         rest;
+  return qkv::amx::why_unavailable() +
+         ": the bf16 products run by vdpbf16ps, and the tiles' loops are checked on the model above";
 }
 
 TEST(AttentionAmx, CpuTilesComputeTheScores) {
