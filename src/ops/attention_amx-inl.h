@@ -17,6 +17,8 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <sstream>
+#include <string>
 #include <vector>
 
 #include "attention_amx.hpp"
@@ -233,6 +235,89 @@ QKV_AMX_TARGET void AddValues(const uint16_t* const* values, size_t nk, size_t d
   Tiles::PackValueColumns(values, nk, dv, s.columns.data());
   const Rows a{reinterpret_cast<const std::byte*>(s.columns.data()), pairs * sizeof(uint32_t)};
   Product<Tiles>(a, pp, ld, dv, ld, pairs, pairs, true, acc, acc_row, s);
+}
+
+// The check the library makes of the CPU's tiles before it trusts them (attention_amx.cpp, once a
+// process): scores and weighted values of small integers, whose every sum is exact in whatever
+// order the tiles add, through both products' loops (key rows read in place and copied, chunks of
+// depth past the first, 2 × 2 blocks and partial tiles, sums carried on in the tile from C and
+// added through the scratch), against the same sums in integers. The tiles have run only on a model
+// of their instructions when qkv ships, so a fault that the model does not share (an operand's
+// layout, the order of an instruction's operands) turns them off for vdpbf16ps rather than giving
+// wrong attention. Empty where every value matches, else the first that does not.
+inline uint16_t Bf16OfInteger(int n) {
+  const float x = static_cast<float>(n);
+  uint32_t bits;
+  std::memcpy(&bits, &x, sizeof bits);
+  return static_cast<uint16_t>(bits >> 16);
+}
+
+inline std::string Mismatch(const char* what, const char* row_name, size_t row, const char* column_name, size_t column,
+                            float got, int64_t want) {
+  std::ostringstream out;
+  out << what << " of " << row_name << " " << row << " and " << column_name << " " << column << " is " << got
+      << " where " << want << " was expected";
+  return out.str();
+}
+
+template <class Tiles>
+std::string CheckTiles() {
+  Scratch s;
+  const auto key = [](size_t j, size_t c) { return static_cast<int>((3 * j + 5 * c) % 7) - 3; };
+  const auto query = [](size_t i, size_t c) { return static_cast<int>((5 * i + 3 * c + 1) % 5) - 2; };
+  struct ScoreShape {
+    size_t nk, dk, ld;
+  };
+  for (const ScoreShape& c : {ScoreShape{64, 96, 32}, ScoreShape{40, 40, 16}}) {
+    std::vector<uint16_t> k(c.nk * c.dk);
+    std::vector<const uint16_t*> keys(c.nk);
+    for (size_t j = 0; j < c.nk; ++j) {
+      for (size_t e = 0; e < c.dk; ++e) k[j * c.dk + e] = Bf16OfInteger(key(j, e));
+      keys[j] = k.data() + j * c.dk;
+    }
+    std::vector<uint32_t> qt(RoundUpToTile((c.dk + 1) / 2) * c.ld, 0);
+    for (size_t i = 0; i < c.ld; ++i) {
+      for (size_t e = 0; e < c.dk; ++e) qt[e / 2 * c.ld + i] |= uint32_t{Bf16OfInteger(query(i, e))} << (e % 2 * 16);
+    }
+    std::vector<float> st(RoundUpToTile(c.nk) * c.ld);
+    Scores<Tiles>(keys.data(), c.nk, c.dk, qt.data(), c.ld, st.data(), s);
+    for (size_t j = 0; j < c.nk; ++j) {
+      for (size_t i = 0; i < c.ld; ++i) {
+        int64_t want = 0;
+        for (size_t e = 0; e < c.dk; ++e) want += key(j, e) * query(i, e);
+        if (st[j * c.ld + i] != static_cast<float>(want))
+          return Mismatch("the score", "key", j, "query", i, st[j * c.ld + i], want);
+      }
+    }
+  }
+  const auto value = [](size_t j, size_t c) { return static_cast<int>((2 * j + 7 * c) % 9) - 4; };
+  const auto weight = [](size_t j, size_t i) { return static_cast<int>((j + 2 * i) % 3) - 1; };
+  const auto before = [](size_t c, size_t i) { return static_cast<int>((c + i) % 4); };
+  constexpr size_t kNk = 33, kDv = 40, kLd = 32;
+  std::vector<uint16_t> v(kNk * kDv);
+  std::vector<const uint16_t*> values(kNk);
+  for (size_t j = 0; j < kNk; ++j) {
+    for (size_t c = 0; c < kDv; ++c) v[j * kDv + c] = Bf16OfInteger(value(j, c));
+    values[j] = v.data() + j * kDv;
+  }
+  std::vector<uint32_t> pp(RoundUpToTile((kNk + 1) / 2) * kLd, 0);
+  for (size_t j = 0; j < kNk; ++j) {
+    for (size_t i = 0; i < kLd; ++i) pp[j / 2 * kLd + i] |= uint32_t{Bf16OfInteger(weight(j, i))} << (j % 2 * 16);
+  }
+  std::vector<float> acc(kDv * kLd);
+  for (size_t c = 0; c < kDv; ++c) {
+    for (size_t i = 0; i < kLd; ++i) acc[c * kLd + i] = static_cast<float>(before(c, i));
+  }
+  AddValues<Tiles>(values.data(), kNk, kDv, pp.data(), kLd, acc.data(), kLd, s);
+  for (size_t c = 0; c < kDv; ++c) {
+    for (size_t i = 0; i < kLd; ++i) {
+      int64_t want = before(c, i);
+      for (size_t j = 0; j < kNk; ++j) want += value(j, c) * weight(j, i);
+      if (acc[c * kLd + i] != static_cast<float>(want))
+        return Mismatch("the sum", "channel", c, "query", i, acc[c * kLd + i], want);
+    }
+  }
+  return "";
 }
 
 }  // namespace qkv::amx::tiles

@@ -96,32 +96,44 @@ tiles::Scratch& ThreadScratch() {
   return scratch;
 }
 
-// Empty where the tiles can be used, else why not.
-const std::string& Refusal() {
-  static const std::string refusal = []() -> std::string {
+// Whether the tiles can be used, and why not where they cannot.
+struct Verdict {
+  std::string refusal;  // empty where they can
+  bool failed_check = false;
+};
+
+const Verdict& TheVerdict() {
+  static const Verdict verdict = []() -> Verdict {
     unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
     const bool cpuid = __get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx);
-    if (!cpuid || (edx >> 22 & 1) == 0 || (edx >> 24 & 1) == 0) return "this CPU has no AMX-BF16 tiles";
+    if (!cpuid || (edx >> 22 & 1) == 0 || (edx >> 24 & 1) == 0) return {"this CPU has no AMX-BF16 tiles"};
     // pack_value_columns' masked loads of 16 elements need AVX512VL beside the dot product's AVX-512.
     if (!bf16::dot_available() || !__builtin_cpu_supports("avx512vl")) {
-      return "this CPU has AMX-BF16 but not the AVX-512 (F, BW, VL, BF16) the tiles are used beside";
+      return {"this CPU has AMX-BF16 but not the AVX-512 (F, BW, VL, BF16) the tiles are used beside"};
     }
     if (syscall(SYS_arch_prctl, kRequestComponentPermission, kTileDataComponent) != 0) {
-      return std::string(
-                 "this CPU has AMX-BF16 but Linux refused its tiles (arch_prctl(ARCH_REQ_XCOMP_PERM, "
-                 "XFEATURE_XTILEDATA): ") +
-             std::strerror(errno) + ")";
+      return {std::string("this CPU has AMX-BF16 but Linux refused its tiles (arch_prctl(ARCH_REQ_XCOMP_PERM, "
+                          "XFEATURE_XTILEDATA): ") +
+              std::strerror(errno) + ")"};
     }
-    return "";
+    const std::string mismatch = tiles::CheckTiles<CpuTiles>();
+    if (!mismatch.empty()) {
+      return {
+          "this CPU's AMX tiles failed qkv's check at first use: " + mismatch + "; the bf16 products take vdpbf16ps",
+          true};
+    }
+    return {};
   }();
-  return refusal;
+  return verdict;
 }
 
 }  // namespace
 
-bool available() { return Refusal().empty(); }
+bool available() { return TheVerdict().refusal.empty(); }
 
-const std::string& why_unavailable() { return Refusal(); }
+const std::string& why_unavailable() { return TheVerdict().refusal; }
+
+bool failed_check() { return TheVerdict().failed_check; }
 
 QKV_AMX_TARGET void pack_value_columns(const uint16_t* const* rows, size_t nk, size_t dv, uint32_t* out) {
   const size_t ld = RoundUpToTile((nk + 1) / 2);
@@ -169,6 +181,7 @@ void add_values(const uint16_t* const* values, size_t nk, size_t dv, const uint3
 TileSession::TileSession(bool) {}
 TileSession::~TileSession() = default;
 bool available() { return false; }
+bool failed_check() { return false; }
 void scores(const uint16_t* const*, size_t, size_t, const uint32_t*, size_t, float*) {}
 void add_values(const uint16_t* const*, size_t, size_t, const uint32_t*, size_t, float*, size_t) {}
 void pack_value_columns(const uint16_t* const*, size_t, size_t, uint32_t*) {}

@@ -22,7 +22,8 @@
 // need (each element of C sums the products of its own row and column pairs, in the same order).
 //
 // Tiles need the operating system's consent (Linux 5.16 on, arch_prctl), once a process, and a
-// configuration loaded in each thread (TileSession).
+// configuration loaded in each thread (TileSession); qkv uses them once they have also passed a
+// check of their sums (tiles::CheckTiles in attention_amx-inl.h).
 
 #include <cstddef>
 #include <cstdint>
@@ -63,14 +64,18 @@ class TileSession {
   bool outermost_ = false;
 };
 
-// Whether this CPU has AMX-BF16 and the operating system lets this process use its tiles (asked
-// once). Tiles are used only beside AVX-512 with AVX512_BF16, which every CPU with AMX has.
+// Whether this CPU has AMX-BF16, the operating system lets this process use its tiles, and they
+// pass the check of tiles::CheckTiles (all asked once). Tiles are used only beside AVX-512 with
+// AVX512_BF16, which every CPU with AMX has.
 bool available();
 
-// Why available() is false (empty where it is true): no AMX, no AVX-512 beside it, or Linux's
-// refusal with its error, so that a CPU with AMX whose tiles are refused does not pass for one
-// without.
+// Why available() is false (empty where it is true): no AMX, no AVX-512 beside it, Linux's refusal
+// with its error, or the first value the tiles got wrong in the check, so that a CPU with AMX whose
+// tiles are refused or faulty does not pass for one without.
 const std::string& why_unavailable();
+
+// Whether the CPU's tiles ran and failed that check.
+bool failed_check();
 
 // st[j·ld + i] = k_j·q_i for the nk ≤ 64 key rows of dk elements and the ld queries of qt
 // (bf16::pack_queries' layout, rows zero up to a multiple of 16 pairs); as bf16::scores.

@@ -261,6 +261,34 @@ TEST(AttentionAmx, EveryCallGivesBackTheTilesItFound) {
   EXPECT_TRUE(same(ModelTiles::config, foreign));
 }
 
+// ModelTiles with one fault the model of the instructions would not show: each pair's second
+// element left out of the products.
+struct TilesThatDropHalfThePairs : ModelTiles {
+  template <int c, int a, int b>
+  static void Dot() {
+    for (const int t : {a, b}) {
+      for (auto& row : tmm[t]) {
+        for (uint32_t& word : row) word &= 0xffff;
+      }
+    }
+    ModelTiles::Dot<c, a, b>();
+  }
+};
+
+// Tiles whose products land in the transposed places of C: A and B swapped.
+struct TilesThatSwapTheirOperands : ModelTiles {
+  template <int c, int a, int b>
+  static void Dot() {
+    ModelTiles::Dot<c, b, a>();
+  }
+};
+
+TEST(AttentionAmx, TheCheckAtFirstUseTellsRightTilesFromFaultyOnes) {
+  EXPECT_EQ(qkv::amx::tiles::CheckTiles<ModelTiles>(), "");
+  EXPECT_NE(qkv::amx::tiles::CheckTiles<TilesThatDropHalfThePairs>(), "");
+  EXPECT_NE(qkv::amx::tiles::CheckTiles<TilesThatSwapTheirOperands>(), "");
+}
+
 TEST(AttentionAmx, ValueColumnsMatchTheirLoops) {
   if (!__builtin_cpu_supports("avx512bw") || !__builtin_cpu_supports("avx512vl")) {
     GTEST_SKIP() << "this CPU has no AVX-512 (BW, VL), which amx::pack_value_columns is written in";
@@ -286,6 +314,12 @@ TEST(AttentionAmx, TilesRunOnlyBesideTheBf16Products) {
 
 TEST(AttentionAmx, SaysWhyTheTilesDoNotRun) {
   EXPECT_EQ(qkv::amx::why_unavailable().empty(), qkv::amx::available()) << qkv::amx::why_unavailable();
+}
+
+TEST(AttentionAmx, CpuTilesPassTheCheckAtFirstUse) {
+  // Where they fail it, attention takes vdpbf16ps and stays right; this test is what shows it.
+  if (!qkv::amx::available() && !qkv::amx::failed_check()) GTEST_SKIP() << qkv::amx::why_unavailable();
+  EXPECT_FALSE(qkv::amx::failed_check()) << qkv::amx::why_unavailable();
 }
 
 std::string NoTilesReason() {
