@@ -12,6 +12,7 @@
 #include <limits>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "attention_checks.hpp"
@@ -318,12 +319,13 @@ TEST(AttentionStored, DecodeSplitsTheKeysAndTakesTheFewQueryLayout) {
   }
   // Four query heads on each K and V head: d = 64 fits the registers beside the four rows' chains
   // on every target; d = 128 does not on AVX2, where each key is converted for two rows at a time.
-  for (const int64_t d : {int64_t{64}, int64_t{128}}) {
-    Problem gqa = random_problem({1, 8, 1, 1500, d, d}, 60);
+  // Where keys go two at a time, an odd Tk leaves one alone.
+  for (const auto& [d, tk] : {std::pair<int64_t, int64_t>{64, 1500}, {128, 1500}, {128, 1501}}) {
+    Problem gqa = random_problem({1, 8, 1, tk, d, d}, 60);
     Rng rng(61);
-    gqa.k = testing::random_tensor<double>({1, 2, 1500, d}, rng);
-    gqa.v = testing::random_tensor<double>({1, 2, 1500, d}, rng);
-    expect_stored_matches_float(gqa, 62, fmt::format("decode, grouped heads, d = {}", d), false);
+    gqa.k = testing::random_tensor<double>({1, 2, tk, d}, rng);
+    gqa.v = testing::random_tensor<double>({1, 2, tk, d}, rng);
+    expect_stored_matches_float(gqa, 62, fmt::format("decode, grouped heads, d = {}, Tk = {}", d, tk), false);
   }
 }
 
