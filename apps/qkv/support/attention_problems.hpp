@@ -288,15 +288,15 @@ enum class Magnitude { none, terms, sums, exposure };
 // forward only. The three magnitudes compute each result's size in float64 instead (see
 // attention_tolerance for what they bound): Magnitude::terms sums the absolute values of the
 // gradients' terms (|P dO|, |dS k|, |dS q|, |dS|, with dS as |P (dP − D)|); Magnitude::sums sums
-// the absolute values of everything any sum adds, dP and D apart (out Σ P|v|, lse |m| + |log z|, dS
-// P (Σ|dO v| + Σ|dO| out)); Magnitude::exposure gives how far each result moves under independent
-// errors of the scores of the sizes `errors` gives, as root sums of squares (out_d sqrt(Σ_j (P_j w_j
-// (v_jd − out_d))², a sink a term with v = 0; lse the row's largest error; dS P w |dP − D| + P Σ_d
-// |dO_d| out_d, and through a softcap dX that times sech² plus the slope's own move, 2|tanh|·sech²/c
-// times |dS| and the product's error; w_j as attention_tolerance derives it). Pair j's score errs by
-// σ_j = sqrt((sech²_j·errors.products)² + errors.scores²): its product's error through the cap, and
-// the scores' own. The variants (grouped heads, window, alignment, softcap, ALiBi, sinks, dropout,
-// packed sequences) as include/qkv/ops/attention.hpp defines them.
+// the absolute values of everything any sum adds, dP and D apart (out Σ P|v|, lse the terms of the
+// row's largest score, scale·Σ|q k| + |bias| + ALiBi's, plus |log z|, dS P (Σ|dO v| + Σ|dO| out)); Magnitude::exposure
+// gives how far each result moves under independent errors of the scores of the sizes `errors` gives, as root sums of
+// squares (out_d sqrt(Σ_j (P_j w_j (v_jd − out_d))², a sink a term with v = 0; lse the row's largest error; dS P w |dP
+// − D| + P Σ_d |dO_d| out_d, and through a softcap dX that times sech² plus the slope's own move, 2|tanh|·sech²/c times
+// |dS| and the product's error; w_j as attention_tolerance derives it). Pair j's score errs by σ_j =
+// sqrt((sech²_j·errors.products)² + errors.scores²): its product's error through the cap, and the scores' own. The
+// variants (grouped heads, window, alignment, softcap, ALiBi, sinks, dropout, packed sequences) as
+// include/qkv/ops/attention.hpp defines them.
 template <class T>
 NaiveAttention<T> naive_attention(const AttentionProblem& p, const Tensor<double>& dout_d,
                                   Magnitude magnitude = Magnitude::none, NaiveOrder order = NaiveOrder::forward,
@@ -356,9 +356,10 @@ NaiveAttention<T> naive_attention(const AttentionProblem& p, const Tensor<double
         const int64_t diagonal = p.alignment == CausalAlignment::bottom_right ? (k1 - k0) - tq : 0;
         const int64_t dropout_b = p.cu_seqlens_q ? n : b;
         std::vector<T> s(static_cast<size_t>(Tk), -inf);
-        std::vector<T> cap_slope(static_cast<size_t>(Tk), T{1});  // d s / d(scale·q·k)
-        std::vector<T> cap_tanh(static_cast<size_t>(Tk), T{0});   // tanh(scale·q·k / c)
-        std::vector<T> keep(static_cast<size_t>(Tk), T{1});       // the dropout factors
+        std::vector<T> cap_slope(static_cast<size_t>(Tk), T{1});    // d s / d(scale·q·k)
+        std::vector<T> cap_tanh(static_cast<size_t>(Tk), T{0});     // tanh(scale·q·k / c)
+        std::vector<T> keep(static_cast<size_t>(Tk), T{1});         // the dropout factors
+        std::vector<T> score_terms(static_cast<size_t>(Tk), T{0});  // what each score's sums add
         for (int64_t nj = 0; nj < Tk; ++nj) {
           const int64_t j = nth(nj, Tk);
           const int64_t lj = j - k0;
@@ -387,6 +388,15 @@ NaiveAttention<T> naive_attention(const AttentionProblem& p, const Tensor<double
           T score = x + (bias ? (*bias)(b, h, i, j) : T{0});
           if (p.alibi) score -= static_cast<T>((*p.alibi)[h]) * static_cast<T>(std::abs(li + diagonal - lj));
           s[static_cast<size_t>(j)] = score;
+          if (sums) {
+            // A score that nearly cancels (q·k ≪ Σ|q k|) errs by the rounding of its terms, not of
+            // its value: |m| alone put the tolerance of a one-key lse below float32's own error.
+            T terms = 0;
+            for (int64_t d = 0; d < Dk; ++d) terms += std::abs(q_factor * q(b, h, i, d) * k(b, hk, j, d));
+            terms = std::abs(dot_factor) * terms + (bias ? std::abs((*bias)(b, h, i, j)) : T{0});
+            if (p.alibi) terms += std::abs(static_cast<T>((*p.alibi)[h]) * static_cast<T>(li + diagonal - lj));
+            score_terms[static_cast<size_t>(j)] = terms;
+          }
         }
         for (int64_t j = 0; j < Tk; ++j) r.scores.view()(b, h, i, j) = s[static_cast<size_t>(j)];
         const T sink = p.sinks ? static_cast<T>((*p.sinks)[h]) : -inf;
@@ -398,7 +408,13 @@ NaiveAttention<T> naive_attention(const AttentionProblem& p, const Tensor<double
         }
         T z = p.sinks ? std::exp(sink - m) : T{0};
         for (int64_t nj = 0; nj < Tk; ++nj) z += std::exp(s[static_cast<size_t>(nth(nj, Tk))] - m);
-        r.lse.view()(b, h, i) = sums ? std::abs(m) + std::abs(std::log(z)) : m + std::log(z);
+        if (sums) {
+          const auto star = static_cast<size_t>(std::max_element(s.begin(), s.end()) - s.begin());
+          const T largest = p.sinks && (s.empty() || sink >= s[star]) ? std::abs(sink) : score_terms[star];
+          r.lse.view()(b, h, i) = largest + std::abs(std::log(z));
+        } else {
+          r.lse.view()(b, h, i) = m + std::log(z);
+        }
         std::vector<T> prob(s.size());
         for (size_t j = 0; j < s.size(); ++j) prob[j] = std::exp(s[j] - m) / z;
         for (int64_t nj = 0; nj < Tk; ++nj) {
