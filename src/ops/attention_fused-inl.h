@@ -2076,7 +2076,7 @@ HWY_INLINE void SharedKeyDots(D d, const Rows& keys, size_t first, size_t nk, co
   // int8 keys of one run that fill whole vectors go two at a time through a loop of their requests
   // and products alone, without the general loop's tests of each key's row and scales; that loop
   // takes the rest. The same sums: grouped-query int8 decode ran 1.05–1.10× as fast with K and V in
-  // L2 and L3 (one thread) and 1.00–1.05× from memory (two threads; Zen 5, two builds alternated in
+  // L2 and L3 (one thread) and 0.99–1.05× from memory (two threads; Zen 5, two builds alternated in
   // one process). Float32 rows as they lie gained 1.05× in L2 and L3 but lost 0.97× from memory,
   // and float16 ones lost 0.90× (GCC's code for their conversions), so they keep the general loop.
   size_t paired = 0;
