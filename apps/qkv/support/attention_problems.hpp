@@ -289,14 +289,15 @@ enum class Magnitude { none, terms, sums, exposure };
 // attention_tolerance for what they bound): Magnitude::terms sums the absolute values of the
 // gradients' terms (|P dO|, |dS k|, |dS q|, |dS|, with dS as |P (dP − D)|); Magnitude::sums sums
 // the absolute values of everything any sum adds, dP and D apart (out Σ P|v|, lse the terms of the
-// row's largest score, scale·Σ|q k| + |bias| + ALiBi's, plus |log z|, dS P (Σ|dO v| + Σ|dO| out)); Magnitude::exposure
-// gives how far each result moves under independent errors of the scores of the sizes `errors` gives, as root sums of
-// squares (out_d sqrt(Σ_j (P_j w_j (v_jd − out_d))², a sink a term with v = 0; lse the row's largest error; dS P w |dP
-// − D| + P Σ_d |dO_d| out_d, and through a softcap dX that times sech² plus the slope's own move, 2|tanh|·sech²/c times
-// |dS| and the product's error; w_j as attention_tolerance derives it). Pair j's score errs by σ_j =
-// sqrt((sech²_j·errors.products)² + errors.scores²): its product's error through the cap, and the scores' own. The
-// variants (grouped heads, window, alignment, softcap, ALiBi, sinks, dropout, packed sequences) as
-// include/qkv/ops/attention.hpp defines them.
+// row's largest score, scale·Σ|q k| + |bias| + ALiBi's, plus |log z|, dS P (Σ|dO v| + Σ|dO| out));
+// Magnitude::exposure gives how far each result moves under independent errors of the scores of the
+// sizes `errors` gives, as root sums of squares (out_d sqrt(Σ_j (P_j w_j (v_jd − out_d))², a sink a
+// term with v = 0; lse the row's largest error; dS P w |dP − D| + P Σ_d |dO_d| out_d, and through a
+// softcap dX that times sech² plus the slope's own move, 2|tanh|·sech²/c times |dS| and the
+// product's error; w_j as attention_tolerance derives it). Pair j's score errs by
+// σ_j = sqrt((sech²_j·errors.products)² + errors.scores²): its product's error through the cap, and
+// the scores' own. The variants (grouped heads, window, alignment, softcap, ALiBi, sinks, dropout,
+// packed sequences) as include/qkv/ops/attention.hpp defines them.
 template <class T>
 NaiveAttention<T> naive_attention(const AttentionProblem& p, const Tensor<double>& dout_d,
                                   Magnitude magnitude = Magnitude::none, NaiveOrder order = NaiveOrder::forward,
