@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "attention_amx.hpp"
+#include "qkv/core/storage.hpp"
 
 namespace qkv::amx::tiles {
 
@@ -245,13 +246,6 @@ QKV_AMX_TARGET void AddValues(const uint16_t* const* values, size_t nk, size_t d
 // of their instructions when qkv ships, so a fault that the model does not share (an operand's
 // layout, the order of an instruction's operands) turns them off for vdpbf16ps rather than giving
 // wrong attention. Empty where every value matches, else the first that does not.
-inline uint16_t Bf16OfInteger(int n) {
-  const float x = static_cast<float>(n);
-  uint32_t bits;
-  std::memcpy(&bits, &x, sizeof bits);
-  return static_cast<uint16_t>(bits >> 16);
-}
-
 inline std::string Mismatch(const char* what, const char* row_name, size_t row, const char* column_name, size_t column,
                             float got, int64_t want) {
   std::ostringstream out;
@@ -263,6 +257,8 @@ inline std::string Mismatch(const char* what, const char* row_name, size_t row, 
 template <class Tiles>
 std::string CheckTiles() {
   Scratch s;
+  // Small integers, exact in bfloat16.
+  const auto bf16 = [](int n) { return bfloat16_from_float(static_cast<float>(n)); };
   const auto key = [](size_t j, size_t c) { return static_cast<int>((3 * j + 5 * c) % 7) - 3; };
   const auto query = [](size_t i, size_t c) { return static_cast<int>((5 * i + 3 * c + 1) % 5) - 2; };
   struct ScoreShape {
@@ -272,12 +268,12 @@ std::string CheckTiles() {
     std::vector<uint16_t> k(c.nk * c.dk);
     std::vector<const uint16_t*> keys(c.nk);
     for (size_t j = 0; j < c.nk; ++j) {
-      for (size_t e = 0; e < c.dk; ++e) k[j * c.dk + e] = Bf16OfInteger(key(j, e));
+      for (size_t e = 0; e < c.dk; ++e) k[j * c.dk + e] = bf16(key(j, e));
       keys[j] = k.data() + j * c.dk;
     }
     std::vector<uint32_t> qt(RoundUpToTile((c.dk + 1) / 2) * c.ld, 0);
     for (size_t i = 0; i < c.ld; ++i) {
-      for (size_t e = 0; e < c.dk; ++e) qt[e / 2 * c.ld + i] |= uint32_t{Bf16OfInteger(query(i, e))} << (e % 2 * 16);
+      for (size_t e = 0; e < c.dk; ++e) qt[e / 2 * c.ld + i] |= uint32_t{bf16(query(i, e))} << (e % 2 * 16);
     }
     std::vector<float> st(RoundUpToTile(c.nk) * c.ld);
     Scores<Tiles>(keys.data(), c.nk, c.dk, qt.data(), c.ld, st.data(), s);
@@ -297,12 +293,12 @@ std::string CheckTiles() {
   std::vector<uint16_t> v(kNk * kDv);
   std::vector<const uint16_t*> values(kNk);
   for (size_t j = 0; j < kNk; ++j) {
-    for (size_t c = 0; c < kDv; ++c) v[j * kDv + c] = Bf16OfInteger(value(j, c));
+    for (size_t c = 0; c < kDv; ++c) v[j * kDv + c] = bf16(value(j, c));
     values[j] = v.data() + j * kDv;
   }
   std::vector<uint32_t> pp(RoundUpToTile((kNk + 1) / 2) * kLd, 0);
   for (size_t j = 0; j < kNk; ++j) {
-    for (size_t i = 0; i < kLd; ++i) pp[j / 2 * kLd + i] |= uint32_t{Bf16OfInteger(weight(j, i))} << (j % 2 * 16);
+    for (size_t i = 0; i < kLd; ++i) pp[j / 2 * kLd + i] |= uint32_t{bf16(weight(j, i))} << (j % 2 * 16);
   }
   std::vector<float> acc(kDv * kLd);
   for (size_t c = 0; c < kDv; ++c) {
