@@ -1245,7 +1245,13 @@ struct ForwardScratch {
   // With bf16 products: Qᵀ, Pᵀ and V in pairs of bfloat16 (32-bit words), and the rows they read.
   Buffer<uint32_t> qt_pairs;  // [⌈Dk/2⌉ rounded up to 16][Br]
   Buffer<uint32_t> p_pairs;   // [Bc/2 rounded up to 16][Br]
-  Buffer<uint32_t> v_pairs;   // [Bc/2][Dv]     none on AMX's tiles, which keep their own Vᵀ
+  // V in pairs for every key block of one kv head, none on AMX's tiles (which keep their own Vᵀ):
+  // the blocks that start on a multiple of Bc are packed by the first query block that reads them
+  // and kept for the others, slot j0 / Bc holding v_pairs_keys[slot] keys (0: none yet) of head
+  // v_pairs_head; the last slot takes the blocks that start elsewhere.
+  Buffer<uint32_t> v_pairs;  // [⌈Tk/Bc⌉ + 1][Bc/2][Dv]
+  std::vector<size_t> v_pairs_keys;
+  std::pair<int64_t, int64_t> v_pairs_head{-1, -1};
   Bf16RowTable Bf16Rows;
 
   ForwardScratch(size_t dk, size_t dv, size_t dv_pad, const Inputs<T>& in)
@@ -1268,7 +1274,10 @@ struct ForwardScratch {
         v_stage(Allocate<T>(in.v_stored ? kKeyBlock * dv : 0)),
         qt_pairs(Allocate<uint32_t>(bf16_scores ? amx::RoundUpToTile(DivCeil(dk, 2)) * kQueryBlock : 0)),
         p_pairs(Allocate<uint32_t>(bf16_values ? amx::RoundUpToTile(kKeyBlock / 2) * kQueryBlock : 0)),
-        v_pairs(Allocate<uint32_t>(bf16_values && !amx::available() ? kKeyBlock / 2 * dv : 0)) {}
+        v_pairs(Allocate<uint32_t>(bf16_values && !amx::available() ? ValuePairSlots(in) * kKeyBlock / 2 * dv : 0)),
+        v_pairs_keys(bf16_values && !amx::available() ? ValuePairSlots(in) : 0) {}
+
+  static size_t ValuePairSlots(const Inputs<T>& in) { return DivCeil(ToSize(in.tk), kKeyBlock) + 1; }
 
   // o(i, c): the unnormalised output of query i of the block, column c.
   T output(size_t i, size_t c) const { return acc[c * kQueryBlock + i]; }
@@ -2288,8 +2297,18 @@ void Bf16AddValues(const Inputs<T>& in, int64_t b, int64_t hk, int64_t j0, size_
       amx::add_values(values, nk, dv, s.p_pairs.get(), ld, s.acc.get(), kQueryBlock);
       return;
     }
-    bf16::pack_values(values, nk, dv, s.v_pairs.get());
-    bf16::add_values(s.v_pairs.get(), DivCeil(nk, 2), dv, s.p_pairs.get(), ld, s.acc.get(), kQueryBlock);
+    if (s.v_pairs_head != std::pair{b, hk}) {
+      std::fill(s.v_pairs_keys.begin(), s.v_pairs_keys.end(), 0);
+      s.v_pairs_head = {b, hk};
+    }
+    const size_t last = s.v_pairs_keys.size() - 1;
+    const size_t slot = j0 % static_cast<int64_t>(kKeyBlock) == 0 ? ToSize(j0) / kKeyBlock : last;
+    uint32_t* pairs = s.v_pairs.get() + slot * (kKeyBlock / 2) * dv;
+    if (slot == last || s.v_pairs_keys[slot] != nk) {
+      bf16::pack_values(values, nk, dv, pairs);
+      if (slot != last) s.v_pairs_keys[slot] = nk;
+    }
+    bf16::add_values(pairs, DivCeil(nk, 2), dv, s.p_pairs.get(), ld, s.acc.get(), kQueryBlock);
   }
 }
 

@@ -272,7 +272,7 @@ void add_masked_and_grouped(std::vector<std::pair<std::string, Problem>>& proble
 }
 
 // The bf16 dot product's own checks, beyond the cases above: every size class of its tiles (d = 1,
-// odd depths, key blocks and query vectors cut short), causality, a fully masked row, grouped heads
+// odd depths, key blocks and query vectors cut short), causality, a window, a fully masked row, grouped heads
 // and a KvCache's pages' worth of keys; out within the bfloat16 rule on every AVX-512 target,
 // the same bits for any thread count, and not the float32 kernel's (the weights were rounded).
 TEST(AttentionStored, Bf16ProductsRoundOnlyTheWeights) {
@@ -289,6 +289,12 @@ TEST(AttentionStored, Bf16ProductsRoundOnlyTheWeights) {
         fmt::format("B={} H={} Tq={} Tk={} Dk={} Dv={}{}", c.b, c.h, c.tq, c.tk, c.dk, c.dv, c.causal ? " causal" : ""),
         random_problem(c, seed++));
   }
+  // V's pairs are kept for the key blocks that start on a multiple of the block: a window starts
+  // some query blocks' keys elsewhere, and the causal case above (Tq < Tk) reads one kept block with
+  // fewer keys for its first query block than for its last.
+  Problem windowed = random_problem({1, 2, 200, 200, 64, 48}, seed++);
+  windowed.window = AttentionWindow{.left = 70, .right = 10};
+  problems.emplace_back("window (70, 10)", windowed);
   add_masked_and_grouped(problems, seed);
   for (auto& [label, p] : problems) {
     SCOPED_TRACE(label);
