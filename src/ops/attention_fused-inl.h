@@ -1249,7 +1249,7 @@ struct ForwardScratch {
   // the blocks that start on a multiple of Bc are packed by the first query block that reads them
   // and kept for the others, slot j0 / Bc holding v_pairs_keys[slot] keys (0: none yet) of head
   // v_pairs_head; the last slot takes the blocks that start elsewhere.
-  Buffer<uint32_t> v_pairs;  // [⌈Tk/Bc⌉ + 1][Bc/2][Dv]
+  Buffer<uint32_t> v_pairs;  // [ValuePairSlots][Bc/2][Dv]
   std::vector<size_t> v_pairs_keys;
   std::pair<int64_t, int64_t> v_pairs_head{-1, -1};
   Bf16RowTable Bf16Rows;
@@ -1277,7 +1277,12 @@ struct ForwardScratch {
         v_pairs(Allocate<uint32_t>(bf16_values && !amx::available() ? ValuePairSlots(in) * kKeyBlock / 2 * dv : 0)),
         v_pairs_keys(bf16_values && !amx::available() ? ValuePairSlots(in) : 0) {}
 
-  static size_t ValuePairSlots(const Inputs<T>& in) { return DivCeil(ToSize(in.tk), kKeyBlock) + 1; }
+  // One slot where every block holds at most kFewQueries queries: decode's blocks take the few-query
+  // layout and never reach the pairs (only dropout brings them there), so keeping a whole head's
+  // pairs would only add an allocation the size of its V to every decode step.
+  static size_t ValuePairSlots(const Inputs<T>& in) {
+    return in.tq > static_cast<int64_t>(kFewQueries) ? DivCeil(ToSize(in.tk), kKeyBlock) + 1 : 1;
+  }
 
   // o(i, c): the unnormalised output of query i of the block, column c.
   T output(size_t i, size_t c) const { return acc[c * kQueryBlock + i]; }
@@ -2302,11 +2307,12 @@ void Bf16AddValues(const Inputs<T>& in, int64_t b, int64_t hk, int64_t j0, size_
       s.v_pairs_head = {b, hk};
     }
     const size_t last = s.v_pairs_keys.size() - 1;
-    const size_t slot = j0 % static_cast<int64_t>(kKeyBlock) == 0 ? ToSize(j0) / kKeyBlock : last;
+    const size_t slot = j0 % static_cast<int64_t>(kKeyBlock) == 0 ? std::min(ToSize(j0) / kKeyBlock, last) : last;
+    const bool kept = slot != last;
     uint32_t* pairs = s.v_pairs.get() + slot * (kKeyBlock / 2) * dv;
-    if (slot == last || s.v_pairs_keys[slot] != nk) {
+    if (!kept || s.v_pairs_keys[slot] != nk) {
       bf16::pack_values(values, nk, dv, pairs);
-      if (slot != last) s.v_pairs_keys[slot] = nk;
+      if (kept) s.v_pairs_keys[slot] = nk;
     }
     bf16::add_values(pairs, DivCeil(nk, 2), dv, s.p_pairs.get(), ld, s.acc.get(), kQueryBlock);
   }
